@@ -1,0 +1,223 @@
+"""The worker contract: who a rank is and where the job meets, as environment variables.
+
+Launchers call :func:`assign_ranks` (pure: hosts in rank order -> identities) and :func:`worker_env`
+(pure: job + identity -> ``dict[str, str]``); workers call :func:`read_contract`. The parent's
+``os.environ`` is never mutated.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from phalanx.env import names as N
+from phalanx.errors import WorkerContractError
+
+DEFAULT_START_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who one rank is, by Horovod's definitions.
+
+    Attributes:
+        rank: global rank, 0..size-1.
+        size: number of ranks in the job.
+        local_rank: index of this rank among the ranks on its host.
+        local_size: number of ranks on this rank's host.
+        cross_rank: index of this rank among the ranks with the same ``local_rank`` (host order).
+        cross_size: number of ranks with the same ``local_rank``.
+        host_rank: index of this rank's host among the job's hosts (torch's GROUP_RANK).
+        host_count: number of hosts (torch's GROUP_WORLD_SIZE).
+        hostname: the host this rank runs on, as the launcher named it.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    host_rank: int
+    host_count: int
+    hostname: str
+
+
+@dataclass(frozen=True)
+class JobContract:
+    """Where a job meets: the same for every rank.
+
+    Attributes:
+        run_id: unique id of this job (also ``TORCHELASTIC_RUN_ID``).
+        master_addr: host of the torch.distributed TCPStore.
+        master_port: port of the TCPStore.
+        channel: ``host:port`` of the driver's channel.
+        secret: hex per-job secret that authenticates workers on the channel.
+        start_timeout_s: seconds a rank may take to start and reach the channel.
+        restart_count: how many times the world has been re-formed (elastic); 0 for a plain job.
+    """
+
+    run_id: str
+    master_addr: str
+    master_port: int
+    channel: str
+    secret: str
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    restart_count: int = 0
+
+
+def assign_ranks(hosts: Sequence[str]) -> list[RankIdentity]:
+    """Compute every rank's identity from the host each rank runs on.
+
+    Args:
+        hosts: ``hosts[r]`` is the host of rank ``r``. Ranks of one host need not be contiguous.
+
+    Returns:
+        One :class:`RankIdentity` per rank, in rank order. Hosts are ordered by their first rank.
+    """
+    host_order: list[str] = list(dict.fromkeys(hosts))
+    local_rank: list[int] = []
+    per_host: dict[str, int] = {}
+    for host in hosts:
+        local_rank.append(per_host.get(host, 0))
+        per_host[host] = local_rank[-1] + 1
+    per_local: dict[int, int] = {}
+    cross_rank: list[int] = []
+    for lr in local_rank:
+        cross_rank.append(per_local.get(lr, 0))
+        per_local[lr] = cross_rank[-1] + 1
+    return [
+        RankIdentity(
+            rank=r,
+            size=len(hosts),
+            local_rank=local_rank[r],
+            local_size=per_host[host],
+            cross_rank=cross_rank[r],
+            cross_size=per_local[local_rank[r]],
+            host_rank=host_order.index(host),
+            host_count=len(host_order),
+            hostname=host,
+        )
+        for r, host in enumerate(hosts)
+    ]
+
+
+def _torch_vars(job: JobContract, who: RankIdentity) -> dict[str, str]:
+    return {
+        N.RANK: str(who.rank),
+        N.WORLD_SIZE: str(who.size),
+        N.LOCAL_RANK: str(who.local_rank),
+        N.LOCAL_WORLD_SIZE: str(who.local_size),
+        N.GROUP_RANK: str(who.host_rank),
+        N.GROUP_WORLD_SIZE: str(who.host_count),
+        N.ROLE_RANK: str(who.rank),
+        N.ROLE_WORLD_SIZE: str(who.size),
+        N.MASTER_ADDR: job.master_addr,
+        N.MASTER_PORT: str(job.master_port),
+        N.TORCHELASTIC_RUN_ID: job.run_id,
+        N.TORCHELASTIC_RESTART_COUNT: str(job.restart_count),
+        N.TORCHELASTIC_MAX_RESTARTS: "0",
+        # The driver hosts the TCPStore (as torchrun's agent does), so every rank connects as a client
+        # and no port is probed, released and hoped for.
+        N.TORCHELASTIC_USE_AGENT_STORE: "True",
+    }
+
+
+def _horovod_vars(who: RankIdentity) -> dict[str, str]:
+    return {
+        N.HOROVOD_RANK: str(who.rank),
+        N.HOROVOD_SIZE: str(who.size),
+        N.HOROVOD_LOCAL_RANK: str(who.local_rank),
+        N.HOROVOD_LOCAL_SIZE: str(who.local_size),
+        N.HOROVOD_CROSS_RANK: str(who.cross_rank),
+        N.HOROVOD_CROSS_SIZE: str(who.cross_size),
+        N.HOROVOD_HOSTNAME: who.hostname,
+    }
+
+
+def worker_env(job: JobContract, who: RankIdentity) -> dict[str, str]:
+    """The contract variables of one rank (to be laid over the base environment by the launcher).
+
+    Args:
+        job: what every rank shares.
+        who: this rank's identity.
+
+    Returns:
+        A new dict of variable name to value; the caller's environment is not touched.
+    """
+    env = _torch_vars(job, who)
+    env.update(_horovod_vars(who))
+    env.update(
+        {
+            N.PHALANX_RUN_ID: job.run_id,
+            N.PHALANX_CHANNEL: job.channel,
+            N.PHALANX_SECRET: job.secret,
+            N.PHALANX_START_TIMEOUT_S: repr(float(job.start_timeout_s)),
+            N.PYTHONUNBUFFERED: "1",
+        }
+    )
+    return env
+
+
+def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contract: Mapping[str, str]) -> dict[str, str]:
+    """Lay the user's variables, then the contract, over a base environment.
+
+    The contract wins over the user's variables (a user cannot break rank assignment by accident), except
+    ``PYTHONUNBUFFERED`` which a user may set explicitly.
+    """
+    env = dict(base)
+    env.update(user or {})
+    for key, value in contract.items():
+        if key == N.PYTHONUNBUFFERED and user and key in user:
+            continue
+        env[key] = value
+    return env
+
+
+@dataclass(frozen=True)
+class WorkerContract:
+    """What a worker process reads back from its environment."""
+
+    identity: RankIdentity
+    job: JobContract
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    raw = environ.get(name)
+    if raw is None:
+        raise WorkerContractError(f"{name} is not set; this process was not started by a phalanx launcher")
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise WorkerContractError(f"{name}={raw!r} is not an integer") from e
+
+
+def read_contract(environ: Mapping[str, str] | None = None) -> WorkerContract:
+    """Parse the worker contract from an environment.
+
+    Raises:
+        WorkerContractError: a variable is missing or malformed (the message names it).
+    """
+    env = os.environ if environ is None else environ
+    identity = RankIdentity(
+        rank=_int(env, N.RANK),
+        size=_int(env, N.WORLD_SIZE),
+        local_rank=_int(env, N.LOCAL_RANK),
+        local_size=_int(env, N.LOCAL_WORLD_SIZE),
+        cross_rank=_int(env, N.HOROVOD_CROSS_RANK),
+        cross_size=_int(env, N.HOROVOD_CROSS_SIZE),
+        host_rank=_int(env, N.GROUP_RANK),
+        host_count=_int(env, N.GROUP_WORLD_SIZE),
+        hostname=env.get(N.HOROVOD_HOSTNAME, ""),
+    )
+    job = JobContract(
+        run_id=env.get(N.PHALANX_RUN_ID, ""),
+        master_addr=env.get(N.MASTER_ADDR, ""),
+        master_port=_int(env, N.MASTER_PORT),
+        channel=env.get(N.PHALANX_CHANNEL, ""),
+        secret=env.get(N.PHALANX_SECRET, ""),
+        start_timeout_s=float(env.get(N.PHALANX_START_TIMEOUT_S, DEFAULT_START_TIMEOUT_S)),
+        restart_count=int(env.get(N.TORCHELASTIC_RESTART_COUNT, "0") or 0),
+    )
+    return WorkerContract(identity=identity, job=job)

@@ -1,0 +1,52 @@
+"""Every environment variable phalanx reads or writes, named once.
+
+Nothing else in the package spells a variable name: import the constant from here. The table in
+``phalanx.env`` (and ``docs/env.md``) documents each one.
+"""
+
+from __future__ import annotations
+
+# --- torch.distributed / torchrun names: init_process_group("env://"), DDP, FSDP, Lightning read these.
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ROLE_RANK = "ROLE_RANK"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+# --- Horovod names: horovod.torch reads these under horovodrun.
+HOROVOD_RANK = "HOROVOD_RANK"
+HOROVOD_SIZE = "HOROVOD_SIZE"
+HOROVOD_LOCAL_RANK = "HOROVOD_LOCAL_RANK"
+HOROVOD_LOCAL_SIZE = "HOROVOD_LOCAL_SIZE"
+HOROVOD_CROSS_RANK = "HOROVOD_CROSS_RANK"
+HOROVOD_CROSS_SIZE = "HOROVOD_CROSS_SIZE"
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+
+# --- Horovod knobs a user may set (read inside workers by phalanx.torch / phalanx.timeline).
+HOROVOD_START_TIMEOUT = "HOROVOD_START_TIMEOUT"
+HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
+HOROVOD_TIMELINE = "HOROVOD_TIMELINE"
+HOROVOD_TIMELINE_MARK_CYCLES = "HOROVOD_TIMELINE_MARK_CYCLES"
+HOROVOD_DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
+
+# --- phalanx's own worker contract.
+PHALANX_RUN_ID = "PHALANX_RUN_ID"
+PHALANX_CHANNEL = "PHALANX_CHANNEL"
+PHALANX_SECRET = "PHALANX_SECRET"
+PHALANX_START_TIMEOUT_S = "PHALANX_START_TIMEOUT_S"
+
+# --- phalanx knobs a user may set on the driver.
+PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"
+
+# --- Python runtime: workers stream their output line by line, so it must not be block-buffered.
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"

@@ -1,0 +1,147 @@
+"""Every exception phalanx raises.
+
+One base class, :class:`PhalanxError`. Subclasses also derive from the builtin a caller would expect
+(``ValueError`` for bad arguments, ``TimeoutError`` for waits that ran out, ``RuntimeError`` for failed
+workers), so ``except ValueError`` keeps working. Every class survives pickling, because errors travel
+from worker processes and Spark executors to the driver.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class PhalanxError(Exception):
+    """Base class of every phalanx exception."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exceptions pickle as ``cls(*self.args)``; keep that explicit so subclasses with keyword-only
+        # state can override it and so the rule is visible.
+        return (self.__class__, self.args)
+
+
+class InvalidArgumentError(PhalanxError, ValueError):
+    """An argument or setting has a value phalanx cannot use; the message names it and the fix."""
+
+
+class PayloadError(PhalanxError, TypeError):
+    """The function or its arguments cannot be serialized; the message names the offending object."""
+
+
+class StartTimeoutError(PhalanxError, TimeoutError):
+    """Some ranks did not start within the start timeout; the message names them and the knob."""
+
+
+class ChannelError(PhalanxError, ConnectionError):
+    """The driver/worker channel failed (connection lost, bad frame, authentication refused)."""
+
+
+class WorkerContractError(PhalanxError, RuntimeError):
+    """A worker's environment is missing or has malformed contract variables."""
+
+
+class JobAbortedError(PhalanxError, RuntimeError):
+    """The job was stopped by the driver (interrupt, or another rank's failure)."""
+
+
+def describe_exit(returncode: int) -> str:
+    """Describe a process return code as a person reads it.
+
+    Args:
+        returncode: ``Popen.returncode``: negative for death by a signal.
+
+    Returns:
+        ``"exit code 3"`` or ``"signal SIGKILL (9)"``.
+    """
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    signum = -returncode
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return f"signal {name} ({signum})"
+
+
+def shell_exit_code(returncode: int) -> int:
+    """Map a ``Popen.returncode`` to the exit code a shell reports (a signal N gives 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What went wrong on one rank.
+
+    Attributes:
+        rank: the global rank.
+        summary: one line: ``ZeroDivisionError: division by zero`` or ``killed by signal SIGKILL (9)``.
+        traceback: the remote traceback text (empty when the rank died without reporting one).
+        log_tail: the last lines the rank wrote, oldest first.
+        returncode: the process return code when known (negative: killed by that signal).
+        exc_type: qualified name of the exception type, when the rank raised one.
+        secondary: True when phalanx stopped the rank because another rank failed first.
+    """
+
+    rank: int
+    summary: str
+    traceback: str = ""
+    log_tail: tuple[str, ...] = field(default_factory=tuple)
+    returncode: int | None = None
+    exc_type: str | None = None
+    secondary: bool = False
+
+    def render(self, header: str) -> str:
+        """Render this failure as a block of the job error's message."""
+        lines = [f"{header}: rank {self.rank}: {self.summary}"]
+        if self.traceback:
+            lines.append("  Traceback from rank %d:" % self.rank)
+            lines.extend("    " + ln for ln in self.traceback.rstrip("\n").splitlines())
+        if self.log_tail:
+            lines.append(f"  Last {len(self.log_tail)} log lines of rank {self.rank}:")
+            lines.extend("    " + ln for ln in self.log_tail)
+        return "\n".join(lines)
+
+
+class WorkerFailedError(PhalanxError, RuntimeError):
+    """One or more ranks failed; the root cause (earliest failure) comes first.
+
+    Attributes:
+        failures: every failed rank, root cause first.
+        root_cause: ``failures[0]``.
+        exit_code: the shell exit code of the root-cause rank (``128 + N`` for signal N), 1 when it raised.
+    """
+
+    def __init__(self, failures: list[RankFailure] | tuple[RankFailure, ...]) -> None:
+        if not failures:
+            raise ValueError("WorkerFailedError needs at least one RankFailure")
+        self.failures: tuple[RankFailure, ...] = tuple(failures)
+        super().__init__(self._message())
+
+    @property
+    def root_cause(self) -> RankFailure:
+        """The earliest failure, which most likely caused the others."""
+        return self.failures[0]
+
+    @property
+    def exit_code(self) -> int:
+        """Exit code for a CLI: the root cause's shell exit code, or 1 when it raised an exception."""
+        rc = self.root_cause.returncode
+        if rc is None or rc == 0:
+            return 1
+        return shell_exit_code(rc)
+
+    def _message(self) -> str:
+        root = self.root_cause
+        ranks = ", ".join(str(f.rank) for f in self.failures)
+        blocks = [f"rank {root.rank} failed: {root.summary} (failed ranks: {ranks}; root cause first)"]
+        blocks.append(root.render("Root cause"))
+        blocks.extend(f.render("Also failed") for f in self.failures[1:] if not f.secondary)
+        stopped = [str(f.rank) for f in self.failures[1:] if f.secondary]
+        if stopped:
+            blocks.append(f"Stopped by phalanx after the root cause: rank(s) {', '.join(stopped)}")
+        return "\n".join(blocks)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, (self.failures,))
