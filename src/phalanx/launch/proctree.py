@@ -1,0 +1,102 @@
+"""Process trees on this host: find a process's descendants and stop them all.
+
+A worker may start its own children (a DataLoader's workers, a shell's commands) and some of them may
+leave the worker's process group with ``setsid``; so teardown signals the process group *and* every
+descendant found through ``/proc``. On systems without ``/proc`` only the process group is signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def _parent_and_state(pid: int) -> tuple[int, str] | None:
+    try:
+        raw = (_PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name may contain spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rfind(")") + 2 :].split()
+    return int(fields[1]), fields[0]
+
+
+def children_map() -> dict[int, list[int]]:
+    """Map every live pid to its direct children (empty when ``/proc`` is absent)."""
+    tree: dict[int, list[int]] = {}
+    if not _PROC.is_dir():
+        return tree
+    for entry in os.scandir(_PROC):
+        if not entry.name.isdigit():
+            continue
+        info = _parent_and_state(int(entry.name))
+        if info is not None:
+            tree.setdefault(info[0], []).append(int(entry.name))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (children first, then theirs), not including ``pid``."""
+    tree = children_map()
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        kids = tree.get(frontier.pop(), [])
+        found.extend(kids)
+        frontier.extend(kids)
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    info = _parent_and_state(pid)
+    if info is None:
+        return _PROC.is_dir() is False and _signal_probe(pid)
+    return info[1] != "Z"
+
+
+def _signal_probe(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def signal_all(pids: Iterable[int], pgids: Iterable[int], sig: int) -> None:
+    """Send ``sig`` to each process group and each pid, ignoring those already gone."""
+    for pgid in pgids:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def terminate_tree(root_pids: Iterable[int], grace_s: float) -> None:
+    """Stop processes, their process groups and all their descendants: SIGTERM, grace, then SIGKILL.
+
+    Each root is assumed to lead its own process group (started with ``start_new_session``).
+
+    Args:
+        root_pids: the processes the launcher started.
+        grace_s: seconds to wait after SIGTERM before SIGKILL.
+    """
+    roots = list(root_pids)
+    everyone = roots + [d for r in roots for d in descendants(r)]
+    signal_all(everyone, roots, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(is_alive(p) for p in everyone):
+        time.sleep(0.02)
+    # Late children (forked during the grace period) are found again before the final blow.
+    everyone += [d for r in roots for d in descendants(r)]
+    signal_all([p for p in everyone if is_alive(p)], roots, signal.SIGKILL)
