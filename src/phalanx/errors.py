@@ -46,6 +46,10 @@ class JobAbortedError(PhalanxError, RuntimeError):
     """The job was stopped by the driver (interrupt, or another rank's failure)."""
 
 
+class TimelineError(PhalanxError, OSError):
+    """The timeline cannot be written (the path's directory is missing or read-only) or read."""
+
+
 def describe_exit(returncode: int) -> str:
     """Describe a process return code as a person reads it.
 

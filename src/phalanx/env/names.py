@@ -37,6 +37,10 @@ HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
 HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
 HOROVOD_TIMELINE = "HOROVOD_TIMELINE"
 HOROVOD_TIMELINE_MARK_CYCLES = "HOROVOD_TIMELINE_MARK_CYCLES"
+# phalanx timeline knobs: "1" makes every rank write its own trace (path with a ".rankN" suffix) so a
+# straggler shows; the cap (MB, both rotation segments together) bounds the trace for long runs.
+PHALANX_TIMELINE_ALL_RANKS = "PHALANX_TIMELINE_ALL_RANKS"
+PHALANX_TIMELINE_MAX_MB = "PHALANX_TIMELINE_MAX_MB"
 HOROVOD_DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
 
 # --- phalanx's own worker contract.
