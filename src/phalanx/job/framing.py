@@ -1,0 +1,99 @@
+"""Length-prefixed frames on a stream socket.
+
+A frame is ``kind`` (1 byte) + ``length`` (8 bytes, big-endian) + ``length`` bytes of body. The reader is
+given a size limit per call, so an unauthenticated peer can never make the driver allocate more than a
+few bytes, and an authenticated one no more than the job's frame limit.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from enum import IntEnum
+
+from phalanx.errors import ChannelError
+
+_HEADER = struct.Struct(">BQ")
+#: Largest frame an authenticated peer may send (a result of a few GiB is better saved to a file).
+MAX_FRAME_BYTES = 4 << 30
+
+
+class Kind(IntEnum):
+    """Frame kinds. Driver -> worker: NONCE, PAYLOAD, ABORT. Worker -> driver: the others."""
+
+    NONCE = 1
+    AUTH = 2
+    HELLO = 3
+    PAYLOAD = 4
+    LOG = 5
+    RESULT = 6
+    ERROR = 7
+    ABORT = 8
+    EVENT = 9
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = n
+    while remaining:
+        chunk = sock.recv(min(remaining, 1 << 20))
+        if not chunk:
+            raise ChannelError(f"connection closed with {remaining} of {n} bytes still expected")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[Kind, bytes] | None:
+    """Read one frame.
+
+    Args:
+        sock: a connected stream socket.
+        limit: the largest body accepted, in bytes.
+
+    Returns:
+        ``(kind, body)``, or None when the peer closed the connection cleanly between frames.
+
+    Raises:
+        ChannelError: unknown kind, body over ``limit``, or a connection closed mid-frame.
+    """
+    first = sock.recv(1)
+    if not first:
+        return None
+    header = first + _recv_exact(sock, _HEADER.size - 1)
+    kind_raw, length = _HEADER.unpack(header)
+    try:
+        kind = Kind(kind_raw)
+    except ValueError as e:
+        raise ChannelError(f"unknown frame kind {kind_raw}") from e
+    if length > limit:
+        raise ChannelError(f"{kind.name} frame of {length} bytes is over the limit of {limit} bytes")
+    return kind, _recv_exact(sock, length)
+
+
+class FrameWriter:
+    """Writes whole frames to a socket; safe to share between threads."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+
+    def send(self, kind: Kind, body: bytes = b"") -> None:
+        """Send one frame (header and body are never interleaved with another thread's frame)."""
+        header = _HEADER.pack(int(kind), len(body))
+        with self._lock:
+            try:
+                self._sock.sendall(header + body if len(body) < 65536 else header)
+                if len(body) >= 65536:
+                    self._sock.sendall(body)
+            except OSError as e:
+                raise ChannelError(f"could not send a {kind.name} frame: {e}") from e
+
+    def close(self) -> None:
+        """Close the underlying socket (unblocks a reader in another thread)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()

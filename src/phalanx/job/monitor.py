@@ -1,0 +1,210 @@
+"""Watch a running job: route logs, collect results in rank order, decide failure.
+
+Launchers feed one queue with channel events and :class:`RankExit` events (posted once a rank's process
+has ended and its output is drained). The monitor runs in the caller's thread, so console writes happen
+there (notebook friendly) and a KeyboardInterrupt lands in it.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from phalanx.errors import PayloadError, RankFailure, StartTimeoutError, WorkerFailedError, describe_exit
+from phalanx.job.channel import Closed, Custom, Event, Result
+from phalanx.job.logs import LogSink, TailBuffer
+from phalanx.job.records import ErrorRecord, Hello, LogLine
+
+_POLL_S = 0.05
+#: Exit codes a worker uses when it was stopped on purpose (SIGTERM's shell code, and the watchdog's).
+_STOPPED_CODES = {-15, -9, 143, 137}
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's process ended and its output has been drained."""
+
+    rank: int
+    returncode: int
+
+
+@dataclass
+class _RankState:
+    hello: bool = False
+    exited: bool = False
+    returncode: int | None = None
+    result: bytes | None = None
+    error: ErrorRecord | None = None
+    failed_at: float | None = None
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """How to judge a job.
+
+    Attributes:
+        world_size: number of ranks.
+        expect_results: True for function jobs (a rank must send a result), False for commands.
+        expect_hello: True when each rank connects to the channel (function jobs).
+        start_timeout_s: seconds for every rank to say hello.
+        start_timeout_hint: the argument or variable that raises the start timeout, for the error.
+        stop_wait_s: after a failure, seconds to wait for the other ranks to go.
+    """
+
+    world_size: int
+    expect_results: bool
+    expect_hello: bool
+    start_timeout_s: float
+    start_timeout_hint: str
+    stop_wait_s: float = 10.0
+
+
+@dataclass
+class JobMonitor:
+    """Consumes a job's events until every rank is done or one failed."""
+
+    config: MonitorConfig
+    events: queue.Queue[Event | RankExit]
+    sinks: Sequence[LogSink]
+    stop_all: Callable[[], None]
+    on_custom: Callable[[Custom], None] | None = None
+    tail: TailBuffer = field(default_factory=TailBuffer)
+    _ranks: list[_RankState] = field(init=False)
+    _stopped_at: float | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self._ranks = [_RankState() for _ in range(self.config.world_size)]
+
+    def run(self) -> list[Any]:
+        """Block until the job ends; return each rank's value in rank order.
+
+        Raises:
+            WorkerFailedError: a rank raised, exited non-zero or died by a signal.
+            StartTimeoutError: some ranks did not start within the start timeout.
+        """
+        started = time.monotonic()
+        while not all(r.exited for r in self._ranks):
+            self._drain(timeout=_POLL_S)
+            self._check_start(started)
+            if self._stopped_at is not None and time.monotonic() - self._stopped_at > self.config.stop_wait_s:
+                break
+        self._flush()
+        failures = self._failures()
+        if failures:
+            raise WorkerFailedError(failures)
+        return [self._load(rank, state) for rank, state in enumerate(self._ranks)]
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            self._flush()
+            return
+        self._handle(event)
+        for _ in range(10000):
+            try:
+                self._handle(self.events.get_nowait())
+            except queue.Empty:
+                break
+        self._flush()
+
+    def _handle(self, event: Event | RankExit) -> None:
+        if isinstance(event, LogLine):
+            for sink in self.sinks:
+                sink.write(event)
+            self.tail.write(event)
+            return
+        state = self._ranks[event.rank]
+        if isinstance(event, Hello):
+            state.hello = True
+        elif isinstance(event, Result):
+            state.result = event.value
+        elif isinstance(event, ErrorRecord):
+            state.error = event
+            self._fail(state)
+        elif isinstance(event, RankExit):
+            self._exited(state, event.returncode)
+        elif isinstance(event, Custom) and self.on_custom is not None:
+            self.on_custom(event)
+        elif isinstance(event, Closed):
+            pass
+
+    def _exited(self, state: _RankState, returncode: int) -> None:
+        state.exited = True
+        state.returncode = returncode
+        if returncode != 0 or (self.config.expect_results and state.result is None):
+            self._fail(state)
+
+    def _fail(self, state: _RankState) -> None:
+        if state.failed_at is None:
+            state.failed_at = time.monotonic()
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
+            self.stop_all()
+
+    def _check_start(self, started: float) -> None:
+        if not self.config.expect_hello or self._stopped_at is not None:
+            return
+        if time.monotonic() - started <= self.config.start_timeout_s:
+            return
+        missing = [r for r, s in enumerate(self._ranks) if not s.hello and not s.exited]
+        if not missing:
+            return
+        self._stopped_at = time.monotonic()
+        self.stop_all()
+        raise StartTimeoutError(
+            f"rank(s) {', '.join(map(str, missing))} of {self.config.world_size} did not start within "
+            f"{self.config.start_timeout_s:g} s; raise {self.config.start_timeout_hint} if the workers "
+            "need longer to start (slow imports, busy machine)"
+        )
+
+    def _flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def _failures(self) -> list[RankFailure]:
+        failed = [(r, s) for r, s in enumerate(self._ranks) if s.failed_at is not None]
+        failed.sort(key=lambda item: (item[1].failed_at or 0.0, item[0]))
+        stop = failed[0][1].failed_at if failed else None
+        out = [self._describe(r, s, secondary=False) for r, s in failed[:1]]
+        out += [self._describe(r, s, secondary=self._was_stopped(s, stop)) for r, s in failed[1:]]
+        return out
+
+    @staticmethod
+    def _was_stopped(state: _RankState, stop: float | None) -> bool:
+        return state.error is None and state.returncode in _STOPPED_CODES and stop is not None
+
+    def _describe(self, rank: int, state: _RankState, secondary: bool) -> RankFailure:
+        rc = state.returncode
+        if state.error is not None:
+            summary = state.error.summary
+        elif rc is not None and rc != 0:
+            summary = f"process ended with {describe_exit(rc)}"
+        else:
+            summary = "process exited with code 0 without reporting a result (did it call os._exit?)"
+        return RankFailure(
+            rank=rank,
+            summary=summary,
+            traceback=state.error.traceback if state.error else "",
+            log_tail=self.tail.tail(rank),
+            returncode=rc,
+            exc_type=state.error.exc_type if state.error else None,
+            secondary=secondary,
+        )
+
+    @staticmethod
+    def _load(rank: int, state: _RankState) -> Any:
+        if state.result is None:
+            return None
+        try:
+            return cloudpickle.loads(state.result)
+        except Exception as e:
+            raise PayloadError(
+                f"rank {rank}'s return value cannot be unpickled on the driver: {type(e).__name__}: {e}. "
+                "Return plain Python objects or tensors; types defined only on the workers cannot be loaded."
+            ) from e

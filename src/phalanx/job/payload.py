@@ -1,0 +1,123 @@
+"""Serialize the user's function and arguments on the driver, before any process starts.
+
+cloudpickle carries functions defined in ``__main__`` or a notebook cell by value. When something cannot
+be pickled, :func:`find_unpicklable` walks the function's closure, referenced globals, defaults and the
+arguments to name the object at fault (``fn closure variable 'lock' (a _thread.lock)``), because
+pickle's own message never says where the object sits.
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from phalanx.errors import PayloadError
+
+_MAX_DEPTH = 6
+
+
+@dataclass(frozen=True)
+class Call:
+    """A function call to run on every rank."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def dumps(obj: Any) -> bytes:
+    """cloudpickle ``obj`` at the highest protocol."""
+    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def serialize_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """Serialize a call, naming the offending object when that fails.
+
+    Raises:
+        PayloadError: something in ``fn``, ``args`` or ``kwargs`` cannot be pickled.
+    """
+    if not callable(fn):
+        raise PayloadError(f"fn must be callable; got {fn!r} of type {type(fn).__name__}")
+    try:
+        return dumps(Call(fn=fn, args=tuple(args), kwargs=dict(kwargs)))
+    except Exception as e:
+        roots = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
+        roots += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+        where = next((found for path, obj in roots if (found := find_unpicklable(obj, path))), None)
+        culprit = where or "the call"
+        raise PayloadError(
+            f"cannot send {culprit} to the workers: {type(e).__name__}: {e}. Everything the function "
+            "uses travels by cloudpickle: create such objects (locks, open files, sockets, Spark "
+            "contexts) inside the function instead of capturing them."
+        ) from e
+
+
+def load_call(data: bytes) -> Call:
+    """Inverse of :func:`serialize_call` (run on the worker)."""
+    call = cloudpickle.loads(data)
+    if not isinstance(call, Call):
+        raise PayloadError(f"payload holds a {type(call).__name__}, not a phalanx Call")
+    return call
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
+def _function_parts(fn: types.FunctionType) -> Iterator[tuple[str, Any]]:
+    code = fn.__code__
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            yield f"closure variable {name!r}", cell.cell_contents
+        except ValueError:
+            continue
+    for name in code.co_names:
+        if name in fn.__globals__:
+            yield f"global {name!r}", fn.__globals__[name]
+    for i, default in enumerate(fn.__defaults__ or ()):
+        yield f"default #{i}", default
+    for key, value in (fn.__kwdefaults__ or {}).items():
+        yield f"default {key!r}", value
+
+
+def _parts(obj: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, types.FunctionType):
+        yield from _function_parts(obj)
+    elif isinstance(obj, types.MethodType):
+        yield "__self__", obj.__self__
+        yield "__func__", obj.__func__
+    elif isinstance(obj, dict):
+        yield from ((f"[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, list | tuple | set | frozenset):
+        yield from ((f"[{i}]", v) for i, v in enumerate(obj))
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type | types.ModuleType):
+        yield from ((f".{k}", v) for k, v in vars(obj).items())
+
+
+def find_unpicklable(obj: Any, path: str, depth: int = 0) -> str | None:
+    """Return a description of the innermost unpicklable object inside ``obj``, or None if it pickles.
+
+    Args:
+        obj: the object to check.
+        path: how the user would name ``obj`` (``fn``, ``args[0]``).
+        depth: recursion depth (the walk stops at a fixed depth and blames the object reached).
+    """
+    if _picklable(obj):
+        return None
+    if depth < _MAX_DEPTH:
+        for label, part in _parts(obj):
+            sep = " " if label[0] not in "[." else ""
+            found = find_unpicklable(part, f"{path}{sep}{label}", depth + 1)
+            if found:
+                return found
+    kind = type(obj)
+    return f"{path} (a {kind.__module__}.{kind.__qualname__})"

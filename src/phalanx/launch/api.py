@@ -1,0 +1,149 @@
+"""Public entry points of the local launcher: ``phalanx.run`` and the validation shared with the CLI."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from phalanx.env import DEFAULT_START_TIMEOUT_S
+from phalanx.env import names as N
+from phalanx.errors import InvalidArgumentError
+from phalanx.job.payload import serialize_call
+from phalanx.launch.local import LocalJobSpec, LocalLauncher
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+class Launcher(Protocol):
+    """The seam every launcher implements: run one job, return per-rank values in rank order."""
+
+    def run(self) -> list[Any]:
+        """Run the job; raise a :class:`phalanx.errors.PhalanxError` subclass on failure."""
+
+
+def validate_np(np: object, name: str = "np") -> int:
+    """Check a process count.
+
+    Raises:
+        InvalidArgumentError: not an int, or not positive.
+    """
+    if isinstance(np, bool) or not isinstance(np, int):
+        raise InvalidArgumentError(f"{name} must be a positive int; got {np!r} of type {type(np).__name__}")
+    if np <= 0:
+        raise InvalidArgumentError(f"{name} must be a positive int (the number of ranks); got {np}")
+    return np
+
+
+def resolve_start_timeout(start_timeout: float | None, environ: Mapping[str, str] | None = None) -> float:
+    """The start timeout in seconds: the argument, else ``HOROVOD_START_TIMEOUT``, else 30.
+
+    Raises:
+        InvalidArgumentError: not a positive number.
+    """
+    env = os.environ if environ is None else environ
+    raw: object = start_timeout if start_timeout is not None else env.get(N.HOROVOD_START_TIMEOUT)
+    if raw is None:
+        return DEFAULT_START_TIMEOUT_S
+    try:
+        value = float(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise InvalidArgumentError(f"start_timeout must be a number of seconds; got {raw!r}") from e
+    if value <= 0:
+        raise InvalidArgumentError(f"start_timeout must be positive (seconds); got {value:g}")
+    return value
+
+
+def validate_env(env: Mapping[str, object] | None) -> dict[str, str]:
+    """Check the user's extra environment: string names and string values.
+
+    Raises:
+        InvalidArgumentError: a name or value is not a string.
+    """
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise InvalidArgumentError(f"env must be a dict of str to str; got {type(env).__name__}")
+    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise InvalidArgumentError(f"env must map str to str; these entries are not strings: {bad!r}")
+    return dict(env)  # type: ignore[arg-type]
+
+
+def validate_hosts(hosts: str | None, np: int) -> None:
+    """Accept only this host (``localhost:N``); other hosts need ``phalanx.spark``.
+
+    Raises:
+        InvalidArgumentError: a remote host, or fewer slots than ``np``.
+    """
+    if hosts is None:
+        return
+    slots = 0
+    for item in hosts.split(","):
+        host, _, count = item.strip().partition(":")
+        if host not in _LOCAL_HOSTS:
+            raise InvalidArgumentError(
+                f"hosts={hosts!r} names {host!r}; phalanx.run and phalanxrun start ranks on this machine only "
+                "(use localhost:N), and phalanx.spark for several machines"
+            )
+        slots += int(count) if count.isdigit() else 1
+    if slots < np:
+        raise InvalidArgumentError(f"hosts={hosts!r} has {slots} slot(s) but np={np}; give localhost:{np}")
+
+
+def run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    np: int = 1,
+    *,
+    hosts: str | None = None,
+    env: Mapping[str, str] | None = None,
+    start_timeout: float | None = None,
+    output_filename: str | None = None,
+    prefix_output: bool = True,
+    verbose: bool = False,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``np`` local processes; the contract of ``horovod.run``.
+
+    Every rank is a fresh interpreter with the worker contract in its environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``... and ``HOROVOD_*``), so ``hvd.init()`` and
+    ``torch.distributed.init_process_group("gloo")`` work unchanged. Output is streamed live, prefixed
+    ``[rank]<stdout>:``.
+
+    Args:
+        fn: the function; it and its arguments travel by cloudpickle (``__main__`` functions work).
+        args: positional arguments for ``fn``.
+        kwargs: keyword arguments for ``fn``.
+        np: number of ranks (> 0).
+        hosts: ``"localhost:N"`` (accepted for horovod.run compatibility; other hosts are refused).
+        env: extra environment variables for every rank.
+        start_timeout: seconds every rank has to start (default: ``HOROVOD_START_TIMEOUT`` or 30).
+        output_filename: also keep each rank's output in ``DIR/rank.N/{stdout,stderr}``.
+        prefix_output: prefix each output line with ``[rank]<stream>:`` (default True).
+        verbose: log the launcher's steps at INFO level.
+
+    Returns:
+        Every rank's return value, in rank order.
+
+    Raises:
+        InvalidArgumentError: a bad argument (checked before any process starts).
+        PayloadError: ``fn`` or an argument cannot be pickled (the message names the object).
+        WorkerFailedError: a rank failed; the root-cause rank, its traceback and log tail come first.
+        StartTimeoutError: ranks did not start in time; the message names them.
+    """
+    np = validate_np(np)
+    validate_hosts(hosts, np)
+    spec = LocalJobSpec(
+        np=np,
+        payload=serialize_call(fn, tuple(args), dict(kwargs or {})),
+        env=validate_env(env),
+        start_timeout_s=resolve_start_timeout(start_timeout),
+        start_timeout_hint="start_timeout= (or the HOROVOD_START_TIMEOUT variable)",
+        prefix=prefix_output,
+        output_dir=output_filename,
+    )
+    if verbose:
+        logging.getLogger("phalanx").setLevel(logging.DEBUG)
+    return LocalLauncher(spec).run()

@@ -1,0 +1,171 @@
+"""Run N ranks as child processes of this host.
+
+Each rank is a fresh interpreter (or the user's command) in its own session and process group, with
+stdout/stderr on pipes read line by line. On the first failure, on a start timeout and on Ctrl-C every
+rank's whole process tree is stopped (SIGTERM, grace, SIGKILL) before the error is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
+from phalanx.env import names as N
+from phalanx.errors import PhalanxError
+from phalanx.job.channel import DriverChannel
+from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
+from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.records import Stream
+from phalanx.launch.proctree import terminate_tree
+from phalanx.launch.rendezvous import RendezvousStore
+
+log = logging.getLogger(__name__)
+
+#: Seconds a rank's output pipes and channel may stay open after its process ended (a grandchild that
+#: inherited the pipe keeps it open) before the rank is judged on what arrived.
+DRAIN_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class LocalJobSpec:
+    """Everything a local job needs; validated by the public entry points before construction.
+
+    Attributes:
+        np: number of ranks.
+        payload: serialized call for a function job; empty for a command job.
+        command: the command each rank runs; None for a function job.
+        env: extra variables for every rank (the contract wins on conflicts).
+        start_timeout_s: seconds every rank has to reach the channel (function jobs).
+        start_timeout_hint: the knob to name in a start-timeout error.
+        prefix: prefix each output line with ``[rank]<stream>:``.
+        output_dir: also keep each rank's output under this directory.
+        teardown_grace_s: seconds between SIGTERM and SIGKILL on teardown.
+    """
+
+    np: int
+    payload: bytes = b""
+    command: tuple[str, ...] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 30.0
+    start_timeout_hint: str = "start_timeout"
+    prefix: bool = True
+    output_dir: str | None = None
+    teardown_grace_s: float = 3.0
+
+
+class LocalLauncher:
+    """Starts, watches and tears down one local job. Use :meth:`run` once."""
+
+    def __init__(self, spec: LocalJobSpec) -> None:
+        self.spec = spec
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._threads: list[threading.Thread] = []
+        self._stop_lock = threading.Lock()
+
+    def run(self) -> list[Any]:
+        """Run the job to its end; return each rank's value (None for commands) in rank order."""
+        channel = DriverChannel(self.spec.np, self.spec.payload)
+        store = RendezvousStore(self.spec.np)
+        files = FileSink(self.spec.output_dir) if self.spec.output_dir else None
+        sinks: list[LogSink] = [ConsoleSink(prefix=self.spec.prefix)] + ([files] if files else [])
+        monitor = JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)  # type: ignore[arg-type]
+        try:
+            self._start(channel, store)
+            return monitor.run()
+        except BaseException:
+            self._stop_all()
+            raise
+        finally:
+            self._stop_all(grace_s=0.5)
+            self._join_threads()
+            channel.close()
+            store.close()
+            if files:
+                files.close()
+
+    def _monitor_config(self) -> MonitorConfig:
+        function_job = self.spec.command is None
+        return MonitorConfig(
+            world_size=self.spec.np,
+            expect_results=function_job,
+            expect_hello=function_job,
+            start_timeout_s=self.spec.start_timeout_s,
+            start_timeout_hint=self.spec.start_timeout_hint,
+            stop_wait_s=self.spec.teardown_grace_s + DRAIN_WAIT_S + 2.0,
+        )
+
+    def _contract(self, channel: DriverChannel, store: RendezvousStore) -> JobContract:
+        return JobContract(
+            run_id=f"phalanx-{uuid.uuid4().hex[:12]}",
+            master_addr="127.0.0.1",
+            master_port=store.port,
+            channel=channel.address,
+            secret=channel.secret,
+            start_timeout_s=self.spec.start_timeout_s,
+        )
+
+    def _argv(self) -> list[str]:
+        if self.spec.command is None:
+            return [sys.executable, "-m", "phalanx.worker"]
+        return [sys.executable, "-m", "phalanx.worker.exec", *self.spec.command]
+
+    def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
+        job = self._contract(channel, store)
+        host = socket.gethostname()
+        own = {N.PHALANX_PARENT_PID: str(os.getpid())}
+        for who in assign_ranks([host] * self.spec.np):
+            env = compose_env(os.environ, self.spec.env, {**worker_env(job, who), **own})
+            proc = subprocess.Popen(
+                self._argv(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+            )
+            self._procs.append(proc)
+            self._watch(who.rank, proc, channel)
+        log.debug("started %d ranks: pids %s", self.spec.np, [p.pid for p in self._procs])
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes], channel: DriverChannel) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        emit = channel.events.put
+        pumps = [
+            threading.Thread(target=pump_lines, args=(proc.stdout, rank, Stream.STDOUT, emit), daemon=True),
+            threading.Thread(target=pump_lines, args=(proc.stderr, rank, Stream.STDERR, emit), daemon=True),
+        ]
+        waiter = threading.Thread(target=self._await_exit, args=(rank, proc, pumps, channel), daemon=True)
+        for t in (*pumps, waiter):
+            t.start()
+        self._threads.extend((*pumps, waiter))
+
+    def _await_exit(self, rank: int, proc: subprocess.Popen[bytes], pumps: Sequence[threading.Thread],
+                    channel: DriverChannel) -> None:
+        returncode = proc.wait()
+        for pump in pumps:
+            pump.join(DRAIN_WAIT_S)
+        if self.spec.command is None and channel.is_connected(rank):
+            channel.worker_done(rank, DRAIN_WAIT_S)
+        channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+
+    def _stop_all(self, grace_s: float | None = None) -> None:
+        with self._stop_lock:
+            live = [p.pid for p in self._procs if p.poll() is None]
+            if live:
+                log.debug("stopping ranks with pids %s", live)
+            # Descendants of exited ranks (daemons that kept the pipes) are swept too.
+            terminate_tree([p.pid for p in self._procs], self.spec.teardown_grace_s if grace_s is None else grace_s)
+            for p in self._procs:
+                try:
+                    p.wait(timeout=5.0)
+                except subprocess.TimeoutExpired as e:
+                    raise PhalanxError(f"rank process {p.pid} survived SIGKILL") from e
+
+    def _join_threads(self) -> None:
+        for t in self._threads:
+            t.join(DRAIN_WAIT_S)

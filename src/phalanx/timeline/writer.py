@@ -1,0 +1,269 @@
+"""The Chrome-trace writer: a cheap recording path and a background thread that writes batches.
+
+Recording (:meth:`Timeline.begin` / :meth:`Timeline.end`, called from any thread) takes a clock reading
+and appends one tuple to a ``deque``; no formatting, no I/O, no lock (``dict`` and ``deque`` operations are
+atomic). A daemon thread wakes every ``flush_interval_s``, formats what was recorded as complete Chrome
+``"X"`` events, one JSON object per line followed by ``",\\n"``, writes the batch with one ``write`` and
+flushes. So at any moment the file is a valid Chrome trace in the JSON-array format (whose closing bracket
+is optional) that already holds every operation finished before the last flush.
+
+Bounded growth is by rotation: when the current file would exceed half of ``max_bytes`` it is closed
+(with its ``]``), renamed to ``<path>.1`` (replacing the previous one) and a new ``<path>`` is started with
+the row names repeated, so the two files together never exceed ``max_bytes`` and each is a complete trace.
+Memory is bounded too: at most ``max_pending`` events wait for the writer; beyond that they are dropped
+and counted (:attr:`Timeline.dropped`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import IO
+
+from phalanx.errors import TimelineError
+from phalanx.timeline.activities import CYCLE_START
+
+_log = logging.getLogger(__name__)
+_now_ns = time.perf_counter_ns
+
+DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
+DEFAULT_FLUSH_INTERVAL_S = 0.2
+DEFAULT_MAX_PENDING = 1_000_000
+
+_SPAN = 0
+_INSTANT = 1
+_CYCLE = 2
+
+# (kind, tensor, name, start_ns, end_ns, begin_args, end_args)
+_Record = tuple[int, str, str, int, int, "dict[str, object] | None", "dict[str, object] | None"]
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"), default=str)
+
+
+class _Formatter:
+    """Turns records into trace lines; owns the tensor -> row (``tid``) table. Writer thread only."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._tids: dict[str, int] = {}
+        self._names: dict[str, str] = {}
+        # Anchor the monotonic clock to the wall clock once, so that traces of several ranks (or hosts
+        # with synchronized clocks) share one time axis and ``ts`` never jumps backwards.
+        self._wall0_ns = time.time_ns()
+        self._mono0_ns = _now_ns()
+
+    def ts_us(self, t_ns: int) -> str:
+        return f"{(self._wall0_ns + t_ns - self._mono0_ns) / 1000:.3f}"
+
+    def header(self) -> list[str]:
+        """The metadata lines that start every file: process name and every row name seen so far."""
+        name = {"name": f"rank {self.rank}"}
+        lines = [f'{{"name":"process_name","ph":"M","pid":{self.rank},"args":{_dumps(name)}}},\n']
+        lines.extend(self._thread_line(tensor, tid) for tensor, tid in self._tids.items())
+        return lines
+
+    def footer(self) -> str:
+        """The last line of a closed file: a metadata event without a trailing comma, and ``]``."""
+        sort = f'{{"sort_index":{self.rank}}}'
+        return f'{{"name":"process_sort_index","ph":"M","pid":{self.rank},"args":{sort}}}\n]\n'
+
+    def _thread_line(self, tensor: str, tid: int) -> str:
+        args = _dumps({"name": tensor})
+        return f'{{"name":"thread_name","ph":"M","pid":{self.rank},"tid":{tid},"args":{args}}},\n'
+
+    def _row(self, tensor: str, out: list[str]) -> int:
+        tid = self._tids.get(tensor)
+        if tid is None:
+            tid = self._tids[tensor] = len(self._tids) + 1
+            out.append(self._thread_line(tensor, tid))
+        return tid
+
+    def _name(self, name: str) -> str:
+        quoted = self._names.get(name)
+        if quoted is None:
+            quoted = self._names[name] = json.dumps(name)
+        return quoted
+
+    def format(self, rec: _Record, out: list[str]) -> None:
+        """Append the line(s) for one record to ``out``."""
+        kind, tensor, name, t0, t1, args0, args1 = rec
+        pid = self.rank
+        if kind == _CYCLE:
+            out.append(f'{{"name":"{CYCLE_START}","ph":"i","s":"p","ts":{self.ts_us(t0)},"pid":{pid}}},\n')
+            return
+        tid = self._row(tensor, out)
+        head = f'{{"name":{self._name(name)},"pid":{pid},"tid":{tid},"ts":{self.ts_us(t0)}'
+        if kind == _INSTANT:
+            out.append(f'{head},"ph":"i","s":"t"}},\n')
+            return
+        args = {**args0, **args1} if args0 and args1 else (args0 or args1)
+        tail = f',"args":{_dumps(args)}' if args else ""
+        out.append(f'{head},"ph":"X","dur":{(t1 - t0) / 1000:.3f}{tail}}},\n')
+
+
+class _TraceFile:
+    """The open trace file and its rotation. Writer thread only (and the constructor, at start)."""
+
+    def __init__(self, path: str, formatter: _Formatter, max_bytes: int) -> None:
+        self.path = path
+        self._fmt = formatter
+        self._segment_bytes = max_bytes // 2 if max_bytes > 0 else 0
+        self._file: IO[str] = self._open()
+        self._size = 0
+        self._write("".join(formatter.header()))
+
+    def _open(self) -> IO[str]:
+        try:
+            f = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()/rotate
+            f.write("[\n")
+            f.flush()
+        except OSError as e:
+            raise TimelineError(
+                f"cannot write the timeline file {self.path!r}: {e.strerror or e}. Choose a path in an "
+                "existing, writable directory (HOROVOD_TIMELINE, --timeline-filename or "
+                "hvd.start_timeline(path))."
+            ) from e
+        return f
+
+    def _write(self, text: str) -> None:
+        self._file.write(text)
+        self._file.flush()
+        self._size += len(text)
+
+    def write(self, text: str) -> None:
+        """Write one batch, rotating first if it would take the file past its segment size."""
+        if self._segment_bytes and self._size + len(text) > self._segment_bytes and self._size > 0:
+            self._rotate()
+        self._write(text)
+
+    def _rotate(self) -> None:
+        self._file.write(self._fmt.footer())
+        self._file.close()
+        os.replace(self.path, self.path + ".1")
+        self._file = self._open()
+        self._size = 0
+        self._write("".join(self._fmt.header()))
+
+    def close(self) -> None:
+        """Close the file with a final metadata event and ``]`` so that strict JSON parsers read it."""
+        self._file.write(self._fmt.footer())
+        self._file.close()
+
+
+class Timeline:
+    """One process's timeline: records operations and writes them to a Chrome trace.
+
+    Create it with :func:`phalanx.timeline.start_timeline`, not directly. Every method is thread-safe.
+
+    Args:
+        path: the trace file (truncated).
+        rank: this process's rank: the trace's ``pid``.
+        mark_cycles: honour :meth:`mark_cycle` (otherwise it does nothing).
+        max_bytes: rotation cap for this rank's trace, both segments together; 0 means unbounded.
+        flush_interval_s: seconds between the writer thread's flushes (how stale the file may be).
+        max_pending: events that may wait for the writer before new ones are dropped.
+
+    Raises:
+        TimelineError: the file cannot be created or written (raised here, at start).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        rank: int = 0,
+        mark_cycles: bool = False,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+        max_pending: int = DEFAULT_MAX_PENDING,
+    ) -> None:
+        self._fmt = _Formatter(rank)
+        self._file = _TraceFile(path, self._fmt, max_bytes)
+        self.path = path
+        self.rank = rank
+        self.mark_cycles = mark_cycles
+        self.dropped = 0
+        self.unmatched = 0
+        self._max_pending = max_pending
+        self._interval_s = flush_interval_s
+        self._open: dict[tuple[str, str], tuple[int, dict[str, object] | None]] = {}
+        self._pending: deque[_Record] = deque()
+        self._stop = threading.Event()
+        self._failed: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="phalanx-timeline-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def recording(self) -> bool:
+        """True while events are recorded (False once stopped, or on a rank that does not record)."""
+        return not self._stop.is_set()
+
+    def begin(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
+        """Start ``activity`` on the row of ``tensor_name`` (a tensor or fused bucket); args go to the trace."""
+        self._open[(tensor_name, activity)] = (_now_ns(), args)
+
+    def end(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
+        """Finish the ``activity`` begun on ``tensor_name``; ``args`` are merged into the begin's args.
+
+        An ``end`` without a matching ``begin`` is counted in :attr:`unmatched` and otherwise ignored.
+        """
+        now = _now_ns()
+        started = self._open.pop((tensor_name, activity), None)
+        if started is None:
+            self.unmatched += 1
+            return
+        self._push((_SPAN, tensor_name, activity, started[0], now, started[1], args))
+
+    def instant(self, tensor_name: str, name: str) -> None:
+        """Record an instant event called ``name`` on the row of ``tensor_name``."""
+        self._push((_INSTANT, tensor_name, name, _now_ns(), 0, None, None))
+
+    def mark_cycle(self) -> None:
+        """Record a ``CYCLE_START`` marker across this rank's rows, if started with ``mark_cycles``."""
+        if self.mark_cycles:
+            self._push((_CYCLE, "", CYCLE_START, _now_ns(), 0, None, None))
+
+    def _push(self, rec: _Record) -> None:
+        if len(self._pending) >= self._max_pending:
+            self.dropped += 1
+            return
+        self._pending.append(rec)
+
+    def close(self) -> None:
+        """Stop recording, write what is pending, and close the file (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._max_pending = 0
+        self._stop.set()
+        self._thread.join()
+        if self._failed is None:
+            self._guarded(self._file.close)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._drain()
+        self._drain()
+
+    def _drain(self) -> None:
+        lines: list[str] = []
+        pending = self._pending
+        for _ in range(len(pending)):
+            self._fmt.format(pending.popleft(), lines)
+        if lines and self._failed is None:
+            text = "".join(lines)
+            self._guarded(lambda: self._file.write(text))
+
+    def _guarded(self, action: Callable[[], None]) -> None:
+        # A disk that fills up mid-run must not crash training: log once, stop writing, keep going.
+        try:
+            action()
+        except OSError as e:
+            self._failed = e
+            _log.warning("phalanx timeline: writing %s failed (%s); the timeline stops here", self.path, e)

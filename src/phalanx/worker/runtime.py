@@ -1,0 +1,104 @@
+"""Run one rank of a function job and report its outcome on the channel.
+
+The worker never reports through its stdout: the result and any exception (type, message, full
+traceback) travel as structured records. A watchdog thread ends the process when the driver aborts the
+job or disappears, so no worker outlives its driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+from typing import Any
+
+from phalanx.env import read_contract
+from phalanx.errors import ChannelError, PhalanxError
+from phalanx.job.channel import Role, WorkerChannel
+from phalanx.job.framing import Kind
+from phalanx.job.payload import dumps, load_call
+from phalanx.job.records import ErrorRecord, Hello
+from phalanx.worker.lifeline import die_with_parent
+
+#: Exit code of a worker whose function raised.
+EXIT_FAILED = 1
+#: Exit code of a worker stopped because the driver aborted the job or went away.
+EXIT_ABORTED = 143
+
+_channel: WorkerChannel | None = None
+_finishing = threading.Event()
+
+
+def current_channel() -> WorkerChannel | None:
+    """The channel of this worker process, or None outside a phalanx function job."""
+    return _channel
+
+
+def _watchdog(channel: WorkerChannel) -> None:
+    channel.wait_for_abort()
+    if not _finishing.is_set():
+        # The driver is gone or stopped the job: leave now, without running user atexit hooks that
+        # might block in a collective.
+        os._exit(EXIT_ABORTED)
+
+
+def _install_compat() -> None:
+    """Make ``import horovod.torch`` resolve to phalanx inside workers, when the compat layer exists."""
+    try:
+        compat = importlib.import_module("phalanx.compat")
+    except ImportError:
+        return
+    install = getattr(compat, "install", None)
+    if callable(install):
+        install()
+
+
+def _run(channel: WorkerChannel, rank: int) -> int:
+    call = load_call(channel.payload)
+    try:
+        value: Any = call.fn(*call.args, **call.kwargs)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            value = None
+        else:
+            channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
+            return e.code if isinstance(e.code, int) else EXIT_FAILED
+    except BaseException as e:  # noqa: BLE001 - every failure of user code is reported, then exits 1
+        channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
+        return EXIT_FAILED
+    try:
+        body = dumps(value)
+    except Exception as e:
+        err = PhalanxError(f"rank {rank}'s return value of type {type(value).__name__} cannot be pickled: {e}")
+        channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, err).encode())
+        return EXIT_FAILED
+    channel.send(Kind.RESULT, body)
+    return 0
+
+
+def main() -> int:
+    """Run this process's rank; returns the process exit code."""
+    global _channel
+    die_with_parent()
+    contract = read_contract()
+    rank = contract.identity.rank
+    try:
+        channel = WorkerChannel.connect(
+            contract.job.channel, contract.job.secret, rank, Role.WORKER, contract.job.start_timeout_s
+        )
+    except ChannelError as e:
+        sys.stderr.write(f"phalanx worker rank {rank}: {e}\n")
+        return EXIT_FAILED
+    _channel = channel
+    threading.Thread(target=_watchdog, args=(channel,), name="phalanx-watchdog", daemon=True).start()
+    channel.send(Kind.HELLO, Hello(rank=rank, pid=os.getpid(), host=contract.identity.hostname).encode())
+    _install_compat()
+    try:
+        code = _run(channel, rank)
+    finally:
+        _finishing.set()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        channel.close()
+    return code
