@@ -65,7 +65,9 @@ def _run(channel: WorkerChannel, rank: int) -> int:
             channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
             return e.code if isinstance(e.code, int) else EXIT_FAILED
     except BaseException as e:  # noqa: BLE001 - every failure of user code is reported, then exits 1
-        channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
+        # Drop this function's own frame: the report starts at the user's function.
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
+        channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e.with_traceback(tb)).encode())
         return EXIT_FAILED
     try:
         body = dumps(value)
