@@ -50,6 +50,17 @@ class TimelineError(PhalanxError, OSError):
     """The timeline cannot be written (the path's directory is missing or read-only) or read."""
 
 
+class CollectiveMismatchError(PhalanxError, RuntimeError):
+    """Ranks issued a collective that disagrees (shape, dtype, op, root rank, process set, kind or name).
+
+    Raised on every participating rank; the message names the tensor, the ranks and the values each saw.
+    """
+
+
+class NotInitializedError(PhalanxError, ValueError):
+    """A ``phalanx.torch`` function was called before ``hvd.init()``."""
+
+
 def describe_exit(returncode: int) -> str:
     """Describe a process return code as a person reads it.
 

@@ -1,0 +1,43 @@
+# Every target sets itself up: a fresh clone needs only Python 3.10+ (and Java 17 for Spark).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.phalanx-installed
+PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck unit bench soak clean
+
+$(STAMP): pyproject.toml constraints-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# torch first, pinned: an open range would pull a multi-GB CUDA build.
+	$(PIP) install -c constraints-dev.txt torch
+	$(PIP) install -c constraints-dev.txt -e ".[dev,spark]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP) lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+$(VENV)/.bench-installed: $(STAMP)
+	# pyspark's own TorchDistributor (the competitor) needs pandas and pyarrow in Spark mode.
+	$(PIP) install -c constraints-dev.txt pandas pyarrow
+	touch $@
+
+bench: $(VENV)/.bench-installed
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

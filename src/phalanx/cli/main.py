@@ -1,0 +1,140 @@
+"""``phalanxrun``: run a command as N ranks on this machine (horovodrun's flags where they exist).
+
+Parse -> :class:`RunConfig` (frozen, validated) -> :class:`LocalLauncher`. The exit code is the
+root-cause rank's exit code (a signal N gives 128 + N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from phalanx.env import names as N
+from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
+from phalanx.launch.api import resolve_start_timeout, validate_hosts, validate_np
+from phalanx.launch.local import LocalJobSpec, LocalLauncher
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A validated ``phalanxrun`` invocation."""
+
+    np: int
+    command: tuple[str, ...]
+    start_timeout_s: float
+    output_dir: str | None
+    prefix: bool
+    verbose: bool
+    timeline: str | None
+    timeline_mark_cycles: bool
+
+    def job_env(self) -> dict[str, str]:
+        """Variables the command's ranks get on top of the contract."""
+        env: dict[str, str] = {}
+        if self.timeline:
+            env[N.HOROVOD_TIMELINE] = os.path.abspath(self.timeline)
+            if self.timeline_mark_cycles:
+                env[N.HOROVOD_TIMELINE_MARK_CYCLES] = "1"
+        return env
+
+    def to_spec(self) -> LocalJobSpec:
+        """The launcher's job description."""
+        return LocalJobSpec(
+            np=self.np,
+            command=self.command,
+            env=self.job_env(),
+            start_timeout_s=self.start_timeout_s,
+            start_timeout_hint="--start-timeout (or HOROVOD_START_TIMEOUT)",
+            prefix=self.prefix,
+            output_dir=self.output_dir,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (horovodrun's flag names)."""
+    p = argparse.ArgumentParser(
+        prog="phalanxrun",
+        description="Run COMMAND as N ranks on this machine with the phalanx/Horovod/torchrun contract.",
+    )
+    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of ranks")
+    p.add_argument("-H", "--hosts", default=None, help="localhost:N (only this machine is supported)")
+    p.add_argument("--start-timeout", type=float, default=None,
+                   help="seconds for all ranks to start (default: HOROVOD_START_TIMEOUT or 30)")
+    p.add_argument("--output-filename", default=None,
+                   help="also keep each rank's output in DIR/rank.N/{stdout,stderr}")
+    p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]<stream>:")
+    p.add_argument("--timeline-filename", default=None, help="write a Horovod timeline to this file")
+    p.add_argument("--timeline-mark-cycles", action="store_true", help="mark cycles in the timeline")
+    p.add_argument("--verbose", action="store_true", help="log what the launcher does")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    return p
+
+
+def _check_command(command: Sequence[str]) -> None:
+    if not command:
+        raise InvalidArgumentError("no command given: phalanxrun -np 2 python train.py")
+    exe = command[0]
+    if shutil.which(exe) is None and not os.path.isfile(exe):
+        raise InvalidArgumentError(f"command {exe!r} was not found on PATH or as a file")
+    is_python = os.path.basename(exe).startswith("python")
+    script = command[1] if is_python and len(command) > 1 else (exe if exe.endswith(".py") else None)
+    if script and not script.startswith("-") and script.endswith(".py") and not os.path.isfile(script):
+        raise InvalidArgumentError(f"script {script!r} does not exist (working directory: {os.getcwd()})")
+
+
+def parse_config(argv: Sequence[str]) -> RunConfig:
+    """Parse and validate the command line.
+
+    Raises:
+        InvalidArgumentError: a bad value (the message says which and why).
+    """
+    ns = build_parser().parse_args(list(argv))
+    np = validate_np(ns.np, "-np")
+    validate_hosts(ns.hosts, np)
+    command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
+    _check_command(command)
+    return RunConfig(
+        np=np,
+        command=command,
+        start_timeout_s=resolve_start_timeout(ns.start_timeout),
+        output_dir=ns.output_filename,
+        prefix=not ns.no_prefix,
+        verbose=ns.verbose,
+        timeline=ns.timeline_filename,
+        timeline_mark_cycles=ns.timeline_mark_cycles,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``phalanxrun``; returns the process exit code."""
+    try:
+        config = parse_config(sys.argv[1:] if argv is None else argv)
+    except InvalidArgumentError as e:
+        sys.stderr.write(f"phalanxrun: error: {e}\n")
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
+                        format="phalanxrun: %(message)s")
+    try:
+        LocalLauncher(config.to_spec()).run()
+    except WorkerFailedError as e:
+        sys.stderr.write(f"phalanxrun: {e}\n")
+        return e.exit_code
+    except PhalanxError as e:
+        sys.stderr.write(f"phalanxrun: {e}\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("phalanxrun: interrupted; all ranks were stopped\n")
+        return EXIT_INTERRUPTED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Process-wide state of ``phalanx.torch``: the process group, this rank's topology, the init guard.
+
+``init()`` joins (or creates) the default ``torch.distributed`` process group:
+
+* under a phalanx launcher or ``torchrun`` (``MASTER_ADDR`` is set): ``env://`` rendezvous;
+* when the user already called ``dist.init_process_group`` (Lightning, a notebook): that group is reused;
+* with no launcher at all: a one-rank group on a private in-process ``HashStore`` (no port is opened).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from phalanx.env import names as N
+from phalanx.errors import NotInitializedError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who this rank is (Horovod's definitions).
+
+    Attributes:
+        rank: global rank.
+        size: number of ranks.
+        local_rank: rank among the ranks of this host.
+        local_size: number of ranks on this host.
+        cross_rank: index of this rank among the ranks with the same local rank.
+        cross_size: number of ranks with the same local rank.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+class _State:
+    """Mutable module state; one instance, ``STATE``."""
+
+    def __init__(self) -> None:
+        self.topology: Topology | None = None
+        self.owns_group = False
+        self.cuda_backend = False
+
+    def reset(self) -> None:
+        self.topology = None
+        self.owns_group = False
+        self.cuda_backend = False
+
+
+STATE = _State()
+
+
+def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
+    for name in names:
+        raw = env.get(name)
+        if raw not in (None, ""):
+            try:
+                return int(raw)  # type: ignore[arg-type]
+            except ValueError as e:
+                raise ValueError(f"{name}={raw!r} is not an integer; fix the launcher's environment") from e
+    return default
+
+
+def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
+    """Derive the local/cross topology of ``rank`` from launcher variables.
+
+    Args:
+        env: the environment (phalanx launchers set the Horovod names; torchrun sets LOCAL_* and GROUP_*).
+        rank: this process's global rank (from the process group).
+        size: the number of ranks.
+
+    Returns:
+        The topology; a single host is assumed when nothing says otherwise.
+    """
+    local_size = _env_int(env, N.HOROVOD_LOCAL_SIZE, N.LOCAL_WORLD_SIZE, default=size)
+    local_rank = _env_int(env, N.HOROVOD_LOCAL_RANK, N.LOCAL_RANK, default=rank % max(local_size, 1))
+    cross_size = _env_int(env, N.HOROVOD_CROSS_SIZE, N.GROUP_WORLD_SIZE, default=max(size // local_size, 1))
+    cross_rank = _env_int(env, N.HOROVOD_CROSS_RANK, N.GROUP_RANK, default=rank // max(local_size, 1))
+    return Topology(rank, size, local_rank, local_size, cross_rank, cross_size)
+
+
+def _backend() -> str:
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def _rank_and_size(env: Mapping[str, str]) -> tuple[int, int]:
+    rank = _env_int(env, N.RANK, N.HOROVOD_RANK, default=0)
+    size = _env_int(env, N.WORLD_SIZE, N.HOROVOD_SIZE, default=1)
+    return rank, size
+
+
+def join_process_group(env: Mapping[str, str] | None = None) -> None:
+    """Join or create the default process group (see the module docstring); idempotent.
+
+    Args:
+        env: the environment to read; ``os.environ`` when None.
+
+    Raises:
+        ValueError: the launcher variables are malformed.
+    """
+    env = os.environ if env is None else env
+    backend = _backend()
+    STATE.cuda_backend = "nccl" in backend
+    if dist.is_initialized():
+        STATE.owns_group = False
+        STATE.cuda_backend = "nccl" in str(dist.get_backend())
+    elif env.get(N.MASTER_ADDR):
+        rank, size = _rank_and_size(env)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size)
+        STATE.owns_group = True
+    else:
+        # No launcher: one rank on a private in-process store (no TCP port, so no port race).
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        STATE.owns_group = True
+    STATE.topology = topology_from_env(env, dist.get_rank(), dist.get_world_size())
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group if ``init()`` created it, and forget the topology."""
+    if STATE.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    STATE.reset()
+
+
+def topology() -> Topology:
+    """This rank's topology.
+
+    Raises:
+        NotInitializedError: ``hvd.init()`` has not been called.
+    """
+    topo = STATE.topology
+    if topo is None:
+        raise NotInitializedError(
+            "phalanx.torch has not been initialized; call hvd.init() (import phalanx.torch as hvd) "
+            "before any other hvd function"
+        )
+    return topo
