@@ -95,7 +95,7 @@ def max_bytes_from_env() -> int:
 
 
 def rank_path(path: str, rank: int) -> str:
-    """The file rank ``rank`` writes in every-rank mode: ``t.json`` -> ``t.rank1.json`` (``t`` -> ``t.rank1``)."""
+    """The file rank ``rank`` writes in every-rank mode: ``t.json`` -> ``t.rank1.json``."""
     root, ext = os.path.splitext(path)
     return f"{root}.rank{rank}{ext}"
 

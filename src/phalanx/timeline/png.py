@@ -82,12 +82,13 @@ class Canvas:
     def png_bytes(self) -> bytes:
         """Encode as an 8-bit RGB PNG."""
         stride = self.width * 3
-        raw = b"".join(
-            b"\x00" + bytes(self._px[y * stride : (y + 1) * stride]) for y in range(self.height)
-        )
+        raw = b"".join(b"\x00" + bytes(self._px[y * stride : (y + 1) * stride]) for y in range(self.height))
         header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw, 6)) + _chunk(
-            b"IEND", b""
+        return (
+            b"\x89PNG\r\n\x1a\n"
+            + _chunk(b"IHDR", header)
+            + _chunk(b"IDAT", zlib.compress(raw, 6))
+            + _chunk(b"IEND", b"")
         )
 
     def save(self, path: str) -> None:

@@ -131,7 +131,10 @@ def _fit(text: str, width: int) -> str:
 
 def render_table(table: dict[str, list[Row]], top: int = 10) -> str:
     """Format :func:`summarize`'s result; at most ``top`` tensors per activity (0: all)."""
-    head = f"{'activity':<26} {'tensor':<34} {'count':>7} {'bytes':>10} {'total ms':>11} {'mean ms':>9} {'GB/s':>7}"
+    head = (
+        f"{'activity':<26} {'tensor':<34} {'count':>7} {'bytes':>10} {'total ms':>11} {'mean ms':>9} "
+        f"{'GB/s':>7}"
+    )
     out = [head, "-" * len(head)]
     for activity, rows in table.items():
         shown = rows if top <= 0 else rows[: top + 1]

@@ -121,7 +121,7 @@ class _TraceFile:
 
     def _open(self) -> IO[str]:
         try:
-            f = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()/rotate
+            f = open(self.path, "w", encoding="utf-8")  # closed by close() or _rotate()
             f.write("[\n")
             f.flush()
         except OSError as e:
@@ -206,7 +206,7 @@ class Timeline:
         return not self._stop.is_set()
 
     def begin(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
-        """Start ``activity`` on the row of ``tensor_name`` (a tensor or fused bucket); args go to the trace."""
+        """Start ``activity`` on the row of ``tensor_name`` (a tensor or bucket); args go to the trace."""
         self._open[(tensor_name, activity)] = (_now_ns(), args)
 
     def end(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
