@@ -1,0 +1,26 @@
+"""Fixtures for the timeline tests: a clean environment and no timeline left running."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from phalanx import timeline
+from phalanx.env import names as N
+
+
+@pytest.fixture(autouse=True)
+def clean_timeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Unset every variable the timeline reads and stop any timeline a test leaves running."""
+    for name in (
+        N.RANK,
+        N.WORLD_SIZE,
+        N.HOROVOD_TIMELINE,
+        N.HOROVOD_TIMELINE_MARK_CYCLES,
+        N.PHALANX_TIMELINE_ALL_RANKS,
+        N.PHALANX_TIMELINE_MAX_MB,
+    ):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    timeline.stop_timeline()

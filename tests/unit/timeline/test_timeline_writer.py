@@ -1,0 +1,198 @@
+"""The writer: the file parses mid-run and at the end, events are complete, growth and memory are bounded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx import timeline
+from phalanx.errors import PhalanxError, TimelineError
+from phalanx.timeline.reader import load_events, parse_events
+from phalanx.timeline.writer import Timeline
+
+
+def _chrome_parse(text: str) -> list[dict[str, object]]:
+    """Parse like Chrome: the array's closing bracket and a trailing comma may be missing."""
+    body = text.rstrip()
+    if not body.endswith("]"):
+        body = body.rstrip(",") + "]"
+    parsed = json.loads(body)
+    assert isinstance(parsed, list)
+    return parsed
+
+
+def _spans(events: list[dict[str, object]]) -> list[dict[str, object]]:
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _append_until(tl: Timeline, stop: threading.Event, counter: list[int]) -> None:
+    while not stop.is_set():
+        name = f"grad.{counter[0] % 3}"
+        tl.begin(name, timeline.ALLREDUCE, {"dtype": "float32", "shape": [4, 4], "bytes": 64})
+        tl.end(name, timeline.ALLREDUCE)
+        counter[0] += 1
+        time.sleep(0.0005)
+
+
+def test_file_parses_while_a_writer_thread_appends(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), flush_interval_s=0.02)
+    stop, counter = threading.Event(), [0]
+    producer = threading.Thread(target=_append_until, args=(tl, stop, counter))
+    producer.start()
+    seen: list[int] = []
+    try:
+        for _ in range(15):
+            time.sleep(0.03)
+            text = path.read_text()
+            # Between two flushes the file is a complete open array, parseable the way Chrome parses it.
+            seen.append(len(_spans(_chrome_parse(text))))
+            assert len(_spans(parse_events(text))) == seen[-1]
+    finally:
+        stop.set()
+        producer.join()
+        tl.close()
+    assert seen[-1] > seen[0] > 0, seen  # finished operations appear while the job runs
+    final = json.loads(path.read_text())  # closed: strict JSON
+    assert len(_spans(final)) == counter[0]
+
+
+def test_events_have_names_phase_args_and_rows(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path))
+    tl.begin("bucket.0", timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": 800})
+    tl.end("bucket.0", timeline.MEMCPY_IN_FUSION_BUFFER)
+    tl.begin("bucket.0", timeline.ALLREDUCE, {"dtype": "torch.float32", "shape": (10, 20), "bytes": 800})
+    time.sleep(0.002)
+    tl.end("bucket.0", timeline.ALLREDUCE, {"op": "Average"})
+    tl.instant("bucket.0", "READY")
+    tl.close()
+    events = json.loads(path.read_text())
+    spans = _spans(events)
+    assert [e["name"] for e in spans] == [timeline.MEMCPY_IN_FUSION_BUFFER, timeline.ALLREDUCE]
+    allreduce = spans[1]
+    assert allreduce["args"] == {"dtype": "torch.float32", "shape": [10, 20], "bytes": 800, "op": "Average"}
+    assert allreduce["dur"] >= 2000  # microseconds
+    assert allreduce["pid"] == 0 and allreduce["ts"] >= spans[0]["ts"]
+    rows = [e for e in events if e.get("name") == "thread_name"]
+    assert rows == [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": allreduce["tid"], "args": {"name": "bucket.0"}}
+    ]
+    assert [e["name"] for e in events if e.get("ph") == "i"] == ["READY"]
+
+
+def test_concurrent_threads_lose_no_event(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), flush_interval_s=0.01)
+    per_thread, threads = 2000, 8
+
+    def work(t: int) -> None:
+        for i in range(per_thread):
+            tl.begin(f"t{t}.grad", timeline.ALLREDUCE, {"bytes": i})
+            tl.end(f"t{t}.grad", timeline.ALLREDUCE)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    tl.close()
+    spans = _spans(json.loads(path.read_text()))
+    assert len(spans) == per_thread * threads
+    assert all(e["dur"] >= 0 for e in spans)
+    assert tl.dropped == 0 and tl.unmatched == 0
+
+
+def test_rotation_bounds_the_files_and_keeps_each_a_trace(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    cap = 40_000
+    tl = Timeline(str(path), max_bytes=cap, flush_interval_s=0.005)
+    for i in range(3000):
+        tl.begin(f"grad.{i % 4}", timeline.ALLREDUCE, {"bytes": 4})
+        tl.end(f"grad.{i % 4}", timeline.ALLREDUCE)
+        if i % 100 == 0:
+            time.sleep(0.01)
+    tl.close()
+    old = tmp_path / "t.json.1"
+    assert old.exists()
+    for segment in (path, old):
+        events = json.loads(segment.read_text())
+        assert segment.stat().st_size <= cap  # each segment <= cap / 2 plus at most one batch
+        names = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        assert names == {f"grad.{k}" for k in range(4)}  # every segment names its rows
+    assert path.stat().st_size + old.stat().st_size <= cap
+
+
+def test_pending_events_are_capped_and_counted(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t.json"), flush_interval_s=60.0, max_pending=10)
+    for _ in range(25):
+        tl.begin("x", timeline.ALLREDUCE)
+        tl.end("x", timeline.ALLREDUCE)
+    assert tl.dropped == 15
+    tl.close()
+    assert len(_spans(load_events(str(tmp_path / "t.json")))) == 10
+
+
+def test_end_without_begin_is_counted_not_written(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t.json"))
+    tl.end("x", timeline.ALLREDUCE)
+    tl.close()
+    assert tl.unmatched == 1
+    assert _spans(load_events(str(tmp_path / "t.json"))) == []
+
+
+def test_mark_cycles(tmp_path: Path) -> None:
+    for enabled, expected in ((False, 0), (True, 2)):
+        tl = Timeline(str(tmp_path / "t.json"), mark_cycles=enabled)
+        tl.mark_cycle()
+        tl.mark_cycle()
+        tl.close()
+        events = load_events(str(tmp_path / "t.json"))
+        assert sum(e.get("name") == timeline.CYCLE_START for e in events) == expected
+
+
+@pytest.mark.parametrize("where", ["missing_dir", "is_a_dir"])
+def test_unwritable_path_fails_at_start_with_a_clear_error(tmp_path: Path, where: str) -> None:
+    bad = tmp_path / "no" / "such" / "t.json" if where == "missing_dir" else tmp_path
+    with pytest.raises(TimelineError) as info:
+        timeline.start_timeline(str(bad))
+    message = str(info.value)
+    assert str(bad) in message and "HOROVOD_TIMELINE" in message
+    assert isinstance(info.value, OSError) and isinstance(info.value, PhalanxError)
+    assert timeline.current() is None
+
+
+def test_write_failure_mid_run_logs_and_does_not_raise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    tl = Timeline(str(tmp_path / "t.json"), flush_interval_s=0.01)
+
+    def full_disk(text: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tl._file, "write", full_disk)
+    with caplog.at_level(logging.WARNING, logger="phalanx.timeline.writer"):
+        for _ in range(3):
+            tl.begin("x", timeline.ALLREDUCE)
+            tl.end("x", timeline.ALLREDUCE)
+            time.sleep(0.03)
+        tl.close()
+    assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_recording_cost_is_small(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t.json"))
+    n = 20_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        tl.begin("grad", timeline.ALLREDUCE, {"bytes": 4})
+        tl.end("grad", timeline.ALLREDUCE)
+    per_pair_us = (time.perf_counter() - t0) / n * 1e6
+    tl.close()
+    # Typically ~1 us; the bound is loose for slow CI machines. A training step records tens of pairs.
+    assert per_pair_us < 25, per_pair_us
