@@ -9,6 +9,7 @@ pickle's own message never says where the object sits.
 from __future__ import annotations
 
 import pickle
+import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,13 +31,23 @@ class Call:
     kwargs: dict[str, Any]
 
 
+def driver_sys_path() -> tuple[str, ...]:
+    """The driver's import path, so that workers find the modules the driver's functions live in."""
+    return tuple(p for p in sys.path if isinstance(p, str))
+
+
 def dumps(obj: Any) -> bytes:
     """cloudpickle ``obj`` at the highest protocol."""
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def serialize_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+def serialize_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   sys_path: tuple[str, ...] | None = None) -> bytes:
     """Serialize a call, naming the offending object when that fails.
+
+    Functions from importable modules travel by reference: the worker imports their module. The payload
+    therefore also carries an import path (default: the driver's ``sys.path``) that the worker appends
+    to its own before loading the call.
 
     Raises:
         PayloadError: something in ``fn``, ``args`` or ``kwargs`` cannot be pickled.
@@ -44,7 +55,7 @@ def serialize_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
     if not callable(fn):
         raise PayloadError(f"fn must be callable; got {fn!r} of type {type(fn).__name__}")
     try:
-        return dumps(Call(fn=fn, args=tuple(args), kwargs=dict(kwargs)))
+        body = dumps(Call(fn=fn, args=tuple(args), kwargs=dict(kwargs)))
     except Exception as e:
         roots = [("fn", fn)] + [(f"args[{i}]", a) for i, a in enumerate(args)]
         roots += [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
@@ -55,11 +66,15 @@ def serialize_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
             "uses travels by cloudpickle: create such objects (locks, open files, sockets, Spark "
             "contexts) inside the function instead of capturing them."
         ) from e
+    path = driver_sys_path() if sys_path is None else sys_path
+    return pickle.dumps((path, body), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def load_call(data: bytes) -> Call:
-    """Inverse of :func:`serialize_call` (run on the worker)."""
-    call = cloudpickle.loads(data)
+    """Inverse of :func:`serialize_call` (run on the worker): extend ``sys.path``, then load the call."""
+    path, body = pickle.loads(data)
+    sys.path.extend(p for p in path if p not in sys.path)
+    call = cloudpickle.loads(body)
     if not isinstance(call, Call):
         raise PayloadError(f"payload holds a {type(call).__name__}, not a phalanx Call")
     return call

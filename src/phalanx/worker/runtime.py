@@ -55,8 +55,8 @@ def _install_compat() -> None:
 
 
 def _run(channel: WorkerChannel, rank: int) -> int:
-    call = load_call(channel.payload)
     try:
+        call = load_call(channel.payload)
         value: Any = call.fn(*call.args, **call.kwargs)
     except SystemExit as e:
         if e.code in (None, 0):
@@ -65,7 +65,7 @@ def _run(channel: WorkerChannel, rank: int) -> int:
             channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
             return e.code if isinstance(e.code, int) else EXIT_FAILED
     except BaseException as e:  # noqa: BLE001 - every failure of user code is reported, then exits 1
-        # Drop this function's own frame: the report starts at the user's function.
+        # Drop this function's own frame: the report starts at the user's function (or the loader).
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e.with_traceback(tb)).encode())
         return EXIT_FAILED

@@ -1,0 +1,232 @@
+"""The collective engine: signature check, inline fast path, async payloads, handles.
+
+A collective goes through three states:
+
+1. *negotiating*: this rank's control block (signature + inline payload, ``_header``) is being
+   allgathered asynchronously on the process set's control group. ``submit`` returns a handle at once.
+2. *running*: the gathered blocks agreed; the payload collective was issued asynchronously on the data
+   group. (Collectives whose payload fit in the control block skip this state: they finish from the
+   gathered blocks alone, in one round trip.)
+3. *done*: result or error available to ``synchronize``.
+
+Entries leave the negotiating queue strictly in issue order, so payloads are issued on the data group in
+the order each rank issued the collectives, whichever handle the caller waits for first.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.torch import _header as H
+from phalanx.torch import _state
+from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
+
+
+class Collective:
+    """One collective's local side. Subclasses implement the kind-specific parts."""
+
+    sig: H.Signature
+
+    def aux(self) -> list[int]:
+        """Auxiliary integers for the control block (alltoall splits)."""
+        return []
+
+    def payload_bytes(self) -> torch.Tensor:
+        """This rank's payload as a flat uint8 tensor (a view when possible)."""
+        raise NotImplementedError
+
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+        """Compute the result from every rank's payload bytes (the one-round-trip path)."""
+        raise NotImplementedError
+
+    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+        """Launch the payload collective asynchronously on ``groups.data``."""
+        raise NotImplementedError
+
+    def is_done(self) -> bool:
+        """Whether the issued payload work has completed."""
+        return True
+
+    def finish(self) -> Any:
+        """Wait for the payload and return the result."""
+        raise NotImplementedError
+
+
+@dataclass
+class _Entry:
+    coll: Collective
+    groups: _Groups | None
+    gathered: torch.Tensor | None = None
+    work: Any = None
+    state: str = "negotiating"
+    error: BaseException | None = None
+    name: str = ""
+
+
+@dataclass
+class _Engine:
+    queue: deque[_Entry] = field(default_factory=deque)
+    handles: dict[int, _Entry] = field(default_factory=dict)
+    inflight: set[str] = field(default_factory=set)
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+
+
+ENGINE = _Engine()
+
+
+def reset() -> None:
+    """Forget every pending collective (``hvd.shutdown``)."""
+    global ENGINE
+    ENGINE = _Engine()
+
+
+def _inline_candidate(coll: Collective) -> torch.Tensor | None:
+    if coll.sig.device != 0:
+        return None
+    if coll.sig.kind == "barrier":
+        return torch.empty(0, dtype=torch.uint8)
+    raw = coll.payload_bytes()
+    return raw if raw.numel() <= H.INLINE_BYTES else None
+
+
+def submit(coll: Collective, process_set: ProcessSet) -> int:
+    """Start a collective; return its handle.
+
+    Raises:
+        NotInitializedError: before ``hvd.init()``.
+        ValueError: another in-flight collective on this rank has the same name, or this rank is not a
+            member of the process set.
+    """
+    groups = groups_of(process_set)
+    name = coll.sig.name
+    if name and name in ENGINE.inflight:
+        raise ValueError(
+            f"a collective named {name!r} is already in flight on rank {_state.topology().rank}; "
+            "synchronize() it first or give the new one a different name="
+        )
+    entry = _Entry(coll=coll, groups=groups, name=name)
+    n = len(groups.ranks)
+    if n == 1:
+        _finish_single(entry)
+    else:
+        block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
+        entry.gathered = torch.empty(block.numel() * n, dtype=torch.int64)
+        entry.work = dist.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
+        ENGINE.queue.append(entry)
+    if name:
+        ENGINE.inflight.add(name)
+    handle = next(ENGINE.counter)
+    ENGINE.handles[handle] = entry
+    return handle
+
+
+def _finish_single(entry: _Entry) -> None:
+    coll = entry.coll
+    try:
+        coll.run_inline([coll.payload_bytes()], [coll.sig], [coll.aux()])
+    except Exception as e:
+        entry.error = e
+    entry.state = "done"
+
+
+def _negotiated(entry: _Entry) -> None:
+    """Check the gathered blocks, then finish inline or issue the payload."""
+    assert entry.groups is not None and entry.gathered is not None
+    ranks = list(entry.groups.ranks)
+    n = len(ranks)
+    rows = entry.gathered.view(n, -1)
+    headers = rows[:, : H.HEADER_WORDS].tolist()
+    sigs = [H.decode(h) for h in headers]
+    detail = H.find_mismatch(sigs, ranks)
+    try:
+        if detail is not None:
+            raise H.mismatch_error(sigs, ranks, detail, _state.topology().rank)
+        aux = rows[:, H.HEADER_WORDS : H.HEADER_WORDS + n].tolist()
+        nbytes = [h[H.F_NBYTES] for h in headers]
+        if all(b >= 0 for b in nbytes):
+            start = H.HEADER_WORDS + n
+            payloads = [rows[i, start:].view(torch.uint8)[: nbytes[i]] for i in range(n)]
+            entry.coll.run_inline(payloads, sigs, aux)
+            entry.state = "done"
+        else:
+            entry.coll.issue(entry.groups, sigs, aux)
+            entry.state = "running"
+    except Exception as e:
+        entry.error = e
+        entry.state = "done"
+
+
+def advance(until: _Entry | None = None, block: bool = True) -> None:
+    """Move negotiated collectives on, in issue order.
+
+    Args:
+        until: stop after this entry (None: drain the whole queue).
+        block: wait for control blocks that have not arrived yet; when False stop at the first one.
+    """
+    queue = ENGINE.queue
+    while queue:
+        entry = queue[0]
+        if not block and not entry.work.is_completed():
+            return
+        entry.work.wait()
+        queue.popleft()
+        _negotiated(entry)
+        if entry is until:
+            return
+
+
+def flush() -> None:
+    """Issue every pending payload (callers that use the data group directly call this first)."""
+    if ENGINE.queue:
+        advance()
+
+
+def _lookup(handle: int) -> _Entry:
+    entry = ENGINE.handles.get(handle)
+    if entry is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return entry
+
+
+def poll(handle: int) -> bool:
+    """Whether the collective of ``handle`` has finished (never blocks).
+
+    Raises:
+        ValueError: the handle is unknown.
+    """
+    entry = _lookup(handle)
+    if entry.state == "negotiating":
+        advance(block=False)
+    if entry.state == "running":
+        return entry.coll.is_done()
+    return entry.state == "done"
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the collective of ``handle`` and return its result.
+
+    Raises:
+        CollectiveMismatchError: the ranks disagreed about the collective (raised on every rank).
+        ValueError: the handle is unknown.
+    """
+    entry = _lookup(handle)
+    try:
+        if entry.state == "negotiating":
+            advance(until=entry)
+        if entry.error is not None:
+            raise entry.error
+        return entry.coll.finish()
+    finally:
+        del ENGINE.handles[handle]
+        ENGINE.inflight.discard(entry.name)
+
+
+def run(coll: Collective, process_set: ProcessSet) -> Any:
+    """Submit and wait (the synchronous form)."""
+    return synchronize(submit(coll, process_set))

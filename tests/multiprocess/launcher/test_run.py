@@ -1,0 +1,158 @@
+"""phalanx.run end to end: real worker processes, real gloo."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import phalanx
+from phalanx.errors import InvalidArgumentError, PayloadError, StartTimeoutError, WorkerFailedError
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _contract_and_allreduce() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "HOROVOD_RANK", "HOROVOD_SIZE",
+            "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "TORCHELASTIC_RUN_ID", "USER_VAR"]
+    return {"sum": t.item(), "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
+
+
+@pytest.mark.timeout(120)
+def test_results_in_rank_order_with_the_full_contract() -> None:
+    out = phalanx.run(_contract_and_allreduce, np=3, env={"USER_VAR": "x"})
+    assert [o["RANK"] for o in out] == ["0", "1", "2"]
+    assert {o["sum"] for o in out} == {6.0}
+    assert len({o["pid"] for o in out} | {os.getpid()}) == 4
+    for r, o in enumerate(out):
+        assert o["LOCAL_RANK"] == o["HOROVOD_RANK"] == o["HOROVOD_LOCAL_RANK"] == str(r)
+        assert (o["WORLD_SIZE"], o["LOCAL_WORLD_SIZE"], o["HOROVOD_SIZE"]) == ("3", "3", "3")
+        assert (o["GROUP_RANK"], o["HOROVOD_CROSS_RANK"], o["HOROVOD_CROSS_SIZE"]) == ("0", "0", "1")
+        assert o["USER_VAR"] == "x"
+    assert len({o["TORCHELASTIC_RUN_ID"] for o in out}) == 1
+
+
+def _chatty(lines: int) -> int:
+    import sys
+
+    rank = int(os.environ["RANK"])
+    for i in range(lines):
+        print(f"r{rank} line {i}")
+    sys.stderr.write("E" * 100_000 + "\n")
+    sys.stdout.write("last line without newline")
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_every_log_line_arrives_in_order_and_whole(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert phalanx.run(_chatty, args=(5000,), np=2, output_filename=str(tmp_path)) == [0, 1]
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        mine = [ln for ln in out.splitlines() if ln.startswith(f"[{rank}]<stdout>:")]
+        assert mine[:-1] == [f"[{rank}]<stdout>:r{rank} line {i}" for i in range(5000)]
+        assert mine[-1] == f"[{rank}]<stdout>:last line without newline"
+        assert f"[{rank}]<stderr>:" + "E" * 100_000 + "\n" in err
+        kept = (tmp_path / f"rank.{rank}" / "stdout").read_text().splitlines()
+        assert len(kept) == 5001 and kept[0] == f"r{rank} line 0"
+
+
+def _fail_on_rank_1() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    print(f"rank {dist.get_rank()} ready", flush=True)
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+        raise ValueError("rank one cannot go on")
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here until it is torn down
+
+
+@pytest.mark.timeout(60)
+def test_exception_names_root_cause_with_traceback_and_tears_down_blocked_ranks() -> None:
+    with pytest.raises(WorkerFailedError) as info:
+        phalanx.run(_fail_on_rank_1, np=2)
+    err = info.value
+    assert err.root_cause.rank == 1
+    assert err.root_cause.summary == "ValueError: rank one cannot go on"
+    assert "in _fail_on_rank_1" in err.root_cause.traceback
+    assert 'raise ValueError("rank one cannot go on")' in err.root_cause.traceback
+    assert err.root_cause.log_tail == ("rank 1 ready",)
+    assert str(err).startswith("rank 1 failed: ValueError: rank one cannot go on")
+    assert [f.rank for f in err.failures] == [1, 0]
+
+
+def _die(how: str) -> None:
+    if os.environ["RANK"] == "0":
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(7)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "text", "code"), [("kill", "signal SIGKILL (9)", 137), ("exit", "exit code 7", 7)])
+def test_death_by_signal_or_exit_code_is_reported(how: str, text: str, code: int) -> None:
+    with pytest.raises(WorkerFailedError, match=f"rank 0 failed: process ended with {re.escape(text)}") as info:
+        phalanx.run(_die, args=(how,), np=2)
+    assert info.value.exit_code == code
+
+
+def _spawn_daemon_then_fail(pidfile: str) -> None:
+    import subprocess
+
+    # A grandchild that leaves the worker's process group: teardown must still find it.
+    p = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    Path(pidfile + os.environ["RANK"]).write_text(str(p.pid))
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("fail with a grandchild alive")
+    time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_whole_process_tree_is_torn_down(tmp_path: Path) -> None:
+    with pytest.raises(WorkerFailedError, match="fail with a grandchild alive"):
+        phalanx.run(_spawn_daemon_then_fail, args=(str(tmp_path / "pid"),), np=2)
+    for rank in (0, 1):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists(), f"grandchild {pid} of rank {rank} survived"
+
+
+@pytest.mark.timeout(60)
+def test_start_timeout_names_missing_ranks() -> None:
+    with pytest.raises(StartTimeoutError, match=r"rank\(s\) 0, 1 of 2 did not start within 0.01 s; raise start_timeout="):
+        phalanx.run(os.getpid, np=2, start_timeout=0.01)
+
+
+def test_bad_input_fails_before_any_process_starts() -> None:
+    lock = threading.Lock()
+    with pytest.raises(PayloadError, match="closure variable 'lock'"):
+        phalanx.run(lambda: lock.locked(), np=2)
+    with pytest.raises(InvalidArgumentError, match="np must be a positive int"):
+        phalanx.run(print, np=0)
+
+
+def _unpicklable_result() -> Any:
+    return threading.Lock()
+
+
+@pytest.mark.timeout(60)
+def test_unpicklable_return_value_is_reported() -> None:
+    with pytest.raises(WorkerFailedError, match="return value of type lock cannot be pickled"):
+        phalanx.run(_unpicklable_result, np=1)

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import queue
+
+import cloudpickle
+import pytest
+
+from phalanx.errors import StartTimeoutError, WorkerFailedError
+from phalanx.job.channel import Result
+from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.records import ErrorRecord, Hello, LogLine, Stream
+
+
+def _monitor(events: list[object], n: int = 2, **kw: object) -> tuple[JobMonitor, list[str]]:
+    q: queue.Queue[object] = queue.Queue()
+    for e in events:
+        q.put(e)
+    stops: list[str] = []
+    cfg = MonitorConfig(world_size=n, expect_results=True, expect_hello=True, start_timeout_s=5,
+                        start_timeout_hint="start_timeout=", stop_wait_s=0.5)
+    for k, v in kw.items():
+        cfg = MonitorConfig(**{**cfg.__dict__, k: v})  # type: ignore[arg-type]
+    return JobMonitor(cfg, q, [], stop_all=lambda: stops.append("stop")), stops  # type: ignore[arg-type]
+
+
+def test_results_in_rank_order_whatever_the_arrival_order() -> None:
+    events = [Hello(1, 11, "h"), Hello(0, 10, "h"), Result(1, cloudpickle.dumps("one")), RankExit(1, 0),
+              Result(0, cloudpickle.dumps("zero")), RankExit(0, 0)]
+    mon, stops = _monitor(events)
+    assert mon.run() == ["zero", "one"]
+    assert stops == []
+
+
+def test_first_failure_is_root_cause_and_others_follow() -> None:
+    err = ErrorRecord(rank=1, exc_type="ValueError", message="bad input", traceback="Traceback\nValueError\n")
+    events = [Hello(0, 1, "h"), Hello(1, 2, "h"), LogLine(1, Stream.STDOUT, "about to fail"), err,
+              RankExit(1, 1), RankExit(0, -15)]
+    mon, stops = _monitor(events)
+    with pytest.raises(WorkerFailedError) as info:
+        mon.run()
+    failures = info.value.failures
+    assert [f.rank for f in failures] == [1, 0]
+    assert failures[0].summary == "ValueError: bad input" and failures[0].log_tail == ("about to fail",)
+    assert failures[1].secondary
+    assert stops == ["stop"]
+
+
+def test_exit_zero_without_result_is_a_failure() -> None:
+    mon, _ = _monitor([Hello(0, 1, "h"), RankExit(0, 0)], n=1)
+    with pytest.raises(WorkerFailedError, match="without reporting a result"):
+        mon.run()
+
+
+def test_signal_death_is_named() -> None:
+    mon, _ = _monitor([Hello(0, 1, "h"), RankExit(0, -9)], n=1)
+    with pytest.raises(WorkerFailedError, match=r"signal SIGKILL \(9\)"):
+        mon.run()
+
+
+def test_start_timeout_names_missing_ranks_and_knob() -> None:
+    mon, stops = _monitor([Hello(0, 1, "h")], n=3, start_timeout_s=0.2)
+    with pytest.raises(StartTimeoutError, match=r"rank\(s\) 1, 2 of 3 did not start within 0.2 s; raise start_timeout="):
+        mon.run()
+    assert stops == ["stop"]
