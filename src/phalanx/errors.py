@@ -61,6 +61,17 @@ class NotInitializedError(PhalanxError, ValueError):
     """A ``phalanx.torch`` function was called before ``hvd.init()``."""
 
 
+class SlotsUnavailableError(PhalanxError, RuntimeError):
+    """The Spark cluster cannot run every rank at once (a barrier stage needs them all together).
+
+    The message gives the ranks asked for, the task slots available and the setting to change.
+    """
+
+
+class SparkJobError(PhalanxError, RuntimeError):
+    """Spark itself failed the job's barrier stage (lost executor, refused stage), not the user's code."""
+
+
 def describe_exit(returncode: int) -> str:
     """Describe a process return code as a person reads it.
 

@@ -50,8 +50,15 @@ PHALANX_SECRET = "PHALANX_SECRET"
 PHALANX_START_TIMEOUT_S = "PHALANX_START_TIMEOUT_S"
 PHALANX_PARENT_PID = "PHALANX_PARENT_PID"
 
+# --- phalanx.spark: "1" when log_to_driver() should send its message on the channel (Spark jobs).
+PHALANX_LOG_TO_DRIVER = "PHALANX_LOG_TO_DRIVER"
+
 # --- phalanx knobs a user may set on the driver.
 PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"
+
+# --- Spark: the interpreter executors run, and the GPUs a rank may use (from the task's resources).
+PYSPARK_PYTHON = "PYSPARK_PYTHON"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 # --- Python runtime: workers stream their output line by line, so it must not be block-buffered.
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
