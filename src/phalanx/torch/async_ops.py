@@ -1,0 +1,262 @@
+"""Asynchronous and in-place collectives (Horovod's ``*_async``, ``*_`` names), ``poll`` and ``synchronize``.
+
+Every function returns a handle at once; ``synchronize(handle)`` returns the result. Collectives run in the
+order each rank issues them (as in ``torch.distributed``); ranks that disagree about a collective get a
+``CollectiveMismatchError`` (a ``RuntimeError``) from ``synchronize`` on every rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from phalanx.torch import _engine, _state
+from phalanx.torch import _header as H
+from phalanx.torch import _reduce as R
+from phalanx.torch._collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
+from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
+
+_GROUPS: dict[int, list[int]] = {}
+_GROUP_IDS = itertools.count(1 << 40)
+
+
+def _sig(kind: str, name: str | None, tensor: torch.Tensor | None, ps: ProcessSet, **kw: Any) -> H.Signature:
+    _state.topology()
+    psid = ps.process_set_id if ps.process_set_id is not None else -1
+    if tensor is None:
+        return H.Signature(kind, name or "", torch.uint8, 0, (), process_set_id=psid, **kw)
+    return H.Signature(kind, name or "", tensor.dtype, 1 if tensor.is_cuda else 0, tuple(tensor.shape),
+                       process_set_id=psid, **kw)  # fmt: skip
+
+
+def _members(ps: ProcessSet) -> tuple[int, int]:
+    """(set size, this rank's index in the set)."""
+    ranks = groups_of(ps).ranks
+    return len(ranks), ranks.index(_state.topology().rank)
+
+
+def _allreduce_handle(
+    tensors: list[torch.Tensor], outputs: list[torch.Tensor], name: str | None, op: int, pre: float,
+    post: float, ps: ProcessSet, grouped: bool,
+) -> int:  # fmt: skip
+    for t in tensors:
+        R.check_op(op, t.dtype)
+    kw: dict[str, Any] = {"op": op, "prescale": pre, "postscale": post}
+    if grouped:
+        kw.update(group_hash=H.group_hash(tensors) or 1, count=len(tensors))
+    sig = _sig("allreduce", name, tensors[0] if tensors else None, ps, **kw)
+    n, _ = _members(ps)
+    return _engine.submit(Allreduce(tensors, outputs, op, pre, post, n, sig), ps)
+
+
+def allreduce_async(
+    tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+) -> int:  # fmt: skip
+    """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`.
+
+    Args:
+        tensor: the tensor to reduce (same shape and dtype on every rank of the set).
+        average: deprecated; use ``op``. True means Average, False Sum.
+        name: an optional name (shown in errors; two in-flight ops may not share one).
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply the input by this before the reduction.
+        postscale_factor: multiply the result by this after the reduction.
+        process_set: the ranks taking part (default: all).
+
+    Returns:
+        A handle.
+
+    Raises:
+        ValueError: before ``hvd.init()``, bad op/dtype, or a name already in flight.
+        NotImplementedError: ``op=Adasum``.
+    """
+    op_ = R.resolve_op(op, average)
+    out = torch.empty_like(tensor)
+    return _allreduce_handle([tensor], [out], name, op_, prescale_factor, postscale_factor, process_set, False)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+) -> int:  # fmt: skip
+    """In-place form of :func:`allreduce_async`: the result is written into ``tensor``."""
+    op_ = R.resolve_op(op, average)
+    return _allreduce_handle([tensor], [tensor], name, op_, prescale_factor, postscale_factor, process_set, False)
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:  # fmt: skip
+    """Start one allreduce of several tensors (one signature check); ``synchronize`` returns a list."""
+    op_ = R.resolve_op(op, average)
+    outs = [torch.empty_like(t) for t in tensors]
+    return _allreduce_handle(list(tensors), outs, name, op_, prescale_factor, postscale_factor, process_set, True)
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:  # fmt: skip
+    """In-place form of :func:`grouped_allreduce_async`."""
+    op_ = R.resolve_op(op, average)
+    ts = list(tensors)
+    return _allreduce_handle(ts, ts, name, op_, prescale_factor, postscale_factor, process_set, True)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start an allgather along dim 0 (the first dimension may differ per rank); return a handle."""
+    if tensor.dim() == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension; got a 0-d tensor")
+    return _engine.submit(Allgather(tensor, _sig("allgather", name, tensor, process_set)), process_set)
+
+
+def _group(handles: list[int]) -> int:
+    gid = next(_GROUP_IDS)
+    _GROUPS[gid] = handles
+    return gid
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start an allgather of each tensor; ``synchronize`` returns the list of results."""
+    return _group([allgather_async(t, f"{name}.{i}" if name else None, process_set) for i, t in enumerate(tensors)])
+
+
+def _broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, name: str | None,
+               ps: ProcessSet) -> int:  # fmt: skip
+    ranks = groups_of(ps).ranks
+    if root_rank not in ranks:
+        raise ValueError(f"root_rank={root_rank} is not a member of {ps!r} (ranks {list(ranks)})")
+    sig = _sig("broadcast", name, tensor, ps, root=root_rank)
+    return _engine.submit(Broadcast(tensor, out, root_rank, sig), ps)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start a broadcast of ``root_rank``'s tensor (a global rank) into a new tensor; return a handle."""
+    return _broadcast(tensor, torch.empty_like(tensor), root_rank, name, process_set)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """In-place form of :func:`broadcast_async`: ``tensor`` receives the root's values."""
+    return _broadcast(tensor, tensor, root_rank, name, process_set)
+
+
+def _splits(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None, n: int) -> list[int]:
+    if tensor.dim() == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension; got a 0-d tensor")
+    d0 = tensor.shape[0]
+    if splits is None:
+        if d0 % n:
+            raise ValueError(f"alltoall without splits needs dim 0 ({d0}) divisible by the set size ({n})")
+        return [d0 // n] * n
+    values = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    if len(values) != n or sum(values) != d0 or min(values) < 0:
+        raise ValueError(f"alltoall splits={values} must be {n} non-negative counts summing to dim 0 ({d0})")
+    return values
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+                   name: str | None = None, process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+    """Start an alltoall: rows ``splits[i]`` go to the i-th member; ``synchronize`` returns
+    ``(output, received_splits)``."""
+    n, index = _members(process_set)
+    values = _splits(tensor, splits, n)
+    sig = _sig("alltoall", name, tensor, process_set)
+    return _engine.submit(Alltoall(tensor, values, index, sig), process_set)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor, name: str | None = None, op: int = R.Average,
+    process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> int:  # fmt: skip
+    """Start a reduce-scatter along dim 0 (the first ``d0 % size`` members get one extra row)."""
+    R.check_op(op, tensor.dtype)
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension; got a 0-d tensor")
+    n, index = _members(process_set)
+    sig = _sig("reducescatter", name, tensor, process_set, op=op, prescale=prescale_factor,
+               postscale=postscale_factor)  # fmt: skip
+    coll = Reducescatter(tensor, op, prescale_factor, postscale_factor, index, n, sig)
+    return _engine.submit(coll, process_set)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, op: int = R.Average,
+    process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> int:  # fmt: skip
+    """Start a reduce-scatter of each tensor; ``synchronize`` returns the list of results."""
+    handles = [
+        reducescatter_async(t, f"{name}.{i}" if name else None, op, process_set, prescale_factor, postscale_factor)
+        for i, t in enumerate(tensors)
+    ]
+    return _group(handles)
+
+
+def poll(handle: int) -> bool:
+    """Return True when the collective of ``handle`` has finished; never blocks.
+
+    Raises:
+        ValueError: the handle is unknown (or was already synchronized).
+    """
+    subs = _GROUPS.get(handle)
+    if subs is not None:
+        return all(_engine.poll(h) for h in subs)
+    return _engine.poll(handle)
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for a collective and return its result (grouped handles: the list of results).
+
+    Raises:
+        CollectiveMismatchError: ranks disagreed about the collective (on every rank; a RuntimeError).
+        ValueError: the handle is unknown.
+    """
+    subs = _GROUPS.pop(handle, None)
+    if subs is not None:
+        return [_engine.synchronize(h) for h in subs]
+    return _engine.synchronize(handle)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every member of the set reaches the barrier."""
+    _engine.run(Barrier(_sig("barrier", None, None, process_set)), process_set)
+
+
+class _Join(Barrier):
+    def aux(self) -> list[int]:
+        return [time.time_ns()]
+
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+        arrivals = [row[0] for row in aux]
+        self.last = arrivals.index(max(arrivals))
+
+    def finish(self) -> Any:
+        return self.last
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank has called ``join``; return the global rank that arrived last.
+
+    Unlike Horovod, a joined rank does not take part in other ranks' collectives meanwhile: every rank
+    must issue the same collectives before joining (see docs/torch.md).
+
+    Args:
+        device: accepted for compatibility (Horovod's GPU id); unused.
+
+    Returns:
+        The rank that called ``join`` last (by wall clock).
+    """
+    del device
+    ranks = groups_of(global_process_set).ranks
+    return int(ranks[_engine.run(_Join(_sig("barrier", "join", None, global_process_set)), global_process_set)])
