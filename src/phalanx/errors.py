@@ -122,7 +122,7 @@ class RankFailure:
         """Render this failure as a block of the job error's message."""
         lines = [f"{header}: rank {self.rank}: {self.summary}"]
         if self.traceback:
-            lines.append("  Traceback from rank %d:" % self.rank)
+            lines.append(f"  Traceback from rank {self.rank}:")
             lines.extend("    " + ln for ln in self.traceback.rstrip("\n").splitlines())
         if self.log_tail:
             lines.append(f"  Last {len(self.log_tail)} log lines of rank {self.rank}:")

@@ -67,7 +67,7 @@ class FileSink:
         if key not in self._files:
             folder = self.directory / f"rank.{rank}"
             folder.mkdir(parents=True, exist_ok=True)
-            self._files[key] = open(folder / stream.label, "a", encoding="utf-8", errors="replace")  # noqa: SIM115
+            self._files[key] = open(folder / stream.label, "a", encoding="utf-8", errors="replace")
         return self._files[key]
 
     def write(self, line: LogLine) -> None:

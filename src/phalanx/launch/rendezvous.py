@@ -47,7 +47,7 @@ class RendezvousStore:
                 # The store closes the descriptor it is given: give it its own copy.
                 wait_for_workers=False, master_listen_fd=os.dup(self._sock.fileno()),
             )
-        except BaseException as e:  # noqa: BLE001 - reported to the launcher, which raises it
+        except BaseException as e:
             log.error("could not start the rendezvous store on port %d: %s", self.port, e)
             self.error = e
         finally:

@@ -56,7 +56,7 @@ class _Formatter:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._tids: dict[str, int] = {}
-        self._names: dict[object, str] = {}
+        self._names: dict[str, str] = {}
         # Anchor the monotonic clock to the wall clock once, so that traces of several ranks (or hosts
         # with synchronized clocks) share one time axis and ``ts`` never jumps backwards.
         self._wall0_ns = time.time_ns()
@@ -88,23 +88,22 @@ class _Formatter:
             out.append(self._thread_line(tensor, tid))
         return tid
 
-    def _name(self, name: object) -> str:
-        """JSON of a str (or of another hashable value such as a dtype), cached: names repeat."""
-        quoted = self._names.get(name)  # type: ignore[call-overload]
+    def _name(self, name: str) -> str:
+        quoted = self._names.get(name)
         if quoted is None:
-            quoted = self._names[name] = _dumps(name if isinstance(name, str) else str(name))  # type: ignore[index]
+            quoted = self._names[name] = _dumps(name)
         return quoted
 
     def _args(self, args: dict[str, object]) -> str:
-        # json.dumps costs ~5 us per small dict; the usual args (dtype, shape, bytes) take ~1 us this way.
+        # json.dumps costs ~5 us per small dict; the usual args (dtype, shape, bytes) cost far less this way.
         parts = []
         for key, value in args.items():
-            if type(value) is int or type(value) is float:
-                text = repr(value)
-            elif isinstance(value, tuple) and all(type(v) is int for v in value):  # shapes, torch.Size
-                text = "[" + ",".join(map(str, value)) + "]"
-            elif isinstance(value, str) or (type(value).__hash__ is not None and not isinstance(value, tuple)):
+            if type(value) is str:
                 text = self._name(value)
+            elif type(value) is int:
+                text = str(value)
+            elif isinstance(value, (tuple, list)) and all(type(v) is int for v in value):  # shapes, Size
+                text = "[" + ",".join(map(str, value)) + "]"
             else:
                 text = _dumps(value)
             parts.append(f"{self._name(key)}:{text}")

@@ -64,7 +64,7 @@ def _run(channel: WorkerChannel, rank: int) -> int:
         else:
             channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
             return e.code if isinstance(e.code, int) else EXIT_FAILED
-    except BaseException as e:  # noqa: BLE001 - every failure of user code is reported, then exits 1
+    except BaseException as e:
         # Drop this function's own frame: the report starts at the user's function (or the loader).
         tb = e.__traceback__.tb_next if e.__traceback__ is not None else None
         channel.send(Kind.ERROR, ErrorRecord.from_exception(rank, e.with_traceback(tb)).encode())

@@ -136,7 +136,8 @@ def test_whole_process_tree_is_torn_down(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_start_timeout_names_missing_ranks() -> None:
-    with pytest.raises(StartTimeoutError, match=r"rank\(s\) 0, 1 of 2 did not start within 0.01 s; raise start_timeout="):
+    expected = r"rank\(s\) 0, 1 of 2 did not start within 0.01 s; raise start_timeout="
+    with pytest.raises(StartTimeoutError, match=expected):
         phalanx.run(os.getpid, np=2, start_timeout=0.01)
 
 

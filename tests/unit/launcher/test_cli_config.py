@@ -13,7 +13,8 @@ def test_parse_full_command_line(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text("")
     cfg = parse_config(["-np", "3", "-H", "localhost:3", "--start-timeout", "12", "--output-filename",
-                        str(tmp_path), "--no-prefix", "--timeline-filename", "t.json", "python", str(script), "--lr", "1"])
+                        str(tmp_path), "--no-prefix", "--timeline-filename", "t.json",
+                        "python", str(script), "--lr", "1"])
     assert cfg.np == 3 and cfg.command == ("python", str(script), "--lr", "1")
     assert cfg.start_timeout_s == 12 and not cfg.prefix and cfg.output_dir == str(tmp_path)
     assert cfg.job_env()["HOROVOD_TIMELINE"].endswith("t.json")

@@ -59,6 +59,7 @@ def test_signal_death_is_named() -> None:
 
 def test_start_timeout_names_missing_ranks_and_knob() -> None:
     mon, stops = _monitor([Hello(0, 1, "h")], n=3, start_timeout_s=0.2)
-    with pytest.raises(StartTimeoutError, match=r"rank\(s\) 1, 2 of 3 did not start within 0.2 s; raise start_timeout="):
+    expected = r"rank\(s\) 1, 2 of 3 did not start within 0.2 s; raise start_timeout="
+    with pytest.raises(StartTimeoutError, match=expected):
         mon.run()
     assert stops == ["stop"]
