@@ -131,10 +131,9 @@ def _fit(text: str, width: int) -> str:
 
 def render_table(table: dict[str, list[Row]], top: int = 10) -> str:
     """Format :func:`summarize`'s result; at most ``top`` tensors per activity (0: all)."""
-    head = (
-        f"{'activity':<26} {'tensor':<34} {'count':>7} {'bytes':>10} {'total ms':>11} {'mean ms':>9} "
-        f"{'GB/s':>7}"
-    )
+    titles = ("activity", "tensor", "count", "bytes", "total ms", "mean ms", "GB/s")
+    widths = ("<26", "<34", ">7", ">10", ">11", ">9", ">7")
+    head = " ".join(format(t, w) for t, w in zip(titles, widths))
     out = [head, "-" * len(head)]
     for activity, rows in table.items():
         shown = rows if top <= 0 else rows[: top + 1]
@@ -153,9 +152,8 @@ def render_ranks(ranks: Sequence[RankRow]) -> str:
     """Format :func:`per_rank`'s result, naming the straggler when one stands out."""
     out = [f"{'rank':>4} {'ops':>7} {'negotiate ms':>13} {'transfer ms':>12} {'other wait ms':>14}"]
     for r in ranks:
-        out.append(
-            f"{r.rank:>4} {r.ops:>7} {_ms(r.negotiate_us):>13} {_ms(r.transfer_us):>12} {_ms(r.wait_us):>14}"
-        )
+        times = f"{_ms(r.negotiate_us):>13} {_ms(r.transfer_us):>12} {_ms(r.wait_us):>14}"
+        out.append(f"{r.rank:>4} {r.ops:>7} {times}")
     slow = straggler(ranks)
     if slow is not None:
         out.append(f"rank {slow} negotiates least: the other ranks wait for it (likely straggler)")

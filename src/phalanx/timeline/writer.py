@@ -34,6 +34,7 @@ _now_ns = time.perf_counter_ns
 DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
 DEFAULT_FLUSH_INTERVAL_S = 0.2
 DEFAULT_MAX_PENDING = 1_000_000
+_ARGS_CACHE_SIZE = 4096
 
 _SPAN = 0
 _INSTANT = 1
@@ -57,6 +58,8 @@ class _Formatter:
         self.rank = rank
         self._tids: dict[str, int] = {}
         self._names: dict[str, str] = {}
+        self._prefixes: dict[tuple[str, str], str] = {}
+        self._args_cache: dict[tuple[tuple[str, object], ...], str] = {}
         # Anchor the monotonic clock to the wall clock once, so that traces of several ranks (or hosts
         # with synchronized clocks) share one time axis and ``ts`` never jumps backwards.
         self._wall0_ns = time.time_ns()
@@ -95,7 +98,20 @@ class _Formatter:
         return quoted
 
     def _args(self, args: dict[str, object]) -> str:
-        # json.dumps costs ~5 us per small dict; the usual args (dtype, shape, bytes) cost far less this way.
+        # Training repeats the same args (bucket, dtype, shape, bytes) every step: cache their JSON.
+        try:
+            key = tuple(args.items())
+            cached = self._args_cache.get(key)
+        except TypeError:  # an unhashable value (a list): format it every time
+            return self._format_args(args)
+        if cached is None:
+            if len(self._args_cache) >= _ARGS_CACHE_SIZE:
+                self._args_cache.clear()
+            cached = self._args_cache[key] = self._format_args(args)
+        return cached
+
+    def _format_args(self, args: dict[str, object]) -> str:
+        # json.dumps costs ~5 us per small dict; the usual args (dtype, shape, bytes) cost less this way.
         parts = []
         for key, value in args.items():
             if type(value) is str:
@@ -116,8 +132,11 @@ class _Formatter:
         if kind == _CYCLE:
             out.append(f'{{"name":"{CYCLE_START}","ph":"i","s":"p","ts":{self.ts_us(t0)},"pid":{pid}}},\n')
             return
-        tid = self._row(tensor, out)
-        head = f'{{"name":{self._name(name)},"pid":{pid},"tid":{tid},"ts":{self.ts_us(t0)}'
+        prefix = self._prefixes.get((tensor, name))
+        if prefix is None:
+            tid = self._row(tensor, out)
+            prefix = self._prefixes[(tensor, name)] = f'{{"name":{self._name(name)},"pid":{pid},"tid":{tid},"ts":'
+        head = prefix + self.ts_us(t0)
         if kind == _INSTANT:
             out.append(f'{head},"ph":"i","s":"t"}},\n')
             return

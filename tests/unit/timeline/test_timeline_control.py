@@ -42,9 +42,7 @@ def test_only_rank_0_records_by_default(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("via_env", [False, True])
-def test_every_rank_writes_its_own_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via_env: bool
-) -> None:
+def test_every_rank_writes_its_own_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via_env: bool) -> None:
     monkeypatch.setenv(N.RANK, "3")
     if via_env:
         monkeypatch.setenv(N.PHALANX_TIMELINE_ALL_RANKS, "1")

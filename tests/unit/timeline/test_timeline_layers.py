@@ -12,9 +12,7 @@ def test_timeline_imports_no_torch_and_no_other_layer() -> None:
         "mods = sorted(m for m in sys.modules if m.startswith('phalanx.') or m == 'torch')\n"
         "print(' '.join(mods))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.split()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     allowed = ("phalanx.timeline", "phalanx.env", "phalanx.errors", "phalanx.cli")
     assert "torch" not in out
     assert [m for m in out if not m.startswith(allowed)] == []

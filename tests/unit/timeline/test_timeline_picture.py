@@ -69,11 +69,7 @@ def test_picture_shows_the_operations(tmp_path: Path) -> None:
     width, height, raw = _decode_png(path.read_bytes())
     assert width == 1400 and height > 200
     stride = 1 + 3 * width
-    pixels = {
-        bytes(raw[y * stride + 1 + 3 * x : y * stride + 4 + 3 * x])
-        for y in range(height)
-        for x in range(width)
-    }
+    pixels = {bytes(raw[y * stride + 1 + 3 * x : y * stride + 4 + 3 * x]) for y in range(height) for x in range(width)}
     assert bytes(COLORS[ALLREDUCE]) in pixels and bytes(COLORS[NEGOTIATE_ALLREDUCE]) in pixels
 
 

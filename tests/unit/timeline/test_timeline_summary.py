@@ -50,9 +50,7 @@ def test_summary_agrees_with_the_written_events(tmp_path: Path) -> None:
     rows = {e["tid"]: e["args"]["name"] for e in raw if e.get("name") == "thread_name"}
     table = summarize(load_trace([str(path)]).spans)
     for r in table["ALLREDUCE"][1:]:
-        mine = [
-            e for e in raw if e.get("ph") == "X" and e["name"] == "ALLREDUCE" and rows[e["tid"]] == r.tensor
-        ]
+        mine = [e for e in raw if e.get("ph") == "X" and e["name"] == "ALLREDUCE" and rows[e["tid"]] == r.tensor]
         assert r.count == len(mine) == 10
         assert r.nbytes == sum(e["args"]["bytes"] for e in mine)
         assert r.total_us == pytest.approx(sum(e["dur"] for e in mine))

@@ -80,9 +80,7 @@ def test_events_have_names_phase_args_and_rows(tmp_path: Path) -> None:
     assert allreduce["dur"] >= 2000  # microseconds
     assert allreduce["pid"] == 0 and allreduce["ts"] >= spans[0]["ts"]
     rows = [e for e in events if e.get("name") == "thread_name"]
-    assert rows == [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": allreduce["tid"], "args": {"name": "bucket.0"}}
-    ]
+    assert rows == [{"name": "thread_name", "ph": "M", "pid": 0, "tid": allreduce["tid"], "args": {"name": "bucket.0"}}]
     assert [e["name"] for e in events if e.get("ph") == "i"] == ["READY"]
 
 
