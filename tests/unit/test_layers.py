@@ -1,0 +1,89 @@
+"""The layering rule of docs/design.md: imports flow one way, heavy dependencies stay out of light layers."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import phalanx
+
+PKG = Path(phalanx.__file__).parent
+
+# layer -> the phalanx layers it may import (itself always allowed)
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "env": {"errors"},
+    "job": {"errors", "env"},
+    "launch": {"job", "env", "errors"},
+    "worker": {"job", "env", "errors"},
+    "timeline": {"env", "errors"},
+    "torch": {"env", "timeline", "errors"},
+    "spark": {"launch", "job", "env", "errors", "worker"},
+    "cli": {"launch", "env", "errors", "timeline", "job"},
+    "compat": {"torch", "spark", "launch", "env", "errors", "__init__"},
+    "__init__": {"launch"},
+}
+
+
+def _layer(path: Path) -> str:
+    rel = path.relative_to(PKG)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
+
+
+def _phalanx_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "phalanx":
+                found.add(parts[1] if len(parts) > 1 else "__init__")
+    return found
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if _layer(p) in ALLOWED)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_flow_one_way(path: Path) -> None:
+    layer = _layer(path)
+    bad = _phalanx_imports(path) - ALLOWED[layer] - {layer}
+    assert not bad, f"{path.relative_to(PKG)} (layer {layer}) imports {sorted(bad)}; allowed: {sorted(ALLOWED[layer])}"
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    unknown = sorted({_layer(p) for p in PKG.rglob("*.py")} - set(ALLOWED))
+    assert not unknown, f"modules outside the layer table: {unknown}; add them to docs/design.md and ALLOWED"
+
+
+@pytest.mark.parametrize(
+    ("module", "forbidden"),
+    [
+        ("phalanx", ["torch", "pyspark", "cloudpickle"]),
+        ("phalanx.env", ["torch", "pyspark"]),
+        ("phalanx.errors", ["torch", "pyspark"]),
+        ("phalanx.launch.api", ["torch", "pyspark"]),
+        ("phalanx.worker.exec", ["torch", "pyspark", "cloudpickle"]),
+        ("phalanx.cli.main", ["torch", "pyspark"]),
+        ("phalanx.torch", ["pyspark"]),
+        ("phalanx.timeline", ["torch", "pyspark"]),
+        ("phalanx.spark", ["pyspark", "torch"]),
+    ],
+)
+def test_importing_does_not_pull_heavy_dependencies(module: str, forbidden: list[str]) -> None:
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r}); "
+        f"print(','.join(m for m in {forbidden!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"import {module} also imported: {out.stdout.strip()}"
