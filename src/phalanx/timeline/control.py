@@ -160,6 +160,17 @@ def _register_atexit() -> None:
         _atexit_registered = True
 
 
+def _forget_in_child() -> None:
+    # A forked child (e.g. a DataLoader worker) must neither record into nor close the parent's trace.
+    global _active
+    tl, _active = _active, None
+    if tl is not None:
+        tl.close()  # in a child this only stops recording
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def start_from_env() -> Timeline | None:
     """Start the timeline the environment asks for (called by ``hvd.init()``).
 

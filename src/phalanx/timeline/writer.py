@@ -234,6 +234,7 @@ class Timeline:
         self._pending: deque[_Record] = deque()
         self._stop = threading.Event()
         self._failed: OSError | None = None
+        self._owner_pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="phalanx-timeline-writer", daemon=True)
         self._thread.start()
 
@@ -243,7 +244,11 @@ class Timeline:
         return not self._stop.is_set()
 
     def begin(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
-        """Start ``activity`` on the row of ``tensor_name`` (a tensor or bucket); args go to the trace."""
+        """Start ``activity`` on the row of ``tensor_name`` (a tensor or bucket).
+
+        ``args`` (e.g. dtype, shape, bytes) go to the trace; they are formatted later by the writer thread,
+        so do not mutate the dict afterwards.
+        """
         self._open[(tensor_name, activity)] = (_now_ns(), args)
 
     def end(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
@@ -274,8 +279,15 @@ class Timeline:
         self._pending.append(rec)
 
     def close(self) -> None:
-        """Stop recording, write what is pending, and close the file (idempotent)."""
+        """Stop recording, write what is pending, and close the file (idempotent).
+
+        In a forked child (a DataLoader worker) it only stops recording: the file belongs to the parent.
+        """
         if self._stop.is_set():
+            return
+        if os.getpid() != self._owner_pid:
+            self._max_pending = 0
+            self._stop.set()
             return
         self._max_pending = 0
         self._stop.set()

@@ -99,3 +99,21 @@ def test_malformed_rank_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv(N.RANK, "zero")
     with pytest.raises(InvalidArgumentError, match="RANK='zero'"):
         timeline.start_timeline(str(tmp_path / "t.json"))
+
+
+def test_a_forked_child_does_not_touch_the_parents_trace(tmp_path: Path) -> None:
+    tl = timeline.start_timeline(str(tmp_path / "t.json"))
+    tl.begin("x", timeline.ALLREDUCE)
+    tl.end("x", timeline.ALLREDUCE)
+    pid = os.fork()
+    if pid == 0:  # the child: no timeline; stopping must not write the parent's closing bracket
+        ok = timeline.current() is None
+        tl.close()
+        timeline.stop_timeline()
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert timeline.current() is tl and tl.recording
+    timeline.stop_timeline()
+    events = json.loads((tmp_path / "t.json").read_text())  # exactly one footer: strict JSON
+    assert sum(e.get("ph") == "X" for e in events) == 1
