@@ -1,0 +1,127 @@
+"""``phalanx.spark.run``: the contract of ``horovod.spark.run`` on a Spark barrier stage."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import IO, TYPE_CHECKING, Any
+
+from phalanx.errors import InvalidArgumentError, PhalanxError
+from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
+from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
+from phalanx.spark.session import spark_context, task_slots, wait_for_slots
+from phalanx.spark.shipping import spark_payload
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+
+log = logging.getLogger("phalanx")
+
+#: horovod.spark.run arguments accepted for compatibility and ignored (phalanx uses gloo, no MPI).
+IGNORED_RUN_ARGS = frozenset({
+    "extra_mpi_args", "use_mpi", "use_gloo", "nics", "prefix_output_with_timestamp", "executable",
+})
+_START_HINT = "start_timeout= (or the HOROVOD_START_TIMEOUT variable)"
+
+
+def check_gpu_conf(sc: SparkContext, use_gpu: bool) -> None:
+    """Refuse ``use_gpu=True`` on a cluster whose tasks are given no GPU, before anything starts.
+
+    Raises:
+        InvalidArgumentError: ``spark.task.resource.gpu.amount`` is unset or zero.
+    """
+    if not use_gpu:
+        return
+    amount = sc.getConf().get("spark.task.resource.gpu.amount")
+    try:
+        ok = amount is not None and float(amount) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(
+            f"use_gpu=True but this Spark cluster ({sc.master}) gives its tasks no GPU "
+            f"(spark.task.resource.gpu.amount={amount!r}); set spark.task.resource.gpu.amount=1 and "
+            "spark.executor.resource.gpu.amount (with spark.executor.resource.gpu.discoveryScript), or pass "
+            "use_gpu=False to train on CPUs"
+        )
+
+
+def launch_spark(spec: SparkJobSpec, sc: SparkContext) -> SparkLauncher:
+    """Check the slots, then run the job; return the finished launcher (values in ``.values``).
+
+    Raises:
+        SlotsUnavailableError, WorkerFailedError, StartTimeoutError, SparkJobError.
+    """
+    wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint)
+    launcher = SparkLauncher(spec, sc)
+    try:
+        launcher.run()
+    except PhalanxError as e:
+        if launcher.log_dir is not None:
+            note = f"Full output of every rank: {launcher.log_dir}/rank.N/{{stdout,stderr}}"
+            log.error("phalanx: %s", note)
+            if hasattr(e, "add_note"):
+                e.add_note(note)
+        raise
+    return launcher
+
+
+def _check_compat_args(extra: Mapping[str, object]) -> None:
+    unknown = sorted(set(extra) - IGNORED_RUN_ARGS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"run() got unexpected argument(s) {unknown}; phalanx.spark.run accepts horovod.spark.run's "
+            f"arguments (ignored for compatibility: {sorted(IGNORED_RUN_ARGS)})"
+        )
+    if extra:
+        log.debug("phalanx.spark.run ignores %s (phalanx uses gloo, no MPI)", sorted(extra))
+
+
+def run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    **compat: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` as ``num_proc`` ranks of a Spark barrier stage (``horovod.spark.run``).
+
+    Args:
+        fn: the function; it travels by cloudpickle, with the modules next to the driver's script.
+        args: positional arguments.
+        kwargs: keyword arguments.
+        num_proc: number of ranks (default: every task slot of the cluster).
+        start_timeout: seconds for slots and ranks to start (default ``HOROVOD_START_TIMEOUT`` or 30).
+        env: extra environment variables for every rank (``HOROVOD_TIMELINE`` too).
+        stdout: where the ranks' stdout lines go on the driver (default ``sys.stdout``).
+        stderr: where the ranks' stderr lines go (default ``sys.stderr``).
+        verbose: 0 quiet, 1 normal, 2 debug logging of the launcher.
+        compat: horovod.spark.run arguments without meaning here (``use_mpi``, ``nics``...), ignored.
+
+    Returns:
+        Every rank's return value, in rank order.
+
+    Raises:
+        InvalidArgumentError: a bad argument (before Spark is touched, when possible).
+        PayloadError: ``fn`` or an argument cannot be pickled.
+        SlotsUnavailableError: the cluster cannot run ``num_proc`` tasks at once.
+        WorkerFailedError: a rank failed; the root cause, its traceback and log tail come first.
+        StartTimeoutError: ranks did not start in time.
+    """
+    _check_compat_args(compat)
+    timeout = resolve_start_timeout(start_timeout)
+    user_env = validate_env(env)
+    payload = spark_payload(fn, tuple(args), dict(kwargs or {}))
+    if verbose >= 2:
+        logging.getLogger("phalanx").setLevel(logging.DEBUG)
+    sc = spark_context()
+    np = validate_np(num_proc, "num_proc") if num_proc is not None else task_slots(sc)
+    spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout,
+                        start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
+                        description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})")
+    return launch_spark(spec, sc).values

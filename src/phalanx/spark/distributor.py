@@ -1,0 +1,143 @@
+"""``TorchDistributor``: pyspark's API (``pyspark.ml.torch.distributor``) on phalanx's launchers.
+
+Two of pyspark's behaviours are fixed: a function returns rank 0's value (pyspark returns whichever
+rank wrote its output last), and a script returns rank 0's stdout and raises when a rank fails
+(pyspark's wrapper exits 0 whatever torchrun returned).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from phalanx.env import names as N
+from phalanx.errors import InvalidArgumentError
+from phalanx.launch.api import resolve_start_timeout, validate_np
+from phalanx.spark.api import check_gpu_conf, launch_spark
+from phalanx.spark.launcher import SparkJobSpec
+from phalanx.spark.session import spark_context
+from phalanx.spark.shipping import spark_payload
+
+_START_HINT = "the HOROVOD_START_TIMEOUT variable"
+
+
+def driver_gpus() -> list[str]:
+    """The driver's GPU addresses: Spark's driver resources when a context runs, else CUDA's devices."""
+    if "pyspark" in sys.modules:
+        from pyspark import SparkContext
+
+        sc = SparkContext._active_spark_context
+        gpu = sc.resources.get("gpu") if sc is not None else None
+        if gpu is not None and gpu.addresses:
+            return list(gpu.addresses)
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def script_command(path: str, args: tuple[Any, ...]) -> tuple[str, ...]:
+    """``(absolute script path, *args as str)``.
+
+    Raises:
+        InvalidArgumentError: the script does not exist on the driver.
+    """
+    script = Path(path)
+    if not script.is_file():
+        raise InvalidArgumentError(f"train_object {path!r} is not a file; pass a function or a script path")
+    return (str(script.resolve()), *(str(a) for a in args))
+
+
+class TorchDistributor:
+    """Run a PyTorch training function or script on ``num_processes`` ranks.
+
+    Args:
+        num_processes: number of ranks (> 0).
+        local_mode: True: every rank on the driver (no Spark job); False: one barrier task per rank.
+        use_gpu: give each rank GPUs: the task's ``TaskContext.resources()["gpu"]`` (or, in local mode,
+            the driver's GPUs) as ``CUDA_VISIBLE_DEVICES``; an error when there are none.
+
+    Raises:
+        InvalidArgumentError: ``num_processes`` is not a positive int.
+    """
+
+    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True) -> None:
+        self.num_processes = validate_np(num_processes, "num_processes")
+        self.local_mode = bool(local_mode)
+        self.use_gpu = bool(use_gpu)
+
+    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``train_object`` on every rank.
+
+        Args:
+            train_object: a function (called with ``*args, **kwargs``) or the path of a Python script
+                (run as ``python script *args`` on every rank; it must exist on the executors too).
+            args: arguments of the function, or command-line arguments of the script.
+            kwargs: keyword arguments of the function.
+
+        Returns:
+            A function's return value on rank 0, or rank 0's stdout for a script.
+
+        Raises:
+            InvalidArgumentError: a bad argument, ``use_gpu=True`` without GPUs.
+            WorkerFailedError: a rank failed (``.exit_code`` is the root cause's exit code).
+            SlotsUnavailableError: the cluster cannot run ``num_processes`` tasks at once.
+        """
+        if isinstance(train_object, str | os.PathLike):
+            command = script_command(os.fspath(train_object), args)
+            if kwargs:
+                raise InvalidArgumentError(f"a script takes no keyword arguments; got {sorted(kwargs)}")
+            return self._run_script(command)
+        if not callable(train_object):
+            raise InvalidArgumentError(f"train_object must be a function or a script path; got {train_object!r}")
+        if self.local_mode:
+            return self._local(train_object, args, kwargs)
+        payload = spark_payload(train_object, args, kwargs)
+        return self._spark(payload=payload, command=None).values[0]
+
+    def _run_script(self, command: tuple[str, ...]) -> str:
+        if self.local_mode:
+            return self._local_script(command)
+        lines = self._spark(payload=b"", command=command).rank0_stdout.lines
+        return "".join(line + "\n" for line in lines)
+
+    def _spark(self, payload: bytes, command: tuple[str, ...] | None) -> Any:
+        sc = spark_context()
+        check_gpu_conf(sc, self.use_gpu)
+        name = Path(command[0]).name if command else "function"
+        spec = SparkJobSpec(
+            np=self.num_processes, payload=payload, command=command, use_gpu=self.use_gpu,
+            start_timeout_s=resolve_start_timeout(None), start_timeout_hint=_START_HINT,
+            description=f"TorchDistributor(num_processes={self.num_processes}).run({name})",
+        )
+        return launch_spark(spec, sc)
+
+    def _gpu_env(self) -> dict[str, str]:
+        if not self.use_gpu:
+            return {}
+        gpus = driver_gpus()
+        if len(gpus) < self.num_processes:
+            raise InvalidArgumentError(
+                f"use_gpu=True with local_mode=True needs {self.num_processes} GPUs on the driver; found "
+                f"{len(gpus)} ({gpus or 'none'}); lower num_processes, or pass use_gpu=False to train on CPUs"
+            )
+        return {N.CUDA_VISIBLE_DEVICES: ",".join(gpus)}
+
+    def _local(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from phalanx.launch.api import run as run_local
+
+        return run_local(fn, args=args, kwargs=kwargs, np=self.num_processes, env=self._gpu_env())[0]
+
+    def _local_script(self, command: tuple[str, ...]) -> str:
+        from phalanx.launch.local import LocalJobSpec, LocalLauncher
+
+        env = self._gpu_env()
+        with tempfile.TemporaryDirectory(prefix="phalanx-distributor-") as logs:
+            spec = LocalJobSpec(np=self.num_processes, command=(sys.executable, *command), env=env,
+                                start_timeout_s=resolve_start_timeout(None), output_dir=logs)
+            LocalLauncher(spec).run()
+            out = Path(logs, "rank.0", "stdout")
+            return out.read_text(encoding="utf-8") if out.exists() else ""

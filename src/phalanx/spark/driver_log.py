@@ -1,0 +1,34 @@
+"""``log_to_driver``: a message from a rank to the driver's console (``sparkdl.horovod.log_to_driver``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from phalanx.env import names as N
+from phalanx.errors import ChannelError
+from phalanx.job.framing import Kind
+
+
+def log_to_driver(message: object) -> None:
+    """Show ``message`` on the driver's console, prefixed with this rank.
+
+    In a Spark job the message travels on the job's authenticated channel, so it shows even with
+    ``driver_log_verbosity="log_callback_only"``. Elsewhere (``HorovodRunner(np<0)``, ``phalanx.run``, a
+    plain script) it is written to this process's stdout, which the local launcher streams.
+
+    Args:
+        message: any object; its ``str()`` is sent.
+    """
+    from phalanx.worker import current_channel
+
+    channel = current_channel()
+    if channel is not None and os.environ.get(N.PHALANX_LOG_TO_DRIVER) == "1":
+        try:
+            channel.send(Kind.EVENT, json.dumps({"log": str(message)}).encode())
+            return
+        except ChannelError:
+            pass
+    sys.stdout.write(f"{message}\n")
+    sys.stdout.flush()

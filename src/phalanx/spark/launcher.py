@@ -1,0 +1,279 @@
+"""The driver side of a Spark job: one barrier stage whose tasks start and supervise the ranks.
+
+The driver hosts the job's channel and its torch.distributed TCPStore (as the local launcher does), both
+listening on every interface and advertised at ``spark.driver.host``: executors must reach the driver
+anyway, the store's port is bound before any task starts (no free-port race on an executor), and the
+store outlives every rank. The barrier stage runs in a background thread under its own job group while
+the :class:`~phalanx.job.monitor.JobMonitor` runs in the caller's thread. On the first failure the
+driver sends ABORT to every task (each stops its worker's process tree), then cancels the job group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+from phalanx.env import JobContract
+from phalanx.errors import SparkJobError
+from phalanx.job.channel import Custom, DriverChannel
+from phalanx.job.logs import FileSink, LogSink
+from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.records import ErrorRecord, LogLine, Stream
+from phalanx.launch.rendezvous import RendezvousStore
+from phalanx.spark.session import driver_host, executor_python, python_exec
+from phalanx.spark.task import DRAIN_WAIT_S, TaskSpec, barrier_task
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+
+log = logging.getLogger(__name__)
+
+#: Seconds the driver waits for the barrier stage to end once the job is over, before cancelling it.
+STAGE_END_WAIT_S = 30.0
+_SPARK_ERROR_LINES = 30
+
+
+@dataclass(frozen=True)
+class SparkJobSpec:
+    """One Spark job, validated by the public entry points.
+
+    Attributes:
+        np: number of ranks (barrier tasks).
+        payload: the serialized call (function jobs); empty for a command job.
+        command: ``(script, *args)`` run with the executor's python on every rank; None for functions.
+        env: the user's extra variables for every rank.
+        start_timeout_s: seconds every rank has to start.
+        start_timeout_hint: the argument that raises the start timeout.
+        use_gpu: give each rank its task's GPUs.
+        console: ``"all"`` prints every rank's output on the driver; ``"log_callback_only"`` prints only
+            ``log_to_driver`` messages and keeps the full logs in files.
+        stdout: where rank output goes on the driver (default: ``sys.stdout`` at the time of writing).
+        stderr: where rank error output goes on the driver (default: ``sys.stderr``).
+        description: shown in the Spark UI.
+        teardown_grace_s: seconds between SIGTERM and SIGKILL when the job is aborted.
+    """
+
+    np: int
+    payload: bytes = b""
+    command: tuple[str, ...] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 30.0
+    start_timeout_hint: str = "start_timeout"
+    use_gpu: bool = False
+    console: str = "all"
+    stdout: IO[str] | None = None
+    stderr: IO[str] | None = None
+    description: str = "phalanx job"
+    teardown_grace_s: float = 3.0
+
+
+class StreamSink:
+    """Writes ``[rank]<stream>:text`` lines to given streams (or sys.stdout/sys.stderr when None)."""
+
+    def __init__(self, stdout: IO[str] | None, stderr: IO[str] | None) -> None:
+        self._out = stdout
+        self._err = stderr
+
+    def _stream(self, stream: Stream) -> IO[str]:
+        import sys
+
+        if stream is Stream.STDOUT:
+            return self._out or sys.stdout
+        return self._err or sys.stderr
+
+    def write(self, line: LogLine) -> None:
+        """Write one line, prefixed with its rank and stream."""
+        self._stream(line.stream).write(f"[{line.rank}]<{line.stream.label}>:{line.text}\n")
+
+    def flush(self) -> None:
+        """Flush both streams."""
+        for stream in (Stream.STDOUT, Stream.STDERR):
+            self._stream(stream).flush()
+
+
+class Rank0Stdout:
+    """Keeps rank 0's stdout lines (a script job returns them)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, line: LogLine) -> None:
+        """Keep the line when it is rank 0's stdout."""
+        if line.rank == 0 and line.stream is Stream.STDOUT:
+            self.lines.append(line.text)
+
+    def flush(self) -> None:
+        """Nothing to flush."""
+
+
+class SparkLauncher:
+    """Runs one job as a barrier stage; use :meth:`run` once.
+
+    Args:
+        spec: the job.
+        sc: the SparkContext to run on.
+    """
+
+    def __init__(self, spec: SparkJobSpec, sc: SparkContext) -> None:
+        self.spec = spec
+        self.sc = sc
+        self.run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
+        self.rank0_stdout = Rank0Stdout()
+        self.log_dir: str | None = None
+        self.values: list[Any] = []
+        self._console = StreamSink(spec.stdout, spec.stderr)
+        self._files: FileSink | None = None
+        self._lock = threading.Lock()
+        self._exited: set[int] = set()
+        self._stopping = threading.Event()
+        self._job_thread: threading.Thread | None = None
+        self._channel: DriverChannel | None = None
+
+    def run(self) -> list[Any]:
+        """Run the job to its end; return each rank's value (None for a command job) in rank order.
+
+        Raises:
+            WorkerFailedError: a rank failed (root cause first).
+            StartTimeoutError: ranks did not start in time.
+            SparkJobError: Spark failed the stage for a reason outside the user's code.
+        """
+        host = driver_host(self.sc)
+        channel = DriverChannel(self.spec.np, self.spec.payload, bind_host="0.0.0.0", advertise_host=host)
+        store = RendezvousStore(self.spec.np, bind_host="0.0.0.0")
+        self._channel = channel
+        job = JobContract(run_id=self.run_id, master_addr=host, master_port=store.port,
+                          channel=channel.address, secret=channel.secret,
+                          start_timeout_s=self.spec.start_timeout_s)
+        monitor = JobMonitor(self._monitor_config(), channel.events, self._sinks(),  # type: ignore[arg-type]
+                             stop_all=self._stop_all, on_custom=self._on_custom)
+        try:
+            self._submit(job)
+            self.values = monitor.run()
+            return self.values
+        finally:
+            self._finish()
+            channel.close()
+            store.close()
+            if self._files is not None:
+                self._files.close()
+
+    def _monitor_config(self) -> MonitorConfig:
+        function_job = self.spec.command is None
+        return MonitorConfig(
+            world_size=self.spec.np, expect_results=function_job, expect_hello=function_job,
+            start_timeout_s=self.spec.start_timeout_s, start_timeout_hint=self.spec.start_timeout_hint,
+            stop_wait_s=self.spec.teardown_grace_s + DRAIN_WAIT_S + 2.0,
+        )
+
+    def _sinks(self) -> list[LogSink]:
+        sinks: list[LogSink] = [self.rank0_stdout]
+        if self.spec.console == "all":
+            sinks.append(self._console)
+        else:
+            self.log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}-logs-")
+            self._files = FileSink(self.log_dir)
+            sinks.append(self._files)
+            log.info("phalanx: full logs of every rank in %s", self.log_dir)
+        return sinks
+
+    def _submit(self, job: JobContract) -> None:
+        spec = TaskSpec(job=job, command=self.spec.command, env=dict(self.spec.env),
+                        use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s)
+        with python_exec(self.sc, executor_python(self.sc)):
+            rdd = self.sc.parallelize(range(self.spec.np), self.spec.np).barrier().mapPartitions(barrier_task(spec))
+            rdd._jrdd  # noqa: B018 - builds the Python function now, while pythonExec is the right one
+        self._job_thread = threading.Thread(target=self._collect, args=(rdd,), name="phalanx-spark-job",
+                                            daemon=True)
+        self._job_thread.start()
+
+    def _collect(self, rdd: Any) -> None:
+        try:
+            self.sc.setJobGroup(self.run_id, self.spec.description, interruptOnCancel=True)
+            statuses = [json.loads(s) for s in rdd.collect()]
+        except Exception as e:
+            self._spark_failed(e)
+            return
+        for status in statuses:
+            if not status["reported"]:
+                self._post_exit(int(status["rank"]), int(status["exit"]), status.get("error") or "")
+
+    def _spark_failed(self, error: Exception) -> None:
+        if self._stopping.is_set():
+            return
+        with self._lock:
+            missing = [r for r in range(self.spec.np) if r not in self._exited]
+        if not missing:
+            return
+        lines = str(error).strip().splitlines()
+        message = "\n".join(lines[:_SPARK_ERROR_LINES]) + ("\n..." if len(lines) > _SPARK_ERROR_LINES else "")
+        record = ErrorRecord.from_exception(missing[0], SparkJobError(
+            f"Spark failed the barrier stage of job {self.run_id} before ranks {missing} finished: {message}"
+        ))
+        self._channel.events.put(record)  # type: ignore[union-attr]
+        for rank in missing:
+            self._post_exit(rank, 1, "")
+
+    def _post_exit(self, rank: int, returncode: int, error: str) -> None:
+        with self._lock:
+            if rank in self._exited:
+                return
+            self._exited.add(rank)
+        assert self._channel is not None
+        if error:
+            self._channel.events.put(ErrorRecord(rank=rank, exc_type="phalanx.errors.ChannelError",
+                                                 message=error, traceback=""))
+        self._channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+
+    def _on_custom(self, event: Custom) -> None:
+        try:
+            body = json.loads(event.body)
+        except ValueError:
+            return
+        if "log" in body:
+            line = LogLine(rank=event.rank, stream=Stream.STDOUT, text=str(body["log"]))
+            for sink in (self._console, self._files):
+                if sink is not None:
+                    sink.write(line)
+        elif "exit" in body:
+            threading.Thread(target=self._after_drain, args=(event.rank, int(body["exit"])), daemon=True).start()
+
+    def _after_drain(self, rank: int, returncode: int) -> None:
+        # The worker's result travels on its own connection: wait until that connection is read out.
+        assert self._channel is not None
+        if self.spec.command is None and self._channel.is_connected(rank):
+            self._channel.worker_done(rank, DRAIN_WAIT_S)
+        self._post_exit(rank, returncode, "")
+
+    def _stop_all(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._channel is not None:
+            self._channel.abort_all()
+        threading.Thread(target=self._cancel_after_grace, name="phalanx-cancel", daemon=True).start()
+
+    def _cancel_after_grace(self) -> None:
+        # Tasks stop their workers on ABORT and end on their own; a stage still running is cancelled.
+        thread = self._job_thread
+        if thread is not None:
+            thread.join(self.spec.teardown_grace_s + 2.0)
+            if thread.is_alive():
+                log.debug("cancelling Spark job group %s", self.run_id)
+                self.sc.cancelJobGroup(self.run_id)
+
+    def _finish(self) -> None:
+        thread = self._job_thread
+        if thread is None:
+            return
+        thread.join(STAGE_END_WAIT_S if not self._stopping.is_set() else 0.0)
+        if thread.is_alive():
+            self._stop_all()
+            thread.join(self.spec.teardown_grace_s + STAGE_END_WAIT_S)
+        if thread.is_alive():
+            log.warning("phalanx: the barrier stage of job %s did not end within %.0f s of its cancellation",
+                        self.run_id, STAGE_END_WAIT_S)

@@ -1,0 +1,82 @@
+"""``HorovodRunner``: Databricks' API (``sparkdl.HorovodRunner``) on a Spark barrier stage."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from phalanx.errors import InvalidArgumentError
+from phalanx.launch.api import resolve_start_timeout
+from phalanx.spark.api import launch_spark
+from phalanx.spark.launcher import SparkJobSpec
+from phalanx.spark.session import spark_context, task_slots
+from phalanx.spark.shipping import spark_payload
+
+log = logging.getLogger(__name__)
+
+VERBOSITIES = ("log_callback_only", "all")
+
+
+class HorovodRunner:
+    """Run a Horovod training function as a Spark job (or on the driver, for debugging).
+
+    Args:
+        np: ``> 0``: that many ranks, one per barrier task on the cluster. ``< 0``: ``-np`` processes on
+            the driver, no Spark job (the debugging mode). ``0``: one rank per task slot (deprecated).
+        driver_log_verbosity: ``"log_callback_only"`` (default) shows only :func:`log_to_driver`
+            messages on the driver and keeps every rank's full output in files, which errors name;
+            ``"all"`` streams every rank's output, prefixed ``[rank]<stream>:``.
+
+    Raises:
+        InvalidArgumentError: ``np`` is not an int, or an unknown verbosity.
+    """
+
+    def __init__(self, *, np: int, driver_log_verbosity: str = "log_callback_only") -> None:
+        if isinstance(np, bool) or not isinstance(np, int):
+            raise InvalidArgumentError(f"np must be an int (ranks; negative: on the driver); got {np!r}")
+        if driver_log_verbosity not in VERBOSITIES:
+            raise InvalidArgumentError(
+                f"driver_log_verbosity must be one of {VERBOSITIES}; got {driver_log_verbosity!r}"
+            )
+        self.num_processor = np
+        self.driver_log_verbosity = driver_log_verbosity
+
+    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
+        """Run ``main(**kwargs)`` on every rank and return rank 0's return value.
+
+        Args:
+            main: the training function (cloudpickled with the modules next to the driver's script).
+            kwargs: keyword arguments for ``main``.
+
+        Returns:
+            What ``main`` returned on rank 0.
+
+        Raises:
+            PayloadError: ``main`` or an argument cannot be pickled.
+            SlotsUnavailableError: the cluster cannot run ``np`` tasks at once.
+            WorkerFailedError: a rank failed; root cause, traceback and log tail first.
+            StartTimeoutError: ranks did not start within ``HOROVOD_START_TIMEOUT`` (default 30 s).
+        """
+        np = self.num_processor
+        if np < 0:
+            from phalanx.launch.api import run as run_local
+
+            log.info("HorovodRunner(np=%d): %d processes on the driver, no Spark job", np, -np)
+            return run_local(main, kwargs=kwargs, np=-np)[0]
+        payload = spark_payload(main, (), kwargs)
+        sc = spark_context()
+        if np == 0:
+            np = task_slots(sc)
+            warnings.warn(f"HorovodRunner(np=0) is deprecated: using every task slot ({np}); pass np=N",
+                          DeprecationWarning, stacklevel=2)
+        spec = SparkJobSpec(
+            np=np, payload=payload, start_timeout_s=resolve_start_timeout(None),
+            start_timeout_hint="the HOROVOD_START_TIMEOUT variable", console=self._console(),
+            description=f"HorovodRunner(np={np}).run({getattr(main, '__name__', 'main')})",
+        )
+        return launch_spark(spec, sc).values[0]
+
+    def _console(self) -> str:
+        return "all" if self.driver_log_verbosity == "all" else "log_callback_only"

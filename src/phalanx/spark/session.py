@@ -1,0 +1,143 @@
+"""The SparkContext a job runs on, the interpreter its executors run, and the task slots it has.
+
+The user's active session is used as it is; with none, an embedded ``local[*]`` session is started (the
+only setup a user needs is ``pip install phalanx[spark]`` and Java). Slots are counted the way Spark's
+own barrier check counts them (``maxNumConcurrentTasks`` of the default resource profile), so a shortage
+fails here in bounded time instead of in Spark's minutes-long silent retry loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from phalanx.env import names as N
+from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two "waiting for task slots" status lines.
+SLOT_STATUS_EVERY_S = 5.0
+_EMBEDDED_CONF = {
+    "spark.app.name": "phalanx",
+    "spark.ui.showConsoleProgress": "false",
+    # Spark's own barrier slot check retries for minutes; phalanx checks first, so fail at once.
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "1",
+    "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
+}
+
+
+def spark_context() -> SparkContext:
+    """The active SparkContext, or a new embedded ``local[*]`` one.
+
+    Raises:
+        InvalidArgumentError: pyspark is not installed (the message names the extra to install).
+    """
+    try:
+        from pyspark import SparkContext
+        from pyspark.sql import SparkSession
+    except ImportError as e:
+        raise InvalidArgumentError(
+            "phalanx.spark needs pyspark: pip install 'phalanx[spark]' (and a Java runtime)"
+        ) from e
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active.sparkContext
+    if SparkContext._active_spark_context is not None:
+        return SparkContext._active_spark_context
+    builder = SparkSession.builder.master("local[*]")
+    for key, value in _EMBEDDED_CONF.items():
+        builder = builder.config(key, value)
+    log.info("no active SparkSession: starting an embedded local[*] one")
+    return builder.getOrCreate().sparkContext
+
+
+def executor_python(sc: SparkContext) -> str:
+    """The interpreter executors run: ``PYSPARK_PYTHON`` when the user set it, else the driver's own."""
+    if os.environ.get(N.PYSPARK_PYTHON):
+        return str(sc.pythonExec)
+    return sys.executable
+
+
+@contextmanager
+def python_exec(sc: SparkContext, python: str) -> Iterator[None]:
+    """Build RDDs whose tasks run ``python`` (the RDD keeps it; the context's default is restored)."""
+    saved = sc.pythonExec
+    sc.pythonExec = python
+    try:
+        yield
+    finally:
+        sc.pythonExec = saved
+
+
+def driver_host(sc: SparkContext) -> str:
+    """The address executors reach the driver at (``spark.driver.host``)."""
+    host = sc.getConf().get("spark.driver.host")
+    return host or "127.0.0.1"
+
+
+def task_slots(sc: SparkContext) -> int:
+    """How many tasks of the default resource profile the cluster can run at once right now."""
+    jsc = sc._jsc.sc()
+    profile = jsc.resourceProfileManager().defaultResourceProfile()
+    return int(jsc.maxNumConcurrentTasks(profile))
+
+
+def _is_local(sc: SparkContext) -> bool:
+    master = str(sc.master)
+    return master == "local" or master.startswith("local[")
+
+
+def _shortage(sc: SparkContext, np: int, slots: int, waited_s: float, knob: str) -> SlotsUnavailableError:
+    conf = sc.getConf()
+    cpus = conf.get("spark.task.cpus", "1")
+    gpus = conf.get("spark.task.resource.gpu.amount")
+    per_task = f"spark.task.cpus={cpus}" + (f", spark.task.resource.gpu.amount={gpus}" if gpus else "")
+    return SlotsUnavailableError(
+        f"{np} ranks were asked for but the Spark cluster ({sc.master}) can run only {slots} task(s) at "
+        f"once ({per_task}; waited {waited_s:.0f} s). A barrier stage needs every rank running together: "
+        f"lower np/num_processes/num_proc to {max(slots, 1)} or less, give the cluster more executors or "
+        f"cores (spark.executor.cores, spark.executor.instances, local[N]), or raise {knob} to wait longer "
+        "for executors to join"
+    )
+
+
+def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str) -> int:
+    """Wait until the cluster can run ``np`` tasks at once; log a status line while waiting.
+
+    Local masters never gain slots, so a shortage there fails at once.
+
+    Args:
+        sc: the context.
+        np: ranks needed.
+        timeout_s: seconds to wait for executors to join.
+        knob: the argument that raises ``timeout_s``, named in the error.
+
+    Returns:
+        The slots available.
+
+    Raises:
+        SlotsUnavailableError: fewer than ``np`` slots after ``timeout_s`` (the message has the values).
+    """
+    started = time.monotonic()
+    next_status = started
+    while True:
+        slots = task_slots(sc)
+        now = time.monotonic()
+        if slots >= np:
+            return slots
+        if _is_local(sc) or now - started >= timeout_s:
+            raise _shortage(sc, np, slots, now - started, knob)
+        if now >= next_status:
+            log.warning("phalanx: waiting for task slots: %d ranks asked for, %d slots available "
+                        "(waited %.0f of %.0f s; %s)", np, slots, now - started, timeout_s, knob)
+            next_status = now + SLOT_STATUS_EVERY_S
+        time.sleep(0.25)

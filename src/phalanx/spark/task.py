@@ -1,0 +1,189 @@
+"""The barrier task: runs on an executor, starts one rank's worker process and supervises it.
+
+The task never raises for a failure of the user's code: it reports the failure on the channel and
+returns a status, so Spark does not retry the whole barrier stage (a deterministic error is reported
+once). The worker is a child process in its own session; it dies with the task (``PR_SET_PDEATHSIG``,
+set by the worker itself), and the task stops its whole process tree when the driver aborts the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.env import JobContract, RankIdentity, assign_ranks, compose_env, worker_env
+from phalanx.env import names as N
+from phalanx.errors import ChannelError, PhalanxError
+from phalanx.job.channel import Role, WorkerChannel
+from phalanx.job.framing import Kind
+from phalanx.job.logs import pump_lines
+from phalanx.job.records import ErrorRecord, LogLine, Stream
+from phalanx.launch.proctree import terminate_tree
+
+#: Seconds the output pipes may stay open after the worker ended (a grandchild may hold them).
+DRAIN_WAIT_S = 5.0
+#: Exit code reported when the task could not start its worker.
+EXIT_NOT_STARTED = 1
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What every barrier task needs; pickled with the task function.
+
+    Attributes:
+        job: the job's contract (store, channel, secret, start timeout).
+        command: the command a rank runs (``python script args``), or None for a function job.
+        env: the user's extra variables for every rank.
+        use_gpu: give each rank its task's GPUs as ``CUDA_VISIBLE_DEVICES``.
+        log_to_driver: route ``log_to_driver`` messages over the channel.
+        teardown_grace_s: seconds between SIGTERM and SIGKILL when the job is aborted.
+    """
+
+    job: JobContract
+    command: tuple[str, ...] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    use_gpu: bool = False
+    log_to_driver: bool = True
+    teardown_grace_s: float = 3.0
+
+
+def exit_event(returncode: int) -> bytes:
+    """Body of the EVENT frame a task sends once its worker ended and its output was drained."""
+    return json.dumps({"exit": returncode}).encode()
+
+
+def executor_host(address: str) -> str:
+    """The host part of a barrier task's executor address (``host:port``, IPv6 in brackets)."""
+    host, _, _ = address.rpartition(":")
+    return (host or address).strip("[]")
+
+
+def _gpu_env(spec: TaskSpec, resources: dict[str, Any], rank: int) -> dict[str, str]:
+    if not spec.use_gpu:
+        return {}
+    gpu = resources.get("gpu")
+    addresses = list(getattr(gpu, "addresses", []) or [])
+    if not addresses:
+        raise PhalanxError(
+            f"use_gpu=True but Spark gave the task of rank {rank} no GPU (its resources: "
+            f"{sorted(resources) or 'none'}); set spark.executor.resource.gpu.amount and "
+            "spark.task.resource.gpu.amount (with a GPU discovery script), or pass use_gpu=False"
+        )
+    return {N.CUDA_VISIBLE_DEVICES: ",".join(addresses)}
+
+
+def _argv(spec: TaskSpec) -> list[str]:
+    if spec.command is None:
+        return [sys.executable, "-m", "phalanx.worker"]
+    return [sys.executable, "-m", "phalanx.worker.exec", sys.executable, *spec.command]
+
+
+def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str]) -> dict[str, str]:
+    own = {N.PHALANX_PARENT_PID: str(os.getpid()), **gpu_env}
+    if spec.log_to_driver:
+        own[N.PHALANX_LOG_TO_DRIVER] = "1"
+    return compose_env(os.environ, spec.env, {**worker_env(spec.job, who), **own})
+
+
+class _Supervisor:
+    """One rank's worker process and its forwarding threads."""
+
+    def __init__(self, spec: TaskSpec, channel: WorkerChannel, rank: int) -> None:
+        self.spec = spec
+        self.channel = channel
+        self.rank = rank
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.channel_ok = True
+        self._done = threading.Event()
+
+    def send(self, kind: Kind, body: bytes) -> None:
+        """Send a frame; after the driver went away, keep going silently (the pipes must be drained)."""
+        if not self.channel_ok:
+            return
+        try:
+            self.channel.send(kind, body)
+        except ChannelError:
+            self.channel_ok = False
+
+    def emit(self, line: LogLine) -> None:
+        """Forward one output line of the worker."""
+        self.send(Kind.LOG, line.encode())
+
+    def run(self, env: dict[str, str]) -> int:
+        """Start the worker, forward its output, stop it on abort; return its exit code."""
+        # Started from the task's main thread: the worker's PR_SET_PDEATHSIG follows this thread.
+        self.proc = subprocess.Popen(
+            _argv(self.spec), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        pumps = [
+            threading.Thread(target=pump_lines, args=(self.proc.stdout, self.rank, Stream.STDOUT, self.emit)),
+            threading.Thread(target=pump_lines, args=(self.proc.stderr, self.rank, Stream.STDERR, self.emit)),
+        ]
+        for t in pumps:
+            t.daemon = True
+            t.start()
+        threading.Thread(target=self._abort_watch, name="phalanx-abort", daemon=True).start()
+        try:
+            returncode = self.proc.wait()
+        finally:
+            self._done.set()
+            terminate_tree([self.proc.pid], 0.5)
+        for t in pumps:
+            t.join(DRAIN_WAIT_S)
+        return returncode
+
+    def _abort_watch(self) -> None:
+        self.channel.wait_for_abort()
+        if not self._done.is_set() and self.proc is not None:
+            terminate_tree([self.proc.pid], self.spec.teardown_grace_s)
+
+
+def _status(rank: int, returncode: int, reported: bool, error: str = "") -> str:
+    return json.dumps({"rank": rank, "exit": returncode, "reported": reported, "error": error})
+
+
+def supervise(spec: TaskSpec, rank: int, hosts: list[str], resources: dict[str, Any]) -> str:
+    """Run one rank to its end; return a JSON status (rank, exit code, whether the driver heard it).
+
+    Args:
+        spec: the job's task spec.
+        rank: this task's barrier partition id.
+        hosts: every task's executor host, in partition order.
+        resources: this task's ``TaskContext.resources()``.
+    """
+    try:
+        channel = WorkerChannel.connect(spec.job.channel, spec.job.secret, rank, Role.SUPERVISOR,
+                                        spec.job.start_timeout_s)
+    except ChannelError as e:
+        return _status(rank, EXIT_NOT_STARTED, False, str(e))
+    supervisor = _Supervisor(spec, channel, rank)
+    try:
+        env = _rank_env(spec, assign_ranks(hosts)[rank], _gpu_env(spec, resources, rank))
+        returncode = supervisor.run(env)
+    except (PhalanxError, OSError) as e:
+        supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
+        returncode = EXIT_NOT_STARTED
+    supervisor.send(Kind.EVENT, exit_event(returncode))
+    channel.close()
+    return _status(rank, returncode, supervisor.channel_ok)
+
+
+def barrier_task(spec: TaskSpec) -> Any:
+    """The function to pass to ``rdd.barrier().mapPartitions``: it supervises this task's rank."""
+
+    def task(_: Iterator[Any]) -> Iterator[str]:
+        from pyspark import BarrierTaskContext
+
+        ctx = BarrierTaskContext.get()
+        hosts = [executor_host(info.address) for info in ctx.getTaskInfos()]
+        yield supervise(spec, ctx.partitionId(), hosts, dict(ctx.resources()))
+
+    return task
