@@ -235,6 +235,7 @@ class Reducescatter(Collective):
         out = torch.empty_like(tensor)
         self.inner = Allreduce([tensor], [out], op, pre, post, n, sig)
         self.index, self.n, self.sig = index, n, sig
+        self.result: torch.Tensor | None = None
 
     def payload_bytes(self) -> torch.Tensor:
         return self.inner.payload_bytes()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -64,7 +66,7 @@ def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return _WIRE_DTYPE.get(dtype, dtype)
 
 
-def dist_op(op: int, dtype: torch.dtype) -> dist.ReduceOp:
+def dist_op(op: int, dtype: torch.dtype) -> Any:
     """The torch.distributed op for a Horovod op on ``dtype`` (bool: Sum/Max = or, Min/Product = and)."""
     if dtype == torch.bool:
         return dist.ReduceOp.MAX if op in (Sum, Max) else dist.ReduceOp.MIN

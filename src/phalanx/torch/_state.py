@@ -63,7 +63,7 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
         raw = env.get(name)
         if raw not in (None, ""):
             try:
-                return int(raw)  # type: ignore[arg-type]
+                return int(raw)
             except ValueError as e:
                 raise ValueError(f"{name}={raw!r} is not an integer; fix the launcher's environment") from e
     return default

@@ -1,0 +1,132 @@
+"""Gradient buckets of the ``DistributedOptimizer``: a fixed layout, launched in a fixed order.
+
+Every rank builds the same layout from the same parameter order (reverse registration order, as DDP:
+the last layers' gradients are ready first). Bucket ``i`` is launched only after buckets ``0..i-1``, so
+the allreduce order on the data group is identical on every rank whatever order the gradient hooks fire
+in; a bucket whose parameter got no gradient on some rank is launched by ``synchronize`` (with zeros).
+
+Each parameter's ``.grad`` becomes a view into its bucket's flat buffer after the first launch, so the
+reduced gradient needs no copy back; the Average division is folded into the copy in (``mul(out=)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.torch.compression import Compressor
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced together.
+
+    Attributes:
+        params: the parameters, in layout order.
+        buffer: the flat gradient buffer (``dtype``/``device`` of the parameters).
+        offsets: start of each parameter in ``buffer``.
+        pending: parameters whose gradient is not yet final in this step.
+    """
+
+    params: list[torch.Tensor]
+    buffer: torch.Tensor
+    offsets: list[int]
+    pending: set[int] = field(default_factory=set)
+    work: Any = None
+    wire: torch.Tensor | None = None
+    ctx: Any = None
+
+    def reset(self) -> None:
+        """Mark every parameter pending (start of a step)."""
+        self.pending = {id(p) for p in self.params}
+        self.work, self.wire, self.ctx = None, None, None
+
+    def view(self, i: int) -> torch.Tensor:
+        """The slice of ``buffer`` that holds parameter ``i``'s gradient, shaped like it."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+def plan(params: list[torch.Tensor], threshold_bytes: int, groups: list[list[torch.Tensor]] | None) -> list[Bucket]:
+    """Lay out buckets.
+
+    Args:
+        params: the parameters that need gradients, in registration order.
+        threshold_bytes: maximum bytes per bucket (a larger single parameter gets its own bucket).
+        groups: explicit groups (each becomes one bucket per dtype); ``None`` to fuse by threshold.
+
+    Returns:
+        Buckets in launch order.
+    """
+    if groups is None:
+        chunks: list[list[torch.Tensor]] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            last = chunks[-1] if chunks else None
+            same_kind = last is not None and (last[0].dtype, last[0].device) == (p.dtype, p.device)
+            if not same_kind or size + nbytes > threshold_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(p)
+            size += nbytes
+    else:
+        chunks = []
+        for group in groups:
+            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for p in group:
+                by_kind.setdefault((p.dtype, p.device), []).append(p)
+            chunks.extend(by_kind.values())
+    return [_bucket(c) for c in chunks if c]
+
+
+def _bucket(params: list[torch.Tensor]) -> Bucket:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+    bucket = Bucket(params=params, buffer=buffer, offsets=offsets)
+    bucket.reset()
+    return bucket
+
+
+def pack(bucket: Bucket, prescale: float) -> None:
+    """Move every parameter's gradient into the bucket (scaled), and make ``.grad`` a view of it.
+
+    A gradient that already is the view (accumulated in place since the last step) is scaled in place.
+    """
+    for i, p in enumerate(bucket.params):
+        seg = bucket.view(i)
+        grad = p.grad
+        if grad is not None and grad.data_ptr() == seg.data_ptr() and grad.shape == seg.shape:
+            if prescale != 1.0:
+                seg.mul_(prescale)
+            continue
+        if grad is None:
+            seg.zero_()
+        elif prescale != 1.0:
+            torch.mul(grad.to_dense() if grad.is_sparse else grad, prescale, out=seg)
+        else:
+            seg.copy_(grad.to_dense() if grad.is_sparse else grad)
+        p.grad = seg
+
+
+def launch(bucket: Bucket, compression: type[Compressor], group: Any) -> None:
+    """Start the bucket's asynchronous allreduce (sum) on ``group``."""
+    wire, bucket.ctx = compression.compress(bucket.buffer)
+    bucket.wire = wire
+    bucket.work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def wait(bucket: Bucket, compression: type[Compressor], postscale: float) -> None:
+    """Wait for the bucket's allreduce and leave the reduced gradient in ``buffer`` (hence in ``.grad``)."""
+    bucket.work.wait()
+    assert bucket.wire is not None
+    if bucket.wire.data_ptr() != bucket.buffer.data_ptr():
+        bucket.buffer.copy_(compression.decompress(bucket.wire, bucket.ctx))
+    if postscale != 1.0:
+        bucket.buffer.mul_(postscale)

@@ -1,0 +1,135 @@
+"""``init``/``shutdown``, topology queries and capability queries (Horovod's ``horovod.torch`` basics)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.torch import _engine, _state
+from phalanx.torch import process_sets as P
+
+
+def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | None = None) -> None:
+    """Initialize phalanx.torch (idempotent; collective when it creates process sets).
+
+    Works under phalanx launchers and ``torchrun`` (``env://``), inside an already initialized
+    ``torch.distributed`` job, and with no launcher at all (one rank).
+
+    Args:
+        comm: an MPI communicator in Horovod; only ``None`` is supported.
+        process_sets: static process sets to register (every rank passes the same list).
+
+    Raises:
+        ValueError: ``comm`` was given, or the launcher's variables are malformed.
+    """
+    if comm is not None:
+        raise ValueError("hvd.init(comm=...) (MPI communicators) is not supported by phalanx; call hvd.init()")
+    if _state.STATE.topology is not None:
+        return
+    _state.join_process_group()
+    try:
+        P.init_process_sets(process_sets)
+    except BaseException:
+        shutdown()
+        raise
+
+
+def shutdown() -> None:
+    """Forget process sets and pending collectives and leave the process group ``init`` created."""
+    _engine.reset()
+    P.clear_process_sets()
+    _state.leave_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has been called (and :func:`shutdown` not since)."""
+    return _state.STATE.topology is not None
+
+
+def size() -> int:
+    """Number of ranks in the job. Raises ValueError before ``hvd.init()``."""
+    return _state.topology().size
+
+
+def rank() -> int:
+    """This process's global rank. Raises ValueError before ``hvd.init()``."""
+    return _state.topology().rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host. Raises ValueError before ``hvd.init()``."""
+    return _state.topology().local_size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host. Raises ValueError before ``hvd.init()``."""
+    return _state.topology().local_rank
+
+
+def cross_size() -> int:
+    """Number of ranks with this rank's local rank (hosts, when hosts are uniform)."""
+    return _state.topology().cross_size
+
+
+def cross_rank() -> int:
+    """This rank's index among the ranks with the same local rank (its host's index, usually)."""
+    return _state.topology().cross_rank
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    topo = _state.topology()
+    return topo.local_size * topo.cross_size == topo.size
+
+
+def mpi_threads_supported() -> bool:
+    """False: phalanx does not use MPI."""
+    return False
+
+
+def mpi_built() -> bool:
+    """False: phalanx does not use MPI."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: phalanx does not use MPI."""
+    return False
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed has the gloo backend."""
+    return bool(dist.is_gloo_available())
+
+
+def gloo_enabled() -> bool:
+    """Whether collectives on CPU tensors use gloo (always, when it is built)."""
+    return gloo_built()
+
+
+def nccl_built() -> bool:
+    """Whether torch.distributed has NCCL (used for CUDA tensors)."""
+    return bool(dist.is_nccl_available())
+
+
+def ddl_built() -> bool:
+    """False: IBM DDL is not supported."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: oneCCL is not supported."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether torch was built with CUDA."""
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    """Whether torch was built with ROCm."""
+    return torch.version.hip is not None

@@ -1,0 +1,130 @@
+"""Model and object helpers: ``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
+``allgather_object`` (Horovod's ``horovod.torch.functions``)."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from phalanx.torch import _state
+from phalanx.torch import async_ops as A
+from phalanx.torch.process_sets import ProcessSet, global_process_set
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError):
+        import cloudpickle  # lambdas and local classes, as Horovod allows
+
+        return bytes(cloudpickle.dumps(obj))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
+    """Send a picklable object from ``root_rank`` to every member of the set.
+
+    Args:
+        obj: the object (only the root's value matters).
+        root_rank: the global rank that sends.
+        name: optional name for the collectives.
+        process_set: the ranks taking part.
+
+    Returns:
+        The root's object on every member (the root gets its own object back).
+    """
+    me = _state.topology().rank
+    payload = _dumps(obj) if me == root_rank else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    A.synchronize(A.broadcast_async_(size, root_rank, f"{name}.size" if name else None, process_set))
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if me == root_rank:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    A.synchronize(A.broadcast_async_(buf, root_rank, f"{name}.data" if name else None, process_set))
+    return obj if me == root_rank else pickle.loads(buf.numpy().tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Gather a picklable object from every member.
+
+    Returns:
+        The members' objects in rank order.
+    """
+    raw = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    count = torch.tensor([raw.numel()])
+    sizes = A.synchronize(A.allgather_async(count, f"{name}.sizes" if name else None, process_set))
+    data = A.synchronize(A.allgather_async(raw, f"{name}.data" if name else None, process_set))
+    out, offset = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[offset : offset + n].numpy().tobytes()))
+        offset += n
+    return out
+
+
+def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        return sorted(params.items())
+    items = list(params)
+    if items and isinstance(items[0], torch.Tensor):
+        return [(f"param.{i}", t) for i, t in enumerate(items)]
+    return [(str(k), v) for k, v in items]
+
+
+def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
+    """Overwrite every member's parameters/buffers in place with the root's.
+
+    Args:
+        params: ``model.state_dict()``, ``model.named_parameters()`` or a list of ``(name, tensor)``.
+        root_rank: the global rank whose values win.
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``params`` is not one of the accepted forms.
+    """
+    named = [(k, v) for k, v in _named_tensors(params) if isinstance(v, torch.Tensor)]
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for _, t in named:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    handles = []
+    for (dtype, device), tensors in by_dtype.items():
+        # One fused broadcast per dtype: one signature check, one payload.
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+        handles.append((A.broadcast_async_(flat, root_rank, f"broadcast_parameters.{dtype}.{device}",
+                                           process_set), flat, tensors))  # fmt: skip
+    for handle, flat, tensors in handles:
+        A.synchronize(handle)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set: ProcessSet = global_process_set) -> None:  # fmt: skip
+    """Make every member's optimizer state (options and per-parameter state) equal to the root's.
+
+    The root's ``state_dict()`` travels as one serialized object, so option types (floats, tuples such as
+    Adam's ``betas``, bools) and state tensors arrive exactly as the root has them. Works for every
+    ``torch.optim`` optimizer (LBFGS and SparseAdam are refused, as in Horovod).
+
+    Raises:
+        ValueError: ``optimizer`` is an LBFGS or SparseAdam.
+    """
+    if isinstance(optimizer, torch.optim.LBFGS | torch.optim.SparseAdam):
+        raise ValueError(f"broadcast_optimizer_state does not support {type(optimizer).__name__} (as Horovod)")
+    payload = None
+    if _state.topology().rank == root_rank:
+        buf = io.BytesIO()
+        torch.save(optimizer.state_dict(), buf)
+        payload = buf.getvalue()
+    data = broadcast_object(payload, root_rank, "broadcast_optimizer_state", process_set)
+    if _state.topology().rank != root_rank:
+        state = torch.load(io.BytesIO(data), weights_only=False)
+        optimizer.load_state_dict(state)
+
+

@@ -1,0 +1,237 @@
+"""``DistributedOptimizer``: averages gradients across ranks while ``backward()`` runs.
+
+Per-parameter ``register_post_accumulate_grad_hook`` hooks mark gradients ready; full buckets (fusion
+threshold ``HOROVOD_FUSION_THRESHOLD``, default 128 MiB) start an asynchronous allreduce at once, in a
+fixed bucket order (see ``_buckets``); ``step()`` waits for them. The returned object is an instance of a
+subclass of the wrapped optimizer's class (as in Horovod), so ``isinstance`` and ``state_dict`` work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from phalanx.env import names as N
+from phalanx.torch import _buckets as B
+from phalanx.torch import _engine, _state
+from phalanx.torch import _reduce as R
+from phalanx.torch.compression import Compression, Compressor
+from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
+
+DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
+
+
+def fusion_threshold_bytes() -> int:
+    """``HOROVOD_FUSION_THRESHOLD`` in bytes (default 128 MiB; 0 means one bucket per parameter).
+
+    Raises:
+        ValueError: the variable is not an integer.
+    """
+    raw = os.environ.get(N.HOROVOD_FUSION_THRESHOLD, "")
+    if not raw.strip():
+        return DEFAULT_FUSION_THRESHOLD_BYTES
+    try:
+        return max(int(raw), 1)
+    except ValueError as e:
+        raise ValueError(f"{N.HOROVOD_FUSION_THRESHOLD}={raw!r} must be an integer number of bytes") from e
+
+
+def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
+    """Map id(param) -> name, validating Horovod's rules (no duplicates, every parameter named)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if named and not isinstance(named[0], tuple):
+        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
+                         "model.named_parameters()")  # fmt: skip
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {dups}")
+    by_id = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ValueError(
+            f"named_parameters was given but {len(missing)} optimizer parameter(s) are not named "
+            f"(indices {missing[:10]} of the optimizer's parameters); pass model.named_parameters() of the "
+            "model the optimizer was built from"
+        )
+    return by_id
+
+
+def _split(params: list[torch.Tensor], num_groups: int, groups: Any) -> list[list[torch.Tensor]] | None:
+    if groups is not None:
+        if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
+            raise ValueError("groups must be a list of lists of parameters")
+        grouped = {id(p) for g in groups for p in g}
+        rest = [[p] for p in reversed(params) if id(p) not in grouped]
+        return [list(g) for g in groups] + rest
+    if num_groups > 0:
+        ordered = list(reversed(params))
+        per = -(-len(ordered) // num_groups)
+        return [ordered[i : i + per] for i in range(0, len(ordered), per)]
+    return None
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods grafted onto a subclass of the user's optimizer class (see :func:`DistributedOptimizer`)."""
+
+    def __init__(self, params: Any, named_parameters: Any, compression: type[Compressor], backward_passes_per_step: int,
+                 op: int, gradient_predivide_factor: float, num_groups: int, groups: Any, sparse_as_dense: bool,
+                 process_set: ProcessSet) -> None:  # fmt: skip
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
+        self._phalanx_setup(named_parameters, compression, backward_passes_per_step, op,
+                            gradient_predivide_factor, num_groups, groups, process_set)  # fmt: skip
+
+    def _phalanx_setup(self, named_parameters: Any, compression: type[Compressor], bpps: int, op: int,
+                       predivide: float, num_groups: int, groups: Any, ps: ProcessSet) -> None:  # fmt: skip
+        if op not in (R.Average, R.Sum, R.Adasum):
+            raise ValueError(f"DistributedOptimizer op must be hvd.Average or hvd.Sum, got {op!r}")
+        R.check_op(op, torch.float32)
+        if predivide != 1.0 and op != R.Average:
+            raise ValueError("gradient_predivide_factor != 1.0 requires op=hvd.Average")
+        if bpps < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {bpps}")
+        self._names = _names(self, named_parameters)
+        self._compression, self._bpps, self._ps = compression, bpps, ps
+        n = len(groups_of(ps).ranks)
+        self._n = n
+        avg = op == R.Average
+        self._prescale = (1.0 / predivide if avg else 1.0) if predivide != 1.0 else (1.0 / n if avg else 1.0)
+        self._postscale = predivide / n if avg and predivide != 1.0 else 1.0
+        params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._buckets = B.plan(params, fusion_threshold_bytes(), _split(params, num_groups, groups))
+        self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
+        self._passes: dict[int, int] = {}
+        self._next = 0
+        self._synchronized = False
+        self._should_sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params] if n > 1 else []
+        if n > 1:
+            self._check_layout()
+
+    def _check_layout(self) -> None:
+        from phalanx.torch.functions import allgather_object
+
+        mine = [(str(b.buffer.dtype), b.buffer.numel()) for b in self._buckets]
+        seen = allgather_object(mine, name="DistributedOptimizer.layout", process_set=self._ps)
+        if any(s != mine for s in seen):
+            from phalanx.errors import CollectiveMismatchError
+
+            detail = "; ".join(f"rank {groups_of(self._ps).ranks[i]}: {s}" for i, s in enumerate(seen))
+            raise CollectiveMismatchError(
+                f"DistributedOptimizer gradient buckets (dtype, elements) differ between ranks: {detail}. "
+                "Every rank must build the same model and optimizer (same parameters in the same order)"
+            )
+
+    def _hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        count = self._passes.get(key, 0) + 1
+        if count > self._bpps:
+            raise ValueError(
+                "Gradients were computed more than backward_passes_per_step times before call to step(); "
+                f"increase backward_passes_per_step (now {self._bpps}) to accumulate gradients locally"
+            )
+        self._passes[key] = count
+        if count == self._bpps:
+            bucket, _ = self._where[key]
+            bucket.pending.discard(key)
+            if not bucket.pending:
+                self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if bucket.pending and not force:
+                return
+            if self._next == 0:
+                _engine.flush()  # explicit ops issued before this step go first, on every rank
+            B.pack(bucket, self._prescale)
+            B.launch(bucket, self._compression, groups_of(self._ps).data)
+            self._next += 1
+
+    def synchronize(self) -> None:
+        """Wait for every gradient allreduce of this step (launching the ones whose hooks did not fire).
+
+        Parameters without a gradient on this rank contribute zeros and receive the reduced gradient.
+        """
+        if self._n > 1:
+            self._launch_ready(force=True)
+            for bucket in self._buckets:
+                B.wait(bucket, self._compression, self._postscale)
+                bucket.reset()
+            self._next = 0
+        self._passes.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this context ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._should_sync = False
+        try:
+            yield
+        finally:
+            self._should_sync = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        """Synchronize gradients (unless already done or skipped), then run the wrapped optimizer's step."""
+        if self._should_sync and not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients; refused while this step's allreduces are in flight (it would race them).
+
+        Raises:
+            ValueError: called after ``backward()`` but before ``step()``/``synchronize()``.
+        """
+        if self._next > 0:
+            raise ValueError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(); this would race the gradient allreduce"
+            )
+        self._passes.clear()
+        for bucket in self._buckets:
+            bucket.reset()
+        super(self.__class__, self).zero_grad(set_to_none)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+    compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1, op: int = R.Average,
+    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Sequence[Any] | None = None,
+    sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:  # fmt: skip
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every rank.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer (its options are kept; its state starts empty).
+        named_parameters: ``model.named_parameters()``; names must be unique and cover every parameter.
+        compression: ``Compression.none`` or ``Compression.fp16`` for the gradient allreduce.
+        backward_passes_per_step: backward passes accumulated locally before each allreduce.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: Average as ``sum(g / f) * f / size`` (numerics of low precision).
+        num_groups: split the parameters into this many fused groups (0: fuse by threshold).
+        groups: explicit list of lists of parameters, each reduced as one group.
+        sparse_as_dense: accepted; sparse gradients are always reduced densely.
+        process_set: the ranks that average gradients.
+
+    Returns:
+        An optimizer of a subclass of ``type(optimizer)``.
+
+    Raises:
+        ValueError: duplicate or missing names, bad op or arguments; before ``hvd.init()``.
+        NotImplementedError: ``op=Adasum``.
+        CollectiveMismatchError: ranks built different parameter layouts.
+    """
+    del sparse_as_dense
+    _state.topology()
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, num_groups, groups, False, process_set)  # fmt: skip
