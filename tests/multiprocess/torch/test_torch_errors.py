@@ -1,0 +1,106 @@
+"""Errors instead of hangs: mismatched collectives raise on every rank, and the job carries on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import phalanx
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _mismatches(me: int) -> dict[str, Any]:
+    """Each case: a callable issuing a collective that disagrees between ranks."""
+    import torch
+
+    import phalanx.torch as hvd
+
+    ps_same = hvd.add_process_set([0, 1])  # same members as the global set of a 2-rank job
+    return {
+        "shape": lambda: hvd.allreduce(torch.ones(3 + me), name="t.shape"),
+        "large shape": lambda: hvd.allreduce(torch.ones(50_000 + me), name="t.large"),
+        "dtype": lambda: hvd.allreduce(torch.ones(3, dtype=torch.float32 if me else torch.float64), name="t.dtype"),
+        "op": lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if me else hvd.Max, name="t.op"),
+        "root_rank": lambda: hvd.broadcast(torch.ones(3), root_rank=me, name="t.root"),
+        "kind": lambda: hvd.allgather(torch.ones(3)) if me else hvd.allreduce(torch.ones(3)),
+        "name": lambda: hvd.allreduce(torch.ones(3), name=f"t.name.{me}"),
+        "process set": lambda: hvd.allreduce(torch.ones(3), process_set=ps_same if me else hvd.global_process_set),
+        "trailing shape": lambda: hvd.allgather(torch.ones(2, 3 + me), name="t.gather"),
+        "prescale_factor": lambda: hvd.allreduce(torch.ones(3), prescale_factor=1.0 + me, name="t.pre"),
+    }
+
+
+def _errors_job() -> dict[str, Any]:
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    me = hvd.rank()
+    report: dict[str, Any] = {}
+    for case, issue in _mismatches(me).items():
+        try:
+            issue()
+            report[case] = "no error"
+        except RuntimeError as e:
+            report[case] = str(e)
+    # Two in-flight ops with the same name on one rank: ValueError, before anything is sent.
+    h = hvd.allreduce_async(torch.ones(2), name="dup")
+    try:
+        hvd.allreduce_async(torch.ones(2), name="dup")
+        report["duplicate name"] = "no error"
+    except ValueError as e:
+        report["duplicate name"] = str(e)
+    hvd.synchronize(h)
+    # A mismatch among async ops: only that op fails; the ones around it still work.
+    h1 = hvd.allreduce_async(torch.ones(4), op=hvd.Sum)
+    h2 = hvd.allreduce_async(torch.ones(4 + me), name="async.bad")
+    h3 = hvd.allreduce_async(torch.ones(40_000), op=hvd.Sum)
+    report["async before"] = hvd.synchronize(h1).tolist()
+    try:
+        hvd.synchronize(h2)
+        report["async mismatch"] = "no error"
+    except RuntimeError as e:
+        report["async mismatch"] = type(e).__name__
+    report["async after"] = float(hvd.synchronize(h3)[0])
+    report["still works"] = hvd.allreduce(torch.ones(2) * me, op=hvd.Sum).tolist()
+    report["adasum"] = _raises(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), NotImplementedError)
+    report["not a member"] = _raises(lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
+                                     ValueError)  # fmt: skip
+    hvd.shutdown()
+    return report
+
+
+def _raises(fn: Any, exc: type[BaseException]) -> str:
+    try:
+        fn()
+    except exc as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_mismatches_raise_on_every_rank_naming_tensor_ranks_and_values() -> None:
+    reports = phalanx.run(_errors_job, np=2, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    expected_field = {
+        "shape": "shape: rank 0=(3,), rank 1=(4,)", "large shape": "shape: rank 0=(50000,), rank 1=(50001,)",
+        "dtype": "dtype: rank 0=torch.float64, rank 1=torch.float32", "op": "op: rank 0=4, rank 1=1",
+        "root_rank": "root_rank: rank 0=0, rank 1=1", "kind": "kind: rank 0=allreduce, rank 1=allgather",
+        "name": "name: rank 0=t.name.0, rank 1=t.name.1", "process set": "process set: rank 0=0, rank 1=1",
+        "trailing shape": "trailing shape: rank 0=(3,), rank 1=(4,)",
+        "prescale_factor": "prescale_factor: rank 0=1.0, rank 1=2.0",
+    }  # fmt: skip
+    for rank, report in enumerate(reports):
+        for case, field in expected_field.items():
+            assert field in report[case], (rank, case, report[case])
+            assert "ranks [0, 1]" in report[case]
+        assert "'t.shape'" in report["shape"]
+        assert "already in flight" in report["duplicate name"]
+        assert report["async before"] == [2.0] * 4
+        assert report["async mismatch"] == "CollectiveMismatchError"
+        assert report["async after"] == 2.0
+        assert report["still works"] == [1.0, 1.0]
+        assert report["adasum"].startswith("NotImplementedError")
+        assert report["not a member"].startswith("ValueError")
