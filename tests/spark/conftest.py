@@ -1,0 +1,229 @@
+"""Spark fixtures: one SparkContext per test module (a JVM starts slowly), and a real standalone cluster.
+
+A pytest process holds one SparkContext at a time, so each fixture is module-scoped and stops its
+session when its module ends. The standalone cluster is a master and two workers started from
+pyspark's bundled ``spark-class`` on loopback addresses 127.0.0.1 and 127.0.0.2 (two "hosts", so local
+and cross ranks mean something), each with 2 cores and 2 fake GPUs from a discovery script.
+
+PySpark's python worker daemons are long-lived children of the JVM that Spark reuses between jobs; the
+leftover-process check ignores them (and only them): every phalanx process must still be gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.launch.proctree import descendants, is_alive, terminate_tree
+
+pytestmark = [pytest.mark.spark]
+
+SPARK_START_TIMEOUT_S = 120.0
+LEFTOVER_WAIT_S = 10.0
+_SPARK_OWNED = ("pyspark.daemon", "pyspark/daemon.py")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw[raw.rfind(")") + 2 :].split()[0] == "Z"
+
+
+def _template_pids() -> set[int]:
+    # The local launcher's warm-start template outlives jobs by design (the root conftest checks it).
+    try:
+        from phalanx.launch import warm
+    except ImportError:
+        return set()
+    pids = getattr(warm, "template_pids", None)
+    return set(pids()) if callable(pids) else set()
+
+
+def _phalanx_descendants() -> set[int]:
+    found: set[int] = set()
+    for pid in descendants(os.getpid()):
+        if (is_alive(pid) or _is_zombie(pid)) and not any(s in _cmdline(pid) for s in _SPARK_OWNED):
+            found.add(pid)
+    return found - _template_pids()
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """As the root fixture, but PySpark's reusable python daemons (and their forks) are not counted."""
+    before = _phalanx_descendants()
+    yield
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    left = _phalanx_descendants() - before
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _phalanx_descendants() - before
+    if left:
+        pytest.fail("test left processes behind:\n" + "\n".join(f"pid {p}: {_cmdline(p)[:200]}" for p in sorted(left)))
+
+
+def _warm_up(spark: Any, tasks: int) -> None:
+    # Starts the python daemons before any test's process snapshot.
+    spark.sparkContext.parallelize(range(tasks), tasks).barrier().mapPartitions(lambda it: [sys.executable]).collect()
+
+
+def _session(master: str, conf: dict[str, str]) -> Any:
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master(master).appName("phalanx-tests")
+    base = {"spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false",
+            "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+            "spark.pyspark.python": sys.executable, "spark.executorEnv.PYSPARK_PYTHON": sys.executable}
+    for key, value in {**base, **conf}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    spark.sparkContext.pythonExec = sys.executable
+    return spark
+
+
+def stop_spark(spark: Any) -> None:
+    """Stop the session *and* the py4j JVM (pyspark keeps it for the process's life otherwise)."""
+    from pyspark import SparkContext
+
+    spark.stop()
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return
+    proc = getattr(gateway, "proc", None)
+    gateway.shutdown()
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    if proc is not None:
+        proc.stdin.close()  # the JVM exits when its stdin closes
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            terminate_tree([proc.pid], 5.0)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def local_spark() -> Iterator[Any]:
+    """A ``local[2]`` SparkSession for one test module."""
+    spark = _session("local[2]", {})
+    _warm_up(spark, 2)
+    yield spark
+    stop_spark(spark)
+
+
+GPU_SCRIPT = """#!/bin/sh
+echo '{"name": "gpu", "addresses": ["0", "1"]}'
+"""
+
+
+def _wait_for_log(path: Path, pattern: str, count: int, proc: subprocess.Popen[bytes]) -> list[str]:
+    deadline = time.monotonic() + SPARK_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = re.findall(pattern, path.read_text(errors="replace")) if path.exists() else []
+        if len(found) >= count:
+            return found
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}; log:\n{path.read_text()[-3000:]}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{pattern!r} not seen {count} time(s) in {path} within {SPARK_START_TIMEOUT_S} s")
+
+
+def _spark_class() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).parent / "bin" / "spark-class"
+
+
+def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+
+
+class Cluster:
+    """A running standalone cluster: its master URL and the processes to stop."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.url = ""
+        self.gpu_script = tmp / "gpus.sh"
+        self.gpu_script.write_text(GPU_SCRIPT)
+        self.gpu_script.chmod(0o755)
+
+    def env(self) -> dict[str, str]:
+        import pyspark
+
+        env = dict(os.environ, SPARK_HOME=str(Path(pyspark.__file__).parent), PYSPARK_PYTHON=sys.executable,
+                   SPARK_NO_DAEMONIZE="1")
+        env["SPARK_WORKER_OPTS"] = (f"-Dspark.worker.resource.gpu.amount=2 "
+                                    f"-Dspark.worker.resource.gpu.discoveryScript={self.gpu_script}")
+        return env
+
+    def start(self) -> None:
+        master_log = self.tmp / "master.log"
+        self.procs.append(_start([str(_spark_class()), "org.apache.spark.deploy.master.Master", "--host",
+                                  "127.0.0.1", "--port", "0", "--webui-port", "0"], master_log, self.env()))
+        self.url = _wait_for_log(master_log, r"Starting Spark master at (spark://[\d.]+:\d+)", 1, self.procs[0])[0]
+        for i, host in enumerate(("127.0.0.1", "127.0.0.2")):
+            work = self.tmp / f"worker{i}"
+            work.mkdir()
+            self.procs.append(_start([str(_spark_class()), "org.apache.spark.deploy.worker.Worker", "--host", host,
+                                      "--cores", "2", "--memory", "2g", "--webui-port", "0", "--work-dir",
+                                      str(work), self.url], self.tmp / f"worker{i}.log", self.env()))
+        _wait_for_log(master_log, r"Registering worker", 2, self.procs[0])
+
+    def stop(self) -> None:
+        terminate_tree([p.pid for p in self.procs], 10.0)
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def standalone_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A SparkSession on a real standalone cluster: 2 workers x 2 cores x 2 fake GPUs (4 task slots)."""
+    cluster = Cluster(tmp_path_factory.mktemp("standalone"))
+    try:
+        cluster.start()
+        spark = _session(cluster.url, {
+            "spark.executor.cores": "2", "spark.executor.memory": "1g", "spark.cores.max": "4",
+            "spark.executor.resource.gpu.amount": "2", "spark.task.resource.gpu.amount": "1",
+            "spark.executor.resource.gpu.discoveryScript": str(cluster.gpu_script),
+            "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+            "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
+        })
+        _wait_for_slots(spark, 4)
+        _warm_up(spark, 4)
+        yield spark
+        stop_spark(spark)
+    finally:
+        cluster.stop()
+
+
+def _wait_for_slots(spark: Any, slots: int) -> None:
+    from phalanx.spark.session import task_slots
+
+    deadline = time.monotonic() + SPARK_START_TIMEOUT_S
+    while task_slots(spark.sparkContext) < slots:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the standalone cluster did not offer {slots} slots in {SPARK_START_TIMEOUT_S} s")
+        time.sleep(0.2)

@@ -1,0 +1,200 @@
+"""phalanx.spark on a real ``local[2]`` Spark: results, contract, logs, failures, slots, GPUs."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, WorkerFailedError
+from phalanx.launch.proctree import is_alive
+from phalanx.spark import HorovodRunner, TorchDistributor, log_to_driver, run
+
+pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("local_spark")]
+
+KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "HOROVOD_RANK", "HOROVOD_SIZE",
+        "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "MASTER_ADDR",
+        "TORCHELASTIC_RUN_ID", "HOROVOD_TIMELINE", "USER_VAR", "CUDA_VISIBLE_DEVICES"]
+
+
+def _contract(tag: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"tag": tag, "sum": t.item(), "python": sys.executable, "pid": os.getpid(),
+            **{k: os.environ.get(k) for k in KEYS}}
+
+
+@pytest.mark.timeout(120)
+def test_run_returns_every_rank_in_order_with_the_contract() -> None:
+    out = run(_contract, args=("x",), num_proc=2, env={"USER_VAR": "u", "HOROVOD_TIMELINE": "/tmp/tl.json"})
+    assert [o["RANK"] for o in out] == ["0", "1"]
+    assert {o["sum"] for o in out} == {3.0}  # real gloo allreduce through the driver's store
+    assert all(o["tag"] == "x" and o["WORLD_SIZE"] == "2" for o in out)
+    # local[2]: one executor host, so local ranks 0 and 1 and a single cross rank.
+    assert [(o["LOCAL_RANK"], o["LOCAL_WORLD_SIZE"], o["HOROVOD_CROSS_RANK"], o["HOROVOD_CROSS_SIZE"])
+            for o in out] == [("0", "2", "0", "1"), ("1", "2", "0", "1")]
+    assert {o["python"] for o in out} == {sys.executable}
+    assert {o["USER_VAR"] for o in out} == {"u"} and {o["HOROVOD_TIMELINE"] for o in out} == {"/tmp/tl.json"}
+    assert len({o["pid"] for o in out} | {os.getpid()}) == 3
+    assert all(o["CUDA_VISIBLE_DEVICES"] is None for o in out)
+
+
+def _rank_value() -> int:
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        time.sleep(1.0)  # rank 0 finishes last: pyspark's TorchDistributor would return rank 1's value
+    return rank * 10
+
+
+@pytest.mark.timeout(120)
+def test_horovod_runner_and_distributor_return_rank_0s_value() -> None:
+    assert HorovodRunner(np=2).run(_rank_value) == 0
+    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_rank_value) == 0
+
+
+@pytest.mark.timeout(120)
+def test_horovod_runner_negative_np_runs_on_the_driver_without_spark() -> None:
+    def where() -> tuple[str | None, int]:
+        return os.environ.get("HOROVOD_SIZE"), os.getppid()
+
+    assert HorovodRunner(np=-2).run(where) == ("2", os.getpid())
+
+
+@pytest.mark.timeout(120)
+def test_horovod_runner_np_zero_uses_every_slot_with_a_deprecation_warning() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        size = HorovodRunner(np=0).run(lambda: int(os.environ["WORLD_SIZE"]))
+    assert size == 2
+    assert any(issubclass(w.category, DeprecationWarning) and "np=0" in str(w.message) for w in caught)
+
+
+def _chatty(tag: str) -> str:
+    print(f"plain output {tag} from rank {os.environ['RANK']}", flush=True)
+    log_to_driver(f"callback {tag} from rank {os.environ['RANK']}")
+    return tag
+
+
+@pytest.mark.timeout(120)
+def test_log_callback_only_shows_only_log_to_driver(capsys: pytest.CaptureFixture[str]) -> None:
+    assert HorovodRunner(np=2).run(_chatty, tag="cb") == "cb"
+    out = capsys.readouterr().out
+    assert "[0]<stdout>:callback cb from rank 0" in out and "[1]<stdout>:callback cb from rank 1" in out
+    assert "plain output" not in out
+
+
+@pytest.mark.timeout(120)
+def test_verbosity_all_streams_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    HorovodRunner(np=2, driver_log_verbosity="all").run(_chatty, tag="all")
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:plain output all from rank {rank}" in out
+        assert f"[{rank}]<stdout>:callback all from rank {rank}" in out
+
+
+@pytest.mark.timeout(120)
+def test_run_writes_rank_output_to_given_streams() -> None:
+    out, err = io.StringIO(), io.StringIO()
+
+    def both() -> None:
+        print("to out", flush=True)
+        print("to err", file=sys.stderr, flush=True)
+
+    run(both, num_proc=2, stdout=out, stderr=err)
+    assert "[0]<stdout>:to out" in out.getvalue() and "[1]<stdout>:to out" in out.getvalue()
+    assert "[1]<stderr>:to err" in err.getvalue() and "to err" not in out.getvalue()
+
+
+def _fail_once_per_attempt(marker: str) -> None:
+    rank = int(os.environ["RANK"])
+    Path(f"{marker}.{rank}.{os.getpid()}").write_text(str(os.getpid()))
+    if rank == 1:
+        time.sleep(0.5)
+        raise ValueError("bad learning rate 42")
+    time.sleep(120)  # rank 0 would hang: phalanx must tear it down
+
+
+@pytest.mark.timeout(120)
+def test_failure_reports_root_cause_once_and_tears_every_rank_down(tmp_path: Path) -> None:
+    marker = str(tmp_path / "attempt")
+    with pytest.raises(WorkerFailedError) as info:
+        HorovodRunner(np=2).run(_fail_once_per_attempt, marker=marker)
+    err = info.value
+    assert err.root_cause.rank == 1 and "ValueError: bad learning rate 42" in err.root_cause.summary
+    assert 'raise ValueError("bad learning rate 42")' in err.root_cause.traceback
+    assert "Full output of every rank" in "".join(getattr(err, "__notes__", []))
+    attempts = sorted(p.name.split(".")[1] for p in tmp_path.glob("attempt.*"))
+    assert attempts == ["0", "1"], "a deterministic error must run once, not be retried by Spark"
+    pids = [int(p.read_text()) for p in tmp_path.glob("attempt.*")]
+    deadline = time.monotonic() + 15
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(p) for p in pids)
+
+
+@pytest.mark.timeout(120)
+def test_spark_still_works_after_a_failure() -> None:
+    with pytest.raises(WorkerFailedError):
+        run(lambda: 1 / 0, num_proc=2)
+    assert run(lambda: int(os.environ["RANK"]), num_proc=2) == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_script_returns_rank_0s_stdout_and_a_failing_rank_raises_its_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import os, sys\nprint('rank', os.environ['RANK'], 'args', sys.argv[1:])\n"
+                      "sys.exit(int(sys.argv[2]) if os.environ['RANK'] == '1' else 0)\n")
+    dist = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    assert dist.run(str(script), "--code", "0") == "rank 0 args ['--code', '0']\n"
+    with pytest.raises(WorkerFailedError) as info:
+        dist.run(str(script), "--code", "3")
+    assert info.value.root_cause.rank == 1 and info.value.exit_code == 3
+    assert "exit code 3" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_local_mode_runs_on_the_driver() -> None:
+    dist = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)
+    assert dist.run(_rank_value) == 0
+
+
+@pytest.mark.timeout(60)
+def test_slot_shortage_fails_at_once_with_the_numbers() -> None:
+    started = time.monotonic()
+    with pytest.raises(SlotsUnavailableError) as info:
+        run(lambda: None, num_proc=3)
+    message = str(info.value)
+    assert "3 ranks were asked for" in message and "only 2 task(s)" in message and "local[2]" in message
+    assert "spark.task.cpus=1" in message
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(60)
+def test_use_gpu_without_gpus_is_a_clear_error() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"spark.task.resource.gpu.amount"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run(lambda: None)
+    with pytest.raises(InvalidArgumentError, match=r"needs 2 GPUs on the driver; found 0"):
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=True).run(lambda: None)
+
+
+@pytest.mark.timeout(60)
+def test_bad_arguments_are_refused_before_spark_runs() -> None:
+    with pytest.raises(InvalidArgumentError):
+        HorovodRunner(np=2, driver_log_verbosity="loud")
+    with pytest.raises(InvalidArgumentError):
+        TorchDistributor(num_processes=0)
+    with pytest.raises(InvalidArgumentError, match="not a file"):
+        TorchDistributor(num_processes=1, local_mode=False, use_gpu=False).run("/nonexistent/train.py")
+    with pytest.raises(InvalidArgumentError, match="unexpected argument"):
+        run(lambda: None, num_proc=1, bogus=1)
