@@ -13,13 +13,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from phalanx.launch import warm
 from phalanx.launch.proctree import descendants, is_alive
 
 LEFTOVER_WAIT_S = 10.0
 
 
 def _live_descendants() -> set[int]:
-    return {p for p in descendants(os.getpid()) if is_alive(p) or _is_zombie(p)}
+    # The warm-start template outlives jobs by design (it is checked at the end of the session); the
+    # ranks it forks are its children and are counted.
+    live = {p for p in descendants(os.getpid()) if is_alive(p) or _is_zombie(p)}
+    return live - warm.template_pids()
 
 
 def _is_zombie(pid: int) -> bool:
@@ -53,3 +57,15 @@ def no_leftover_processes() -> Iterator[None]:
         left = _live_descendants() - before
     if left:
         pytest.fail("test left processes behind:\n" + "\n".join(_describe(p) for p in sorted(left)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_template_is_shut_down() -> Iterator[None]:
+    """At the end of the session, stopping the warm-start template leaves no process behind."""
+    before = {p for p in descendants(os.getpid()) if is_alive(p)}
+    yield
+    warm.shutdown()
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (left := {p for p in descendants(os.getpid()) if is_alive(p)} - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "warm-start template left processes: " + ", ".join(_describe(p) for p in sorted(left))

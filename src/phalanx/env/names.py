@@ -55,6 +55,8 @@ PHALANX_LOG_TO_DRIVER = "PHALANX_LOG_TO_DRIVER"
 
 # --- phalanx knobs a user may set on the driver.
 PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"
+#: "0" turns warm starts (ranks forked from a pre-imported template) off.
+PHALANX_WARM_START = "PHALANX_WARM_START"
 
 # --- Spark: the interpreter executors run, and the GPUs a rank may use (from the task's resources).
 PYSPARK_PYTHON = "PYSPARK_PYTHON"

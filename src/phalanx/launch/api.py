@@ -11,6 +11,7 @@ from phalanx.env import DEFAULT_START_TIMEOUT_S
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.payload import serialize_call
+from phalanx.launch import warm
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -143,6 +144,7 @@ def run(
         start_timeout_hint="start_timeout= (or the HOROVOD_START_TIMEOUT variable)",
         prefix=prefix_output,
         output_dir=output_filename,
+        warm_preload=warm.preload_for(fn),
     )
     if verbose:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)

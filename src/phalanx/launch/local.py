@@ -25,8 +25,10 @@ from phalanx.job.channel import DriverChannel
 from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.records import Stream
+from phalanx.launch import warm
 from phalanx.launch.proctree import terminate_tree
 from phalanx.launch.rendezvous import RendezvousStore
+from phalanx.launch.warm import RankProcess
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,8 @@ class LocalJobSpec:
         prefix: prefix each output line with ``[rank]<stream>:``.
         output_dir: also keep each rank's output under this directory.
         teardown_grace_s: seconds between SIGTERM and SIGKILL on teardown.
+        warm_preload: for function jobs, the modules a warm-start template should import; None turns
+            warm starts off for this job.
     """
 
     np: int
@@ -60,6 +64,7 @@ class LocalJobSpec:
     prefix: bool = True
     output_dir: str | None = None
     teardown_grace_s: float = 3.0
+    warm_preload: tuple[str, ...] | None = None
 
 
 class LocalLauncher:
@@ -67,7 +72,7 @@ class LocalLauncher:
 
     def __init__(self, spec: LocalJobSpec) -> None:
         self.spec = spec
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[RankProcess] = []
         self._threads: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
 
@@ -91,6 +96,8 @@ class LocalLauncher:
             store.close()
             if files:
                 files.close()
+            if self.spec.command is None and self.spec.warm_preload is not None:
+                warm.prepare(self.spec.warm_preload)
 
     def _monitor_config(self) -> MonitorConfig:
         function_job = self.spec.command is None
@@ -118,21 +125,36 @@ class LocalLauncher:
             return [sys.executable, "-m", "phalanx.worker"]
         return [sys.executable, "-m", "phalanx.worker.exec", *self.spec.command]
 
+    def _template(self) -> warm.Template | None:
+        if self.spec.command is not None or self.spec.warm_preload is None or not warm.enabled():
+            return None
+        return warm.ready_template()
+
+    def _spawn(self, env: dict[str, str], template: warm.Template | None) -> RankProcess:
+        if template is not None:
+            try:
+                return template.spawn(env, os.getcwd())
+            except OSError as e:
+                log.debug("warm start failed, starting cold: %s", e)
+        return subprocess.Popen(
+            self._argv(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+        )
+
     def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
         job = self._contract(channel, store)
         host = socket.gethostname()
         own = {N.PHALANX_PARENT_PID: str(os.getpid())}
+        template = self._template()
         for who in assign_ranks([host] * self.spec.np):
             env = compose_env(os.environ, self.spec.env, {**worker_env(job, who), **own})
-            proc = subprocess.Popen(
-                self._argv(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-            )
+            proc = self._spawn(env, template)
             self._procs.append(proc)
             self._watch(who.rank, proc, channel)
-        log.debug("started %d ranks: pids %s", self.spec.np, [p.pid for p in self._procs])
+        log.debug("started %d ranks (%s): pids %s", self.spec.np, "warm" if template else "cold",
+                  [p.pid for p in self._procs])
 
-    def _watch(self, rank: int, proc: subprocess.Popen[bytes], channel: DriverChannel) -> None:
+    def _watch(self, rank: int, proc: RankProcess, channel: DriverChannel) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         emit = channel.events.put
         pumps = [
@@ -144,7 +166,7 @@ class LocalLauncher:
             t.start()
         self._threads.extend((*pumps, waiter))
 
-    def _await_exit(self, rank: int, proc: subprocess.Popen[bytes], pumps: Sequence[threading.Thread],
+    def _await_exit(self, rank: int, proc: RankProcess, pumps: Sequence[threading.Thread],
                     channel: DriverChannel) -> None:
         returncode = proc.wait()
         for pump in pumps:

@@ -25,6 +25,8 @@ from phalanx.worker.lifeline import die_with_parent
 EXIT_FAILED = 1
 #: Exit code of a worker stopped because the driver aborted the job or went away.
 EXIT_ABORTED = 143
+#: Least seconds a worker waits for the driver's channel to answer.
+CONNECT_TIMEOUT_S = 30.0
 
 _channel: WorkerChannel | None = None
 _finishing = threading.Event()
@@ -86,9 +88,9 @@ def main() -> int:
     contract = read_contract()
     rank = contract.identity.rank
     try:
-        channel = WorkerChannel.connect(
-            contract.job.channel, contract.job.secret, rank, Role.WORKER, contract.job.start_timeout_s
-        )
+        # The driver enforces the start timeout; the worker only needs to outwait a slow accept.
+        timeout_s = max(contract.job.start_timeout_s, CONNECT_TIMEOUT_S)
+        channel = WorkerChannel.connect(contract.job.channel, contract.job.secret, rank, Role.WORKER, timeout_s)
     except ChannelError as e:
         sys.stderr.write(f"phalanx worker rank {rank}: {e}\n")
         return EXIT_FAILED

@@ -118,6 +118,8 @@ def _spawn_daemon_then_fail(pidfile: str) -> None:
     p = subprocess.Popen(["sleep", "300"], start_new_session=True)
     Path(pidfile + os.environ["RANK"]).write_text(str(p.pid))
     if os.environ["RANK"] == "1":
+        while not Path(pidfile + "0").exists():
+            time.sleep(0.01)
         raise RuntimeError("fail with a grandchild alive")
     time.sleep(60)
 
@@ -135,10 +137,14 @@ def test_whole_process_tree_is_torn_down(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_start_timeout_names_missing_ranks() -> None:
-    expected = r"rank\(s\) 0, 1 of 2 did not start within 0.01 s; raise start_timeout="
+def test_start_timeout_names_missing_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1's interpreter hangs at start-up (a sitecustomize runs before any phalanx code).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '1':\n    time.sleep(60)\n")
+    monkeypatch.setenv("PHALANX_WARM_START", "0")
+    expected = r"rank\(s\) 1 of 2 did not start within 3 s; raise start_timeout="
     with pytest.raises(StartTimeoutError, match=expected):
-        phalanx.run(os.getpid, np=2, start_timeout=0.01)
+        phalanx.run(os.getpid, np=2, start_timeout=3, env={"PYTHONPATH": str(tmp_path)})
 
 
 def test_bad_input_fails_before_any_process_starts() -> None:

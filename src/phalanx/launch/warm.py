@@ -1,0 +1,250 @@
+"""Warm starts: a pre-imported template process that forks the ranks of later function jobs.
+
+The first function job of a driver starts cold (fresh interpreters). When it ends, a template process
+(:mod:`phalanx.worker.template`) is started in the background; it imports torch and the job's third-party
+packages once. Later jobs ask it to fork their ranks: each rank is still a new process with the job's
+own environment, but interpreter start-up and imports are already paid. Set ``PHALANX_WARM_START=0`` to
+turn this off. The template dies with the driver (``atexit``, parent-death signal, socket EOF).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import types
+from collections.abc import Callable
+from typing import IO, Any, Protocol
+
+from phalanx.env import names as N
+from phalanx.launch.proctree import terminate_tree
+
+log = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 1 << 20
+#: Seconds a job waits for a template that is still importing before it starts cold instead.
+READY_WAIT_S = 3.0
+#: Seconds the template has to answer a spawn request.
+SPAWN_TIMEOUT_S = 10.0
+_ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime")
+
+
+class RankProcess(Protocol):
+    """What the launcher needs of a rank's process (``subprocess.Popen`` has it)."""
+
+    pid: int
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None:
+        """The return code, or None while running."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the return code (raises ``subprocess.TimeoutExpired``)."""
+
+
+class ForkedRank:
+    """A rank forked by the template; the template reaps it and reports its return code."""
+
+    def __init__(self, pid: int, stdout: IO[bytes], stderr: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdout: IO[bytes] | None = stdout
+        self.stderr: IO[bytes] | None = stderr
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def set_exit(self, returncode: int) -> None:
+        """Record the return code (called by the template reader)."""
+        if self.returncode is None:
+            self.returncode = returncode
+        self._done.set()
+
+    def poll(self) -> int | None:
+        """The return code, or None while running."""
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the return code."""
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class Template:
+    """The driver's handle on one template process."""
+
+    def __init__(self, preload: tuple[str, ...]) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**os.environ, N.PHALANX_PARENT_PID: str(os.getpid()), N.PYTHONUNBUFFERED: "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx.worker.template", str(theirs.fileno()), *preload],
+            pass_fds=(theirs.fileno(),), start_new_session=True, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.preload = preload
+        self._sock = mine
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._next_id = 0
+        self._pending: dict[int, tuple[IO[bytes], IO[bytes], threading.Event, list[ForkedRank]]] = {}
+        self._ranks: dict[int, ForkedRank] = {}
+        self.alive = True
+        threading.Thread(target=self._read_loop, name="phalanx-template", daemon=True).start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once the template finished its imports (False if it died)."""
+        return self._ready.wait(timeout_s) and self.alive
+
+    def spawn(self, env: dict[str, str], cwd: str) -> ForkedRank:
+        """Fork one rank with this environment and working directory.
+
+        Raises:
+            OSError: the template is gone or did not answer within SPAWN_TIMEOUT_S.
+        """
+        r_out, w_out = os.pipe()
+        r_err, w_err = os.pipe()
+        done = threading.Event()
+        box: list[ForkedRank] = []
+        with self._lock:
+            ident = self._next_id
+            self._next_id += 1
+            self._pending[ident] = (os.fdopen(r_out, "rb"), os.fdopen(r_err, "rb"), done, box)
+        try:
+            message = json.dumps({"spawn": ident, "env": {**env, N.PHALANX_PARENT_PID: str(self.proc.pid)},
+                                  "cwd": cwd}).encode()
+            socket.send_fds(self._sock, [message], [w_out, w_err])
+        finally:
+            os.close(w_out)
+            os.close(w_err)
+        if not done.wait(SPAWN_TIMEOUT_S) or not box:
+            raise OSError(f"the warm-start template did not fork a rank within {SPAWN_TIMEOUT_S:g} s")
+        return box[0]
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                data = self._sock.recv(_MAX_MESSAGE_BYTES)
+                if not data:
+                    break
+                self._dispatch(json.loads(data))
+        except OSError:
+            pass
+        self._gone()
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        if message.get("ready"):
+            self._ready.set()
+        elif "spawned" in message:
+            with self._lock:
+                out, err, done, box = self._pending.pop(message["spawned"])
+                rank = ForkedRank(int(message["pid"]), out, err)
+                self._ranks[rank.pid] = rank
+            box.append(rank)
+            done.set()
+        elif "exited" in message:
+            with self._lock:
+                rank = self._ranks.pop(int(message["exited"]))
+            rank.set_exit(int(message["returncode"]))
+
+    def _gone(self) -> None:
+        """The template ended: its children died with it (parent-death signal)."""
+        self.alive = False
+        self._ready.set()
+        with self._lock:
+            ranks, self._ranks = list(self._ranks.values()), {}
+            pending, self._pending = list(self._pending.values()), {}
+        for rank in ranks:
+            rank.set_exit(-9)
+        for _, _, done, _ in pending:
+            done.set()
+
+    def pids(self) -> set[int]:
+        """The template's pid while it runs."""
+        return {self.proc.pid} if self.alive else set()
+
+    def close(self) -> None:
+        """Stop the template and every rank it forked."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        terminate_tree([self.proc.pid], grace_s=1.0)
+        self.proc.wait(timeout=10)
+
+
+def enabled() -> bool:
+    """Warm starts are on unless ``PHALANX_WARM_START=0``, and need Linux (fork + SCM_RIGHTS)."""
+    return (os.environ.get(N.PHALANX_WARM_START, "1") != "0" and sys.platform.startswith("linux")
+            and hasattr(socket, "send_fds"))
+
+
+def _third_party(module: types.ModuleType) -> str | None:
+    path = getattr(module, "__file__", None) or ""
+    top = module.__name__.split(".")[0]
+    return top if ("site-packages" in path or "dist-packages" in path) and top != "phalanx" else None
+
+
+def preload_for(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Modules worth importing in the template: torch, numpy if loaded, and the function's packages."""
+    names = list(_ALWAYS) + (["numpy"] if "numpy" in sys.modules else [])
+    code = getattr(fn, "__code__", None)
+    scope = getattr(fn, "__globals__", {})
+    for name in code.co_names if code is not None else ():
+        value = scope.get(name)
+        module = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", ""))
+        top = _third_party(module) if isinstance(module, types.ModuleType) else None
+        if top and top not in names:
+            names.append(top)
+    return tuple(names)
+
+
+_pool_lock = threading.Lock()
+_template: Template | None = None
+
+
+def ready_template(timeout_s: float = READY_WAIT_S) -> Template | None:
+    """The running template once its imports are done, or None (then start cold)."""
+    template = _template
+    if template is None or not template.alive:
+        return None
+    return template if template.wait_ready(timeout_s) else None
+
+
+def prepare(preload: tuple[str, ...]) -> None:
+    """Start a template in the background if none runs (called after a job)."""
+    global _template
+    if not enabled():
+        return
+    with _pool_lock:
+        if _template is not None and _template.alive:
+            return
+        try:
+            _template = Template(preload)
+        except OSError as e:
+            log.debug("could not start the warm-start template: %s", e)
+
+
+def template_pids() -> set[int]:
+    """Pids of the running template (tests use it to tell the template from leftovers)."""
+    template = _template
+    return template.pids() if template is not None else set()
+
+
+def shutdown() -> None:
+    """Stop the template; the next job starts cold."""
+    global _template
+    with _pool_lock:
+        template, _template = _template, None
+    if template is not None:
+        template.close()
+
+
+atexit.register(shutdown)

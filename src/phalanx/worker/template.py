@@ -1,0 +1,136 @@
+"""``python -m phalanx.worker.template FD MODULE...``: a warm template that forks ranks on request.
+
+The template imports heavy modules (torch, numpy, the user's third-party packages) once and then forks a
+fresh child per rank, so a job's ranks skip interpreter start-up and imports. It never runs user code and
+never touches CUDA, so every child starts from the same clean state; each child gets the job's own
+environment, working directory and output pipes.
+
+It talks to its launcher over the inherited ``SOCK_SEQPACKET`` socket ``FD`` (one JSON message per
+packet, pipe descriptors passed with ``SCM_RIGHTS``):
+
+- launcher -> template: ``{"spawn": id, "env": {...}, "cwd": "..."}`` with two descriptors (stdout, stderr).
+- template -> launcher: ``{"ready": true}``, ``{"spawned": id, "pid": N}``, ``{"exited": N, "returncode": C}``.
+
+The template is single-threaded by design (fork copies only the calling thread). It exits when the
+launcher closes the socket, and its children die with it (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+from typing import Any
+
+from phalanx.worker.lifeline import die_with_parent
+
+MAX_MESSAGE_BYTES = 1 << 20
+_REAP_INTERVAL_S = 0.005
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    """Send one JSON message, with descriptors when given."""
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def _preload(modules: list[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # a module that fails here is imported (and fails) in the rank
+            continue
+
+
+def _become_rank(message: dict[str, Any], out_fd: int, err_fd: int) -> int:
+    """In the forked child: take the job's identity, then run the worker entry."""
+    os.setsid()
+    for target, fd in ((1, out_fd), (2, err_fd)):
+        os.dup2(fd, target)
+        os.close(fd)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.chdir(message["cwd"])
+    os.environ.clear()
+    os.environ.update(message["env"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.argv = ["-m phalanx.worker"]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        # numpy's global generator does not reseed at fork: without this every job would draw the same.
+        numpy.random.seed()
+    from phalanx.worker.runtime import main
+
+    return main()
+
+
+def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            sock.close()
+            code = _become_rank(message, fds[0], fds[1])
+        except BaseException:  # report anything, then leave without unwinding the template
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    send(sock, {"spawned": message["spawn"], "pid": pid})
+
+
+def _reap(sock: socket.socket) -> int:
+    """Report every child that ended; returns 1 while some child still runs, else 0."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        if pid == 0:
+            return 1
+        send(sock, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer spawn requests until the launcher closes the socket."""
+    children = 0
+    while True:
+        readable, _, _ = select.select([sock], [], [], _REAP_INTERVAL_S if children else None)
+        if readable:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
+            if not data:
+                return
+            _fork(sock, json.loads(data), fds)
+            children += 1
+        children = _reap(sock)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: ``FD MODULE...``."""
+    die_with_parent()
+    sock = socket.socket(fileno=int(argv[0]))
+    _preload(argv[1:])
+    send(sock, {"ready": True})
+    try:
+        serve(sock)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
