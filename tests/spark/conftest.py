@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -159,6 +160,12 @@ def _start(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[
                                 env=env, start_new_session=True)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Cluster:
     """A running standalone cluster: its master URL and the processes to stop."""
 
@@ -170,26 +177,27 @@ class Cluster:
         self.gpu_script.write_text(GPU_SCRIPT)
         self.gpu_script.chmod(0o755)
 
-    def env(self) -> dict[str, str]:
+    def env(self, host: str = "127.0.0.1") -> dict[str, str]:
         import pyspark
 
         env = dict(os.environ, SPARK_HOME=str(Path(pyspark.__file__).parent), PYSPARK_PYTHON=sys.executable,
-                   SPARK_NO_DAEMONIZE="1")
+                   SPARK_NO_DAEMONIZE="1", SPARK_LOCAL_IP=host)
         env["SPARK_WORKER_OPTS"] = (f"-Dspark.worker.resource.gpu.amount=2 "
                                     f"-Dspark.worker.resource.gpu.discoveryScript={self.gpu_script}")
         return env
 
     def start(self) -> None:
         master_log = self.tmp / "master.log"
+        port = _free_port()  # workers start at once and retry until the master listens
+        self.url = f"spark://127.0.0.1:{port}"
         self.procs.append(_start([str(_spark_class()), "org.apache.spark.deploy.master.Master", "--host",
-                                  "127.0.0.1", "--port", "0", "--webui-port", "0"], master_log, self.env()))
-        self.url = _wait_for_log(master_log, r"Starting Spark master at (spark://[\d.]+:\d+)", 1, self.procs[0])[0]
+                                  "127.0.0.1", "--port", str(port), "--webui-port", "0"], master_log, self.env()))
         for i, host in enumerate(("127.0.0.1", "127.0.0.2")):
             work = self.tmp / f"worker{i}"
             work.mkdir()
             self.procs.append(_start([str(_spark_class()), "org.apache.spark.deploy.worker.Worker", "--host", host,
                                       "--cores", "2", "--memory", "2g", "--webui-port", "0", "--work-dir",
-                                      str(work), self.url], self.tmp / f"worker{i}.log", self.env()))
+                                      str(work), self.url], self.tmp / f"worker{i}.log", self.env(host)))
         _wait_for_log(master_log, r"Registering worker", 2, self.procs[0])
 
     def stop(self) -> None:

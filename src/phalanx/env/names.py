@@ -60,6 +60,9 @@ PHALANX_WARM_START = "PHALANX_WARM_START"
 
 # --- Spark: the interpreter executors run, and the GPUs a rank may use (from the task's resources).
 PYSPARK_PYTHON = "PYSPARK_PYTHON"
+# The name / address Spark gives an executor's host; phalanx groups ranks into local ranks by it.
+SPARK_LOCAL_HOSTNAME = "SPARK_LOCAL_HOSTNAME"
+SPARK_LOCAL_IP = "SPARK_LOCAL_IP"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 # --- Python runtime: workers stream their output line by line, so it must not be block-buffered.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -58,10 +59,14 @@ def exit_event(returncode: int) -> bytes:
     return json.dumps({"exit": returncode}).encode()
 
 
-def executor_host(address: str) -> str:
-    """The host part of a barrier task's executor address (``host:port``, IPv6 in brackets)."""
-    host, _, _ = address.rpartition(":")
-    return (host or address).strip("[]")
+def task_host(environ: dict[str, str] | None = None) -> str:
+    """The host this task runs on, as Spark names it: ``SPARK_LOCAL_HOSTNAME`` or ``SPARK_LOCAL_IP`` when
+    the executor was given one (several workers on one machine), else the machine's hostname.
+
+    Ranks are grouped into local ranks by this name: executors on one machine share its GPUs and NICs.
+    """
+    env = os.environ if environ is None else environ
+    return env.get(N.SPARK_LOCAL_HOSTNAME) or env.get(N.SPARK_LOCAL_IP) or socket.gethostname()
 
 
 def _gpu_env(spec: TaskSpec, resources: dict[str, Any], rank: int) -> dict[str, str]:
@@ -183,7 +188,8 @@ def barrier_task(spec: TaskSpec) -> Any:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        hosts = [executor_host(info.address) for info in ctx.getTaskInfos()]
+        # Every task learns every task's host (in partition order) in one barrier round.
+        hosts = [json.loads(m)["host"] for m in ctx.allGather(json.dumps({"host": task_host()}))]
         yield supervise(spec, ctx.partitionId(), hosts, dict(ctx.resources()))
 
     return task

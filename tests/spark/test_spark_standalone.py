@@ -1,0 +1,114 @@
+"""phalanx.spark on a real Spark standalone cluster: 2 workers ("hosts" 127.0.0.1 and 127.0.0.2) x 2 cores."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.errors import SlotsUnavailableError, WorkerFailedError
+from phalanx.launch.proctree import is_alive
+from phalanx.spark import TorchDistributor, run
+
+pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("standalone_spark")]
+
+KEYS = ["RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "HOROVOD_CROSS_RANK",
+        "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "CUDA_VISIBLE_DEVICES", "USER_VAR"]
+
+
+def _identity() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"sum": t.item(), "python": sys.executable, **{k: os.environ.get(k) for k in KEYS}}
+
+
+@pytest.mark.timeout(180)
+def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
+    out = run(_identity, num_proc=4, env={"USER_VAR": "v"})
+    assert {o["sum"] for o in out} == {4.0}
+    assert {o["python"] for o in out} == {sys.executable}, "executors must run the driver's interpreter"
+    assert {o["USER_VAR"] for o in out} == {"v"}
+    by_host: dict[str, list[dict[str, Any]]] = {}
+    for o in out:
+        by_host.setdefault(o["HOROVOD_HOSTNAME"], []).append(o)
+    assert sorted(by_host) == ["127.0.0.1", "127.0.0.2"]
+    host_ranks = {h: ranks[0]["GROUP_RANK"] for h, ranks in by_host.items()}
+    assert sorted(host_ranks.values()) == ["0", "1"]
+    for host, ranks in by_host.items():
+        assert sorted(o["LOCAL_RANK"] for o in ranks) == ["0", "1"]
+        assert {o["LOCAL_WORLD_SIZE"] for o in ranks} == {"2"} and {o["GROUP_WORLD_SIZE"] for o in ranks} == {"2"}
+        # Horovod's cross rank: the host's index among hosts holding that local rank.
+        assert {o["HOROVOD_CROSS_RANK"] for o in ranks} == {host_ranks[host]}
+        assert {o["HOROVOD_CROSS_SIZE"] for o in ranks} == {"2"}
+
+
+@pytest.mark.timeout(180)
+def test_use_gpu_gives_each_rank_its_tasks_gpu() -> None:
+    def visible() -> tuple[str | None, str | None]:
+        return os.environ.get("HOROVOD_HOSTNAME"), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    dist = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True)
+    rank0 = dist.run(visible)
+    assert rank0[1] in {"0", "1"}
+    out = run(lambda: (os.environ.get("HOROVOD_HOSTNAME"), os.environ.get("CUDA_VISIBLE_DEVICES")), num_proc=4)
+    # run() does not ask for GPUs, but Spark still assigns each task one: the contract passes it on
+    # only with use_gpu=True.
+    assert all(gpu is None for _, gpu in out)
+    gpus = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True).run(_all_gpus)
+    assert sorted(gpus) == [("127.0.0.1", "0"), ("127.0.0.1", "1"), ("127.0.0.2", "0"), ("127.0.0.2", "1")]
+
+
+def _all_gpus() -> list[tuple[str, str]]:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    mine = f"{os.environ['HOROVOD_HOSTNAME']}|{os.environ['CUDA_VISIBLE_DEVICES']}"
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    dist.destroy_process_group()
+    del torch
+    return [tuple(g.split("|")) for g in gathered]  # type: ignore[misc]
+
+
+def _fail_on_rank_3(pid_dir: str) -> None:
+    Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
+    if os.environ["RANK"] == "3":
+        time.sleep(0.5)
+        raise RuntimeError("rank 3 ran out of patience")
+    time.sleep(120)
+
+
+@pytest.mark.timeout(180)
+def test_failure_on_the_cluster_tears_down_every_rank(tmp_path: Path) -> None:
+    with pytest.raises(WorkerFailedError) as info:
+        run(_fail_on_rank_3, args=(str(tmp_path),), num_proc=4)
+    assert info.value.root_cause.rank == 3
+    assert "RuntimeError: rank 3 ran out of patience" in str(info.value)
+    pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+    assert len(pids) == 4
+    deadline = time.monotonic() + 20
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if is_alive(p)], "worker processes survived on the executors"
+    assert run(lambda: 1, num_proc=4) == [1, 1, 1, 1]  # the cluster is usable again
+
+
+@pytest.mark.timeout(120)
+def test_slot_shortage_on_a_cluster_waits_then_fails_with_the_numbers() -> None:
+    started = time.monotonic()
+    with pytest.raises(SlotsUnavailableError) as info:
+        run(lambda: None, num_proc=5, start_timeout=2)
+    message = str(info.value)
+    assert "5 ranks were asked for" in message and "only 4 task(s)" in message
+    assert "spark.task.resource.gpu.amount=1" in message and "start_timeout" in message
+    assert time.monotonic() - started < 60
