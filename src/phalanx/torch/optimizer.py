@@ -191,7 +191,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: called after ``backward()`` but before ``step()``/``synchronize()``.
         """
-        if self._next > 0:
+        if self._next > 0 or any(c == self._bpps for c in self._passes.values()):
             raise ValueError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); this would race the gradient allreduce"
