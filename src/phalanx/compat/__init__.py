@@ -1,1 +1,13 @@
-"""phalanx.compat."""
+"""Drop-in aliases: ``import horovod.torch as hvd`` is ``phalanx.torch``, ``horovod.run`` is ``phalanx.run``.
+
+Also ``horovod.spark`` -> ``phalanx.spark``, ``sparkdl.HorovodRunner`` and ``sparkdl.horovod.log_to_driver``
+-> ``phalanx.spark``. The aliases apply only where the real package is not importable (see ``_finder``).
+They are active at interpreter start in every environment phalanx is pip-installed in (the wheel ships
+``phalanx-compat.pth``), and phalanx's worker entry calls :func:`install` so workers always have them.
+"""
+
+from __future__ import annotations
+
+from phalanx.compat._finder import install, installed, uninstall
+
+__all__ = ["install", "installed", "uninstall"]

@@ -1,0 +1,133 @@
+"""The ``sys.meta_path`` finder behind the ``horovod`` / ``sparkdl`` aliases.
+
+It sits at the front of ``sys.meta_path`` but declines a top-level name (``horovod``, ``sparkdl``) whenever
+another finder can import the real package, so an installed Horovod (or Databricks' ``sparkdl``) always
+wins; submodules are aliased only under an aliased parent. (Being first matters: ``horovod.torch`` *is*
+``phalanx.torch``, whose ``__path__`` would otherwise let the path finder load ``horovod.torch.mpi_ops`` as
+a second copy of ``phalanx/torch/mpi_ops.py``.) Nothing is looked up or imported until someone imports an
+aliased name: the finder costs nothing at interpreter start.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+
+# Alias -> phalanx module it is (the same module object, so hvd.init state is shared).
+MODULE_ALIASES = {
+    "horovod.torch": "phalanx.torch",
+    "horovod.spark": "phalanx.spark",
+}
+# Prefixes whose submodules map one to one (horovod.torch.mpi_ops -> phalanx.torch.mpi_ops).
+PREFIX_ALIASES = {"horovod.torch.": "phalanx.torch.", "horovod.spark.": "phalanx.spark."}
+# Synthetic packages: name -> {attribute: (phalanx module, attribute)}, resolved lazily on access.
+SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
+    "horovod": {"run": ("phalanx.launch.api", "run")},
+    "sparkdl": {"HorovodRunner": ("phalanx.spark", "HorovodRunner")},
+    "sparkdl.horovod": {"log_to_driver": ("phalanx.spark", "log_to_driver")},
+}
+
+
+def target_of(fullname: str) -> str | None:
+    """The phalanx module an alias stands for, or None (synthetic packages and unknown names)."""
+    if fullname in MODULE_ALIASES:
+        return MODULE_ALIASES[fullname]
+    for prefix, real in PREFIX_ALIASES.items():
+        if fullname.startswith(prefix):
+            return real + fullname[len(prefix) :]
+    return None
+
+
+TOP_LEVEL = ("horovod", "sparkdl")
+ALIAS_MARK = "__phalanx_alias__"
+
+
+def _synthetic(name: str, attrs: dict[str, tuple[str, str]]) -> types.ModuleType:
+    module = types.ModuleType(name, f"phalanx alias for {name!r}: {sorted(attrs)} resolve to phalanx.")
+    module.__path__ = []  # a package: its submodules are aliases too
+    setattr(module, ALIAS_MARK, True)
+
+    def __getattr__(attr: str) -> Any:
+        if attr in attrs:
+            mod, obj = attrs[attr]
+            return getattr(importlib.import_module(mod), obj)
+        raise AttributeError(f"module {name!r} (a phalanx alias) has no attribute {attr!r}")
+
+    module.__getattr__ = __getattr__  # type: ignore[method-assign]
+    if name == "horovod":
+        from phalanx import __version__
+
+        module.__version__ = __version__  # type: ignore[attr-defined]
+    return module
+
+
+class AliasLoader(importlib.abc.Loader):
+    """Loads an alias: the real phalanx module (shared, not a copy) or a synthetic package."""
+
+    def __init__(self, fullname: str) -> None:
+        self.fullname = fullname
+        self._original_spec: Any = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        target = target_of(self.fullname)
+        if target is None:
+            return _synthetic(self.fullname, SYNTHETIC[self.fullname])
+        module = importlib.import_module(target)
+        self._original_spec = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # importlib set module.__spec__ to the alias's spec; the real module keeps its own identity.
+        if self._original_spec is not None:
+            module.__spec__ = self._original_spec
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    """Finds ``horovod``, ``horovod.torch[.*]``, ``horovod.spark[.*]``, ``sparkdl``, ``sparkdl.horovod``."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:  # fmt: skip
+        top = fullname.partition(".")[0]
+        if top not in TOP_LEVEL:
+            return None
+        if fullname == top:
+            if self._real_package_exists(top):
+                return None
+        elif not getattr(sys.modules.get(top), ALIAS_MARK, False):
+            return None  # the real package was imported: its submodules are its own business
+        if fullname not in SYNTHETIC:
+            real = target_of(fullname)
+            if real is None or importlib.util.find_spec(real) is None:
+                return None
+        return importlib.machinery.ModuleSpec(fullname, AliasLoader(fullname), is_package=True)
+
+    def _real_package_exists(self, name: str) -> bool:
+        for finder in sys.meta_path:
+            if finder is self or isinstance(finder, AliasFinder):
+                continue
+            find = getattr(finder, "find_spec", None)
+            if find is not None and find(name, None) is not None:
+                return True
+        return False
+
+
+def installed() -> bool:
+    """Whether the alias finder is on ``sys.meta_path``."""
+    return any(isinstance(f, AliasFinder) for f in sys.meta_path)
+
+
+def install() -> None:
+    """Put the alias finder first on ``sys.meta_path`` (idempotent)."""
+    if not installed():
+        sys.meta_path.insert(0, AliasFinder())
+
+
+def uninstall() -> None:
+    """Remove the alias finder (aliases already imported stay in ``sys.modules``)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, AliasFinder)]
