@@ -1,0 +1,85 @@
+"""Spark launch overhead: a trivial 2-rank job on ``local[2]`` through phalanx.spark vs pyspark's
+``TorchDistributor(local_mode=False, use_gpu=False)``, in the same run, on the same SparkSession.
+
+The job: init a gloo process group, one allreduce, return. One warm-up run each (the first Spark stage
+pays for JIT and python-worker start-up on both sides), then the two launchers alternate; the median of
+N runs each is printed with phalanx's time as a ratio of theirs (target <= 0.25x).
+
+pyspark's TorchDistributor needs pandas and pyarrow (``make bench`` installs them); phalanx does not.
+
+    .venv/bin/python bench/spark_launch.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+
+def trivial_job() -> float:
+    """init, one allreduce, destroy: the smallest real distributed job."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def start_spark() -> None:
+    from pyspark.sql import SparkSession
+
+    # pyspark's TorchDistributor runs its tasks with PYSPARK_PYTHON; phalanx picks the driver's own.
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+
+
+def run_phalanx() -> None:
+    from phalanx.spark import TorchDistributor
+
+    out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial_job)
+    assert out == 2.0, out
+
+
+def run_theirs() -> None:
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial_job)
+    assert out == 2.0, out
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    start_spark()
+    warmup = {"phalanx": timed(run_phalanx), "TorchDistributor": timed(run_theirs)}
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(args.runs):
+        ours.append(timed(run_phalanx))
+        theirs.append(timed(run_theirs))
+    rows = [("phalanx.spark TorchDistributor", ours), ("pyspark TorchDistributor", theirs)]
+    print(f"warm-up runs (not counted): {', '.join(f'{k} {v:.2f} s' for k, v in warmup.items())}")
+    for name, times in rows:
+        print(f"{name:32s} median {statistics.median(times):6.3f} s  runs {[round(t, 2) for t in times]}")
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"ratio phalanx.spark / pyspark TorchDistributor: {ratio:.3f}x  (target <= 0.25x)")
+
+
+if __name__ == "__main__":
+    main()
