@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, WorkerFailedError
+from phalanx.launch import warm
 from phalanx.launch.proctree import is_alive
 from phalanx.spark import HorovodRunner, TorchDistributor, log_to_driver, run
 
@@ -68,7 +69,9 @@ def test_horovod_runner_negative_np_runs_on_the_driver_without_spark() -> None:
     def where() -> tuple[str | None, int]:
         return os.environ.get("HOROVOD_SIZE"), os.getppid()
 
-    assert HorovodRunner(np=-2).run(where) == ("2", os.getpid())
+    size, parent = HorovodRunner(np=-2).run(where)
+    # the ranks are children of the driver, or of its warm-start template (phalanx.launch.warm)
+    assert size == "2" and parent in {os.getpid()} | warm.template_pids()
 
 
 @pytest.mark.timeout(120)
