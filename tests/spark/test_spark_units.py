@@ -1,0 +1,146 @@
+"""The pure pieces of phalanx.spark, without a JVM: hosts, GPUs, slots, module shipping."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.env import JobContract
+from phalanx.errors import InvalidArgumentError, PhalanxError, SlotsUnavailableError
+from phalanx.job.payload import serialize_call
+from phalanx.spark import session, shipping
+from phalanx.spark.api import check_gpu_conf
+from phalanx.spark.task import TaskSpec, _gpu_env, task_host
+
+JOB = JobContract(run_id="r", master_addr="h", master_port=1, channel="h:2", secret="00")
+
+
+def test_task_host_prefers_the_names_spark_gave_the_executor() -> None:
+    assert task_host({"SPARK_LOCAL_HOSTNAME": "node-a", "SPARK_LOCAL_IP": "10.0.0.1"}) == "node-a"
+    assert task_host({"SPARK_LOCAL_IP": "10.0.0.1"}) == "10.0.0.1"
+    assert task_host({}) != ""
+
+
+class _Gpu:
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+
+
+def test_gpu_env_gives_the_tasks_addresses_or_a_clear_error() -> None:
+    spec = TaskSpec(job=JOB, use_gpu=True)
+    assert _gpu_env(spec, {"gpu": _Gpu(["2", "3"])}, 0) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert _gpu_env(TaskSpec(job=JOB), {}, 0) == {}
+    with pytest.raises(PhalanxError, match=r"rank 1 no GPU .*spark.task.resource.gpu.amount"):
+        _gpu_env(spec, {}, 1)
+
+
+class _Conf:
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return self.values.get(key, default)
+
+
+class _FakeContext:
+    """Just what phalanx.spark.session reads of a SparkContext."""
+
+    def __init__(self, master: str, slots: list[int], conf: dict[str, str] | None = None) -> None:
+        self.master = master
+        self._slots = slots
+        self._conf = _Conf(conf or {})
+
+    def getConf(self) -> _Conf:
+        return self._conf
+
+    def next_slots(self) -> int:
+        return self._slots.pop(0) if len(self._slots) > 1 else self._slots[0]
+
+
+@pytest.fixture
+def fake_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session, "task_slots", lambda sc: sc.next_slots())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.usefixtures("fake_slots")
+def test_wait_for_slots_waits_for_executors_with_a_status_line(caplog: pytest.LogCaptureFixture) -> None:
+    sc: Any = _FakeContext("spark://m:7077", [2, 2, 4])
+    with caplog.at_level(logging.WARNING, logger="phalanx.spark.session"):
+        assert session.wait_for_slots(sc, 4, timeout_s=20, knob="start_timeout=") == 4
+    assert "waiting for task slots: 4 ranks asked for, 2 slots available" in caplog.text
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.usefixtures("fake_slots")
+def test_wait_for_slots_gives_up_with_the_numbers_and_the_knobs() -> None:
+    sc: Any = _FakeContext("spark://m:7077", [3], {"spark.task.cpus": "2"})
+    with pytest.raises(SlotsUnavailableError) as info:
+        session.wait_for_slots(sc, 8, timeout_s=0.3, knob="start_timeout=")
+    message = str(info.value)
+    assert "8 ranks were asked for" in message and "only 3 task(s)" in message
+    assert "spark.task.cpus=2" in message and "start_timeout=" in message
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.usefixtures("fake_slots")
+def test_local_masters_fail_at_once() -> None:
+    sc: Any = _FakeContext("local[2]", [2])
+    with pytest.raises(SlotsUnavailableError, match="waited 0 s"):
+        session.wait_for_slots(sc, 3, timeout_s=600, knob="start_timeout=")
+
+
+def test_use_gpu_needs_task_gpus_in_the_conf() -> None:
+    with pytest.raises(InvalidArgumentError, match="use_gpu=False"):
+        check_gpu_conf(_FakeContext("spark://m:1", [1]), True)  # type: ignore[arg-type]
+    check_gpu_conf(_FakeContext("spark://m:1", [1], {"spark.task.resource.gpu.amount": "1"}), True)  # type: ignore[arg-type]
+    check_gpu_conf(_FakeContext("spark://m:1", [1]), False)  # type: ignore[arg-type]
+
+
+def test_collect_modules_takes_the_scripts_neighbours_and_imported_packages(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    (tmp_path / "driver.py").write_text("")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "deep.py").write_text("Y = 2\n")
+    (tmp_path / "pkg" / "unused.py").write_text("")
+    fake_main = type(sys)("__main__")
+    fake_main.__file__ = str(tmp_path / "driver.py")
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    for name, rel in (("pkg", "pkg/__init__.py"), ("pkg.deep", "pkg/deep.py")):
+        module = type(sys)(name)
+        module.__file__ = str(tmp_path / rel)
+        monkeypatch.setitem(sys.modules, name, module)
+    assert shipping.driver_root() == tmp_path.resolve()
+    files = shipping.collect_modules(tmp_path.resolve())
+    assert sorted(files) == ["helper.py", "pkg/__init__.py", "pkg/deep.py"]
+    monkeypatch.setattr(shipping, "MAX_FILES", 2)
+    assert shipping.collect_modules(tmp_path.resolve()) == {}
+
+
+def test_no_shipping_from_the_python_installation(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_main = type(sys)("__main__")
+    fake_main.__file__ = str(Path(sys.prefix) / "bin" / "pytest")
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    assert shipping.driver_root() is None
+
+
+def _use_shipped() -> int:
+    import phalanx_shipped_probe  # type: ignore[import-not-found]
+
+    return int(phalanx_shipped_probe.VALUE)
+
+
+def test_run_with_modules_imports_shipped_sources_then_cleans_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "phalanx_shipped_probe", raising=False)
+    inner = serialize_call(_use_shipped, (), {}, sys_path=())
+    assert shipping.run_with_modules({"phalanx_shipped_probe.py": b"VALUE = 41 + 1\n"}, inner) == 42
+    shipped_dir = Path(sys.modules["phalanx_shipped_probe"].__file__ or "").parent
+    assert not shipped_dir.exists()
+    monkeypatch.delitem(sys.modules, "phalanx_shipped_probe", raising=False)
