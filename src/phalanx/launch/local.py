@@ -75,6 +75,7 @@ class LocalLauncher:
         self._procs: list[RankProcess] = []
         self._threads: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
+        self._run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
 
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for commands) in rank order."""
@@ -112,7 +113,7 @@ class LocalLauncher:
 
     def _contract(self, channel: DriverChannel, store: RendezvousStore) -> JobContract:
         return JobContract(
-            run_id=f"phalanx-{uuid.uuid4().hex[:12]}",
+            run_id=self._run_id,
             master_addr="127.0.0.1",
             master_port=store.port,
             channel=channel.address,
@@ -181,7 +182,8 @@ class LocalLauncher:
             if live:
                 log.debug("stopping ranks with pids %s", live)
             # Descendants of exited ranks (daemons that kept the pipes) are swept too.
-            terminate_tree([p.pid for p in self._procs], self.spec.teardown_grace_s if grace_s is None else grace_s)
+            grace = self.spec.teardown_grace_s if grace_s is None else grace_s
+            terminate_tree([p.pid for p in self._procs], grace, marker=(N.PHALANX_RUN_ID, self._run_id))
             for p in self._procs:
                 try:
                     p.wait(timeout=5.0)

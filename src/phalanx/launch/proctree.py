@@ -2,7 +2,10 @@
 
 A worker may start its own children (a DataLoader's workers, a shell's commands) and some of them may
 leave the worker's process group with ``setsid``; so teardown signals the process group *and* every
-descendant found through ``/proc``. On systems without ``/proc`` only the process group is signalled.
+descendant found through ``/proc``. A daemon whose parent rank already exited is no longer anyone's
+descendant (it was re-parented to init), so teardown also sweeps every process whose environment carries
+the job's marker variable (each rank's ``PHALANX_RUN_ID``, which children inherit) - the way CI servers
+find the processes of a build. On systems without ``/proc`` only the process group is signalled.
 """
 
 from __future__ import annotations
@@ -52,6 +55,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def processes_with_env(key: str, value: str) -> list[int]:
+    """Pids of this user's processes whose initial environment has ``key=value`` (not this process)."""
+    if not _PROC.is_dir():
+        return []
+    needle = f"{key}={value}".encode()
+    found: list[int] = []
+    for entry in os.scandir(_PROC):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (_PROC / entry.name / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     info = _parent_and_state(pid)
@@ -82,7 +103,14 @@ def signal_all(pids: Iterable[int], pgids: Iterable[int], sig: int) -> None:
             pass
 
 
-def terminate_tree(root_pids: Iterable[int], grace_s: float) -> None:
+def _job_processes(roots: list[int], marker: tuple[str, str] | None) -> list[int]:
+    found = roots + [d for r in roots for d in descendants(r)]
+    if marker is not None:
+        found += [p for p in processes_with_env(*marker) if p not in found]
+    return found
+
+
+def terminate_tree(root_pids: Iterable[int], grace_s: float, marker: tuple[str, str] | None = None) -> None:
     """Stop processes, their process groups and all their descendants: SIGTERM, grace, then SIGKILL.
 
     Each root is assumed to lead its own process group (started with ``start_new_session``).
@@ -90,13 +118,15 @@ def terminate_tree(root_pids: Iterable[int], grace_s: float) -> None:
     Args:
         root_pids: the processes the launcher started.
         grace_s: seconds to wait after SIGTERM before SIGKILL.
+        marker: ``(name, value)`` of an environment variable that marks the job's processes; every
+            process carrying it is stopped too (orphaned daemons included).
     """
     roots = list(root_pids)
-    everyone = roots + [d for r in roots for d in descendants(r)]
+    everyone = _job_processes(roots, marker)
     signal_all(everyone, roots, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(is_alive(p) for p in everyone):
         time.sleep(0.02)
     # Late children (forked during the grace period) are found again before the final blow.
-    everyone += [d for r in roots for d in descendants(r)]
-    signal_all([p for p in everyone if is_alive(p)], roots, signal.SIGKILL)
+    everyone = _job_processes(roots, marker) + everyone
+    signal_all([p for p in dict.fromkeys(everyone) if is_alive(p)], roots, signal.SIGKILL)

@@ -100,14 +100,18 @@ def test_phalanxrun_runs_a_script_and_returns_the_root_cause_exit_code(tmp_path:
 @pytest.mark.timeout(90)
 def test_phalanxrun_signal_exit_code_and_no_prefix(tmp_path: Path) -> None:
     script = _write(tmp_path, "die.py", """
-        import os, signal, time
+        import os, signal, sys, time
         print("hi from", os.environ["RANK"], flush=True)
-        if os.environ["RANK"] == "0":
-            time.sleep(0.5)
+        marker = os.path.join(sys.argv[1], "rank1-spoke")
+        if os.environ["RANK"] == "1":
+            open(marker, "w").close()
+        else:
+            while not os.path.exists(marker):
+                time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
     """)
-    out = subprocess.run([*PHALANXRUN, "-np", "2", "--no-prefix", sys.executable, str(script)],
+    out = subprocess.run([*PHALANXRUN, "-np", "2", "--no-prefix", sys.executable, str(script), str(tmp_path)],
                          capture_output=True, text=True, timeout=80)
     assert out.returncode == 128 + signal.SIGTERM
     assert sorted(out.stdout.splitlines()) == ["hi from 0", "hi from 1"]

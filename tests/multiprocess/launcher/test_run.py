@@ -120,6 +120,7 @@ def _spawn_daemon_then_fail(pidfile: str) -> None:
     if os.environ["RANK"] == "1":
         while not Path(pidfile + "0").exists():
             time.sleep(0.01)
+        os.environ["PHALANX_RUN_ID"] = "cleared"  # the daemon keeps the marker it was started with
         raise RuntimeError("fail with a grandchild alive")
     time.sleep(60)
 
@@ -134,6 +135,25 @@ def test_whole_process_tree_is_torn_down(tmp_path: Path) -> None:
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not Path(f"/proc/{pid}").exists(), f"grandchild {pid} of rank {rank} survived"
+
+
+def _spawn_daemon_and_return(pidfile: str) -> int:
+    import subprocess
+
+    p = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    Path(pidfile + os.environ["RANK"]).write_text(str(p.pid))
+    return p.pid
+
+
+@pytest.mark.timeout(60)
+def test_daemons_of_ranks_that_already_exited_are_swept(tmp_path: Path) -> None:
+    # The ranks exit first, so their daemons are orphans (re-parented to init) when the job ends.
+    pids = phalanx.run(_spawn_daemon_and_return, args=(str(tmp_path / "pid"),), np=2)
+    for pid in pids:
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists(), f"daemon {pid} survived the job"
 
 
 @pytest.mark.timeout(60)
