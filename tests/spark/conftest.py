@@ -59,10 +59,28 @@ def _template_pids() -> set[int]:
     return set(pids()) if callable(pids) else set()
 
 
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return 0
+    return int(raw[raw.rfind(")") + 2 :].split()[1])
+
+
+def _spark_owned(pid: int) -> bool:
+    """PySpark's daemons and their worker forks; and a warm-start template that one of them started
+    (it lives as long as that python worker, by design). The ranks a template forks are counted."""
+    cmd = _cmdline(pid)
+    if any(s in cmd for s in _SPARK_OWNED):
+        return True
+    return "phalanx.worker.template" in cmd and any(s in _cmdline(_parent(pid)) for s in _SPARK_OWNED)
+
+
 def _phalanx_descendants() -> set[int]:
     found: set[int] = set()
     for pid in descendants(os.getpid()):
-        if (is_alive(pid) or _is_zombie(pid)) and not any(s in _cmdline(pid) for s in _SPARK_OWNED):
+        if (is_alive(pid) or _is_zombie(pid)) and not _spark_owned(pid):
             found.add(pid)
     return found - _template_pids()
 

@@ -8,6 +8,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from phalanx.errors import InvalidArgumentError, PhalanxError
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
+from phalanx.launch.warm import preload_for
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
 from phalanx.spark.session import spark_context, task_slots, wait_for_slots
 from phalanx.spark.shipping import spark_payload
@@ -123,5 +124,6 @@ def run(
     np = validate_np(num_proc, "num_proc") if num_proc is not None else task_slots(sc)
     spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout,
                         start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
-                        description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})")
+                        description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})",
+                        warm_preload=preload_for(fn))
     return launch_spark(spec, sc).values

@@ -17,6 +17,7 @@ from typing import Any
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.api import resolve_start_timeout, validate_np
+from phalanx.launch.warm import preload_for
 from phalanx.spark.api import check_gpu_conf, launch_spark
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_context
@@ -96,7 +97,7 @@ class TorchDistributor:
         if self.local_mode:
             return self._local(train_object, args, kwargs)
         payload = spark_payload(train_object, args, kwargs)
-        return self._spark(payload=payload, command=None).values[0]
+        return self._spark(payload=payload, command=None, preload=preload_for(train_object)).values[0]
 
     def _run_script(self, command: tuple[str, ...]) -> str:
         if self.local_mode:
@@ -104,7 +105,8 @@ class TorchDistributor:
         lines = self._spark(payload=b"", command=command).rank0_stdout.lines
         return "".join(line + "\n" for line in lines)
 
-    def _spark(self, payload: bytes, command: tuple[str, ...] | None) -> Any:
+    def _spark(self, payload: bytes, command: tuple[str, ...] | None,
+               preload: tuple[str, ...] | None = None) -> Any:
         sc = spark_context()
         check_gpu_conf(sc, self.use_gpu)
         name = Path(command[0]).name if command else "function"
@@ -112,6 +114,7 @@ class TorchDistributor:
             np=self.num_processes, payload=payload, command=command, use_gpu=self.use_gpu,
             start_timeout_s=resolve_start_timeout(None), start_timeout_hint=_START_HINT,
             description=f"TorchDistributor(num_processes={self.num_processes}).run({name})",
+            warm_preload=preload,
         )
         return launch_spark(spec, sc)
 

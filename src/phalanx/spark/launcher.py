@@ -56,6 +56,7 @@ class SparkJobSpec:
         stderr: where rank error output goes on the driver (default: ``sys.stderr``).
         description: shown in the Spark UI.
         teardown_grace_s: seconds between SIGTERM and SIGKILL when the job is aborted.
+        warm_preload: modules for the executors' warm-start templates (function jobs); None: cold.
     """
 
     np: int
@@ -70,6 +71,7 @@ class SparkJobSpec:
     stderr: IO[str] | None = None
     description: str = "phalanx job"
     teardown_grace_s: float = 3.0
+    warm_preload: tuple[str, ...] | None = None
 
 
 class StreamSink:
@@ -155,6 +157,9 @@ class SparkLauncher:
             self._submit(job)
             self.values = monitor.run()
             return self.values
+        except BaseException:
+            self._stop_all()  # Ctrl-C, or an error of our own: stop the ranks now, not after a wait
+            raise
         finally:
             self._finish()
             channel.close()
@@ -183,7 +188,8 @@ class SparkLauncher:
 
     def _submit(self, job: JobContract) -> None:
         spec = TaskSpec(job=job, command=self.spec.command, env=dict(self.spec.env),
-                        use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s)
+                        use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s,
+                        warm_preload=self.spec.warm_preload)
         with python_exec(self.sc, executor_python(self.sc)):
             rdd = self.sc.parallelize(range(self.spec.np), self.spec.np).barrier().mapPartitions(barrier_task(spec))
             rdd._jrdd  # noqa: B018 - builds the Python function now, while pythonExec is the right one

@@ -9,6 +9,7 @@ from typing import Any
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.api import resolve_start_timeout
+from phalanx.launch.warm import preload_for
 from phalanx.spark.api import launch_spark
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_context, task_slots
@@ -75,6 +76,7 @@ class HorovodRunner:
             np=np, payload=payload, start_timeout_s=resolve_start_timeout(None),
             start_timeout_hint="the HOROVOD_START_TIMEOUT variable", console=self._console(),
             description=f"HorovodRunner(np={np}).run({getattr(main, '__name__', 'main')})",
+            warm_preload=preload_for(main),
         )
         return launch_spark(spec, sc).values[0]
 

@@ -25,7 +25,9 @@ from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.logs import pump_lines
 from phalanx.job.records import ErrorRecord, LogLine, Stream
+from phalanx.launch import warm
 from phalanx.launch.proctree import terminate_tree
+from phalanx.launch.warm import RankProcess
 
 #: Seconds the output pipes may stay open after the worker ended (a grandchild may hold them).
 DRAIN_WAIT_S = 5.0
@@ -44,6 +46,8 @@ class TaskSpec:
         use_gpu: give each rank its task's GPUs as ``CUDA_VISIBLE_DEVICES``.
         log_to_driver: route ``log_to_driver`` messages over the channel.
         teardown_grace_s: seconds between SIGTERM and SIGKILL when the job is aborted.
+        warm_preload: modules a warm-start template in this executor's python worker should import
+            (function jobs); None starts every rank cold.
     """
 
     job: JobContract
@@ -52,6 +56,12 @@ class TaskSpec:
     use_gpu: bool = False
     log_to_driver: bool = True
     teardown_grace_s: float = 3.0
+    warm_preload: tuple[str, ...] | None = None
+
+    def warm(self) -> bool:
+        """True when this job's ranks may be forked from a warm-start template."""
+        off = self.env.get(N.PHALANX_WARM_START) == "0"
+        return self.command is None and self.warm_preload is not None and not off and warm.enabled()
 
 
 def exit_event(returncode: int) -> bytes:
@@ -103,7 +113,7 @@ class _Supervisor:
         self.spec = spec
         self.channel = channel
         self.rank = rank
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: RankProcess | None = None
         self.channel_ok = True
         self._done = threading.Event()
 
@@ -120,13 +130,24 @@ class _Supervisor:
         """Forward one output line of the worker."""
         self.send(Kind.LOG, line.encode())
 
-    def run(self, env: dict[str, str]) -> int:
-        """Start the worker, forward its output, stop it on abort; return its exit code."""
+    def _spawn(self, env: dict[str, str]) -> RankProcess:
+        # Spark reuses its python workers between tasks, so a template started after an earlier job
+        # of this driver is still here: fork the rank from it (imports already paid).
+        template = warm.ready_template() if self.spec.warm() else None
+        if template is not None:
+            try:
+                return template.spawn(env, os.getcwd())
+            except OSError:
+                pass
         # Started from the task's main thread: the worker's PR_SET_PDEATHSIG follows this thread.
-        self.proc = subprocess.Popen(
+        return subprocess.Popen(
             _argv(self.spec), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
         )
+
+    def run(self, env: dict[str, str]) -> int:
+        """Start the worker, forward its output, stop it on abort; return its exit code."""
+        self.proc = self._spawn(env)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         pumps = [
             threading.Thread(target=pump_lines, args=(self.proc.stdout, self.rank, Stream.STDOUT, self.emit)),
@@ -178,6 +199,8 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], resources: dict[str, 
         returncode = EXIT_NOT_STARTED
     supervisor.send(Kind.EVENT, exit_event(returncode))
     channel.close()
+    if spec.warm() and spec.warm_preload is not None:
+        warm.prepare(spec.warm_preload)  # in the background, for this driver's next job
     return _status(rank, returncode, supervisor.channel_ok)
 
 
