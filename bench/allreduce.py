@@ -1,0 +1,80 @@
+"""Allreduce, fp32, 4 KB to 64 MB on 2 ranks: ``hvd.allreduce`` vs raw ``dist.all_reduce``, side by side.
+
+Run: ``.venv/bin/python bench/allreduce.py [--np 2] [--rounds 5]``. Both are timed in the same job,
+interleaved round by round (so machine noise hits both alike); each figure is the median over rounds of
+the mean time per call. Ratios: throughput = raw time / hvd time (>= 0.9 is the target from 1 MB up);
+latency = hvd time / raw time (<= 1.3 is the target at 4 KB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import phalanx
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
+
+
+def _calls(nbytes: int) -> int:
+    return max(5, min(400, (32 << 20) // nbytes))
+
+
+def _time(fn: Any, calls: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _bench(rounds: int) -> list[dict[str, float]]:
+    import torch
+    import torch.distributed as dist
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    rows = []
+    for nbytes in SIZES:
+        x = torch.ones(nbytes // 4)
+        calls = _calls(nbytes)
+        for _ in range(3):  # warm-up both paths
+            dist.all_reduce(x)
+            hvd.allreduce_(x, op=hvd.Sum)
+        raw, ours, ours_oop = [], [], []
+        for _ in range(rounds):
+            raw.append(_time(lambda x=x: dist.all_reduce(x), calls))
+            ours.append(_time(lambda x=x: hvd.allreduce_(x, op=hvd.Sum), calls))
+            ours_oop.append(_time(lambda x=x: hvd.allreduce(x), calls))
+        rows.append({"bytes": nbytes, "raw": statistics.median(raw), "hvd_": statistics.median(ours),
+                     "hvd": statistics.median(ours_oop)})  # fmt: skip
+    hvd.shutdown()
+    return rows
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def main() -> None:
+    """Run the benchmark and print a table of times and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rows = phalanx.run(_bench, args=(args.rounds,), np=args.np)[0]
+    print(f"allreduce fp32, {args.np} ranks, gloo; median of {args.rounds} rounds (time per call)")
+    print(f"{'size':>7} {'raw dist':>10} {'hvd.allreduce_':>15} {'hvd.allreduce':>14} "
+          f"{'throughput ratio (in-place / new tensor)':>42}")  # fmt: skip
+    for r in rows:
+        print(f"{_fmt_size(int(r['bytes'])):>7} {r['raw'] * 1e3:>8.3f}ms {r['hvd_'] * 1e3:>13.3f}ms "
+              f"{r['hvd'] * 1e3:>12.3f}ms {r['raw'] / r['hvd_']:>21.2f}x / {r['raw'] / r['hvd']:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

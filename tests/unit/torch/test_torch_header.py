@@ -1,0 +1,108 @@
+"""The control block, reduce helpers, bucket layout and name validation (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx.torch import _buckets as B
+from phalanx.torch import _header as H
+from phalanx.torch import _reduce as R
+
+
+def _sig(**kw: object) -> H.Signature:
+    base: dict[str, object] = {"kind": "allreduce", "name": "grad.w", "dtype": torch.float32, "device": 0,
+                               "shape": (4, 3), "op": R.Average}  # fmt: skip
+    base.update(kw)
+    return H.Signature(**base)  # type: ignore[arg-type]
+
+
+def test_encode_decode_round_trip_with_inline_payload_and_aux() -> None:
+    sig = _sig(name="ü" * 10, shape=(2, 3, 4, 5), prescale=0.25, postscale=3.0, group_hash=7, count=2, root=1)
+    payload = torch.arange(24, dtype=torch.float32).view(-1).view(torch.uint8)
+    block = H.encode(sig, [5, 6, 7], payload, n_aux=3)
+    assert block.numel() == H.HEADER_WORDS + 3 + H.INLINE_WORDS
+    words = block[: H.HEADER_WORDS].tolist()
+    assert H.decode(words) == sig
+    assert block[H.HEADER_WORDS : H.HEADER_WORDS + 3].tolist() == [5, 6, 7]
+    assert words[H.F_NBYTES] == 96
+    got = block[H.HEADER_WORDS + 3 :].view(torch.uint8)[:96].view(torch.float32)
+    assert torch.equal(got, torch.arange(24, dtype=torch.float32))
+
+
+def test_long_names_are_truncated_not_rejected() -> None:
+    sig = _sig(name="x" * 500)
+    assert H.decode(H.encode(sig, [], None, 2)[: H.HEADER_WORDS].tolist()).name == "x" * (H.NAME_WORDS * 8)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"shape": (4, 4)}, "shape"), ({"dtype": torch.float64}, "dtype"), ({"op": R.Sum}, "op"),
+        ({"kind": "allgather"}, "kind"), ({"process_set_id": 3}, "process set"), ({"name": "other"}, "name"),
+        ({"device": 1}, "device"), ({"postscale": 2.0}, "postscale_factor"), ({"count": 3}, "grouped tensors"),
+    ],
+)  # fmt: skip
+def test_find_mismatch_names_the_field_and_every_ranks_value(changes: dict[str, object], field: str) -> None:
+    sigs = [_sig(), _sig(**changes), _sig()]
+    detail = H.find_mismatch(sigs, [0, 2, 5])
+    assert detail is not None and detail.startswith(f"{field}:")
+    assert "rank 0=" in detail and "rank 2=" in detail and "rank 5=" in detail
+    err = H.mismatch_error(sigs, [0, 2, 5], detail, me=2)
+    assert isinstance(err, RuntimeError) and "ranks [0, 2, 5]" in str(err)
+
+
+def test_allgather_first_dimension_may_differ_and_unnamed_ops_skip_the_name() -> None:
+    sigs = [_sig(kind="allgather", shape=(1, 3)), _sig(kind="allgather", shape=(9, 3), name="")]
+    assert H.find_mismatch(sigs, [0, 1]) is None
+    assert H.find_mismatch([sigs[0], _sig(kind="allgather", shape=(9, 4))], [0, 1]) == (
+        "trailing shape: rank 0=(3,), rank 1=(4,)"
+    )
+
+
+def test_op_resolution_and_validation() -> None:
+    assert R.resolve_op(None, None) == R.Average
+    assert R.resolve_op(None, False) == R.Sum
+    with pytest.raises(ValueError, match="deprecated"):
+        R.resolve_op(R.Sum, True)
+    with pytest.raises(NotImplementedError, match="Adasum"):
+        R.check_op(R.Adasum, torch.float32)
+    with pytest.raises(ValueError, match="bool"):
+        R.check_op(R.Average, torch.bool)
+    with pytest.raises(ValueError, match="complex"):
+        R.check_op(R.Max, torch.complex64)
+
+
+def test_reduce_stack_in_rank_order() -> None:
+    stack = torch.tensor([[1, 5], [3, 2], [2, 2]], dtype=torch.int32)
+    assert R.reduce_stack(stack, R.Sum).tolist() == [6, 9]
+    assert R.reduce_stack(stack, R.Min).tolist() == [1, 2]
+    assert R.reduce_stack(stack, R.Max).tolist() == [3, 5]
+    assert R.reduce_stack(stack, R.Product).dtype == torch.int32
+    flags = torch.tensor([[True, False], [False, False]])
+    assert R.reduce_stack(flags, R.Sum).tolist() == [True, False]
+    assert R.reduce_stack(flags, R.Min).tolist() == [False, False]
+    t = torch.tensor([7, 9])
+    R.finish_scale(t, R.Average, 2, 1.0)
+    assert t.tolist() == [3, 4]  # integer Average: floor division
+
+
+def test_bucket_plan_reverse_order_threshold_and_dtype_breaks() -> None:
+    params = [torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(100)]
+    buckets = B.plan(params, threshold_bytes=100, groups=None)
+    assert [[p.numel() for p in b.params] for b in buckets] == [[100], [10], [10, 10]]
+    grouped = B.plan(params, threshold_bytes=1 << 30, groups=[[params[0], params[2]], [params[1], params[3]]])
+    assert [len(b.params) for b in grouped] == [1, 1, 2]
+
+
+def test_pack_folds_the_scale_and_makes_grads_views() -> None:
+    p = torch.nn.Parameter(torch.zeros(3))
+    q = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([2.0, 4.0, 6.0])
+    bucket = B.plan([p, q], 1 << 20, None)[0]
+    B.pack(bucket, 0.5)
+    assert p.grad.tolist() == [1.0, 2.0, 3.0] and q.grad.tolist() == [0.0, 0.0]
+    assert p.grad.data_ptr() == bucket.view(1).data_ptr()
+    p.grad.add_(1.0)  # accumulated in place since: the next pack scales it in place
+    B.pack(bucket, 0.5)
+    assert p.grad.tolist() == [1.0, 1.5, 2.0]
