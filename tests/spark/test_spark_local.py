@@ -123,13 +123,15 @@ def _fail_once_per_attempt(marker: str) -> None:
     rank = int(os.environ["RANK"])
     Path(f"{marker}.{rank}.{os.getpid()}").write_text(str(os.getpid()))
     if rank == 1:
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # fail once rank 0 runs too (it may start later)
+        while not list(Path(marker).parent.glob("attempt.0.*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ValueError("bad learning rate 42")
     time.sleep(120)  # rank 0 would hang: phalanx must tear it down
 
 
 @pytest.mark.timeout(120)
-def test_failure_reports_root_cause_once_and_tears_every_rank_down(tmp_path: Path) -> None:
+def test_failure_reports_root_cause_once_and_tears_every_rank_down(tmp_path: Path, local_spark: Any) -> None:
     marker = str(tmp_path / "attempt")
     with pytest.raises(WorkerFailedError) as info:
         HorovodRunner(np=2).run(_fail_once_per_attempt, marker=marker)
@@ -144,6 +146,7 @@ def test_failure_reports_root_cause_once_and_tears_every_rank_down(tmp_path: Pat
     while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(is_alive(p) for p in pids)
+    assert list(local_spark.sparkContext.statusTracker().getActiveJobsIds()) == []
 
 
 @pytest.mark.timeout(120)
@@ -201,3 +204,29 @@ def test_bad_arguments_are_refused_before_spark_runs() -> None:
         TorchDistributor(num_processes=1, local_mode=False, use_gpu=False).run("/nonexistent/train.py")
     with pytest.raises(InvalidArgumentError, match="unexpected argument"):
         run(lambda: None, num_proc=1, bogus=1)
+
+
+def _sleep_forever(pid_dir: str) -> None:
+    Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
+    time.sleep(300)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path: Path) -> None:
+    import signal
+    import threading
+
+    def interrupt_when_running() -> None:
+        while len(list(tmp_path.iterdir())) < 2:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run(_sleep_forever, args=(str(tmp_path),), num_proc=2)
+    pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+    deadline = time.monotonic() + 20
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if is_alive(p)]
+    assert run(lambda: 7, num_proc=2) == [7, 7]

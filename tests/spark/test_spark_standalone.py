@@ -83,7 +83,9 @@ def _all_gpus() -> list[tuple[str, str]]:
 def _fail_on_rank_3(pid_dir: str) -> None:
     Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
     if os.environ["RANK"] == "3":
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60  # fail once every rank runs (some may start later)
+        while len(list(Path(pid_dir).iterdir())) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise RuntimeError("rank 3 ran out of patience")
     time.sleep(120)
 
