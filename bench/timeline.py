@@ -1,6 +1,7 @@
 """Timeline cost: training steps/s with the timeline off, on (rank 0 writes) and on for every rank.
 
-One ``phalanx.run`` job at np=2 trains an MLP with ``hvd.DistributedOptimizer``. Inside it the three modes
+One ``phalanx.run`` job at np=2 trains the models of phalanx.torch's training benchmark (``bench/train.py``:
+an 824k-parameter CNN and a 5.8M-parameter MLP) with ``hvd.DistributedOptimizer``. Inside it the three modes
 alternate in short blocks of steps, the order rotating every round, so a change in machine load hits all
 modes alike; each round gives a paired ratio (mode vs off in the same round) and the median of those
 ratios is the figure. Two measures:
@@ -12,7 +13,7 @@ ratios is the figure. Two measures:
 Also prints the cost of the "off" check per operation times the operations per step, which bounds the
 cost of the instrumentation when the timeline is off.
 
-    .venv/bin/python bench/timeline.py [--rounds 30] [--steps 8]
+    .venv/bin/python bench/timeline.py [--rounds 12] [--steps 4]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -30,13 +32,15 @@ MODES = ("off", "on", "all_ranks")
 Block = tuple[float, float]  # (wall seconds, process CPU seconds) for one block of steps
 
 
-def _model() -> Any:
-    import torch
+def _training_models() -> dict[str, tuple[Any, tuple[int, ...]]]:
+    """phalanx.torch's training benchmark models (bench/train.py), shipped to the workers by value."""
+    import cloudpickle
 
-    layers: list[torch.nn.Module] = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import train
+
+    cloudpickle.register_pickle_by_value(train)
+    return dict(train.MODELS)
 
 
 def _timed_block(step: Any, steps: int, mode: str, trace: str) -> Block:
@@ -56,35 +60,43 @@ def _timed_block(step: Any, steps: int, mode: str, trace: str) -> Block:
     return wall, cpu
 
 
-def train(rounds: int, steps: int, trace_dir: str) -> dict[str, list[Block]]:
-    """One rank of the benchmark: per mode, one (wall, cpu) block per round."""
+def _train_one(make: Any, shape: tuple[int, ...], rounds: int, steps: int, trace_dir: str) -> dict[str, list[Block]]:
     import torch
-    import torch.nn.functional as F
 
     import phalanx.torch as hvd
 
-    hvd.init()
     torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = _model()
+    model = make()
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
     opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    x, y = torch.randn(64, 512), torch.randn(64, 10)
+    x, y = torch.randn(*shape), torch.randint(0, 10, (shape[0],))
+    loss_fn = torch.nn.CrossEntropyLoss()
 
     def step() -> None:
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        loss_fn(model(x), y).backward()
         opt.step()
 
-    for _ in range(10):
+    for _ in range(3):
         step()
     blocks: dict[str, list[Block]] = {m: [] for m in MODES}
     for r in range(rounds):
         for mode in MODES[r % 3 :] + MODES[: r % 3]:
             blocks[mode].append(_timed_block(step, steps, mode, os.path.join(trace_dir, f"{mode}.json")))
-    hvd.shutdown()
     return blocks
+
+
+def train(models: dict[str, Any], rounds: int, steps: int, trace_dir: str) -> dict[str, dict[str, list[Block]]]:
+    """One rank of the benchmark: per model and mode, one (wall, cpu) block per round."""
+    import phalanx.torch as hvd
+
+    hvd.init()
+    out = {}
+    for name, (make, shape) in models.items():
+        out[name] = _train_one(make, shape, rounds, steps, os.path.join(trace_dir, name))
+    hvd.shutdown()
+    return out
 
 
 def off_check_ns(n: int = 200_000) -> float:
@@ -123,42 +135,48 @@ def paired(per_rank: list[dict[str, list[Block]]], steps: int) -> dict[str, dict
     return out
 
 
-def report(fig: dict[str, dict[str, float]], rounds: int, steps: int, wall: float) -> None:
-    print(
-        f"timeline bench: np=2, MLP 6x512 + DistributedOptimizer, {rounds} rounds x {steps} steps per mode, "
-        f"{wall:.0f} s"
-    )
+def report(name: str, fig: dict[str, dict[str, float]], ops: float, trace_kb: float, off_ns: float) -> None:
+    """Print one model's figures."""
+    print(f"  model {name}:")
     for m in MODES:
         f = fig[m]
-        print(f"  {m:<10} {f['rate']:7.2f} steps/s (rank 0)   {f['cpu_ms']:7.2f} ms CPU per step (both ranks)")
+        print(f"    {m:<10} {f['rate']:7.2f} steps/s (rank 0)   {f['cpu_ms']:7.2f} ms CPU per step (both ranks)")
     for m in MODES[1:]:
         f = fig[m]
         print(
-            f"  {m + ' / off':<15} throughput x{f['wall_ratio']:.3f} ({100 * (1 - f['wall_ratio']):+.1f}% cost), "
-            f"CPU per step x{f['cpu_ratio']:.3f} ({100 * (f['cpu_ratio'] - 1):+.1f}%)   [median of paired rounds]"
+            f"    {m + ' / off':<15} throughput x{f['wall_ratio']:.3f} ({100 * (1 - f['wall_ratio']):+.1f}% cost), "
+            f"CPU per step x{f['cpu_ratio']:.3f} ({100 * (f['cpu_ratio'] - 1):+.1f}%)"
         )
+    step_us = 1e6 / fig["off"]["rate"]
+    print(f"    trace: {ops:.1f} operations per step, {trace_kb:.2f} kB per step (rank 0's file)")
+    print(
+        f"    off: {off_ns:.0f} ns per check x {ops:.1f} ops per step = {off_ns * ops / 1000:.2f} us of a "
+        f"{step_us:.0f} us step ({100 * off_ns * ops / 1000 / step_us:.3f}%)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=4)
     ns = parser.parse_args()
+    models = _training_models()
     with tempfile.TemporaryDirectory() as trace_dir:
+        for name in models:
+            os.makedirs(os.path.join(trace_dir, name))
         t0 = time.perf_counter()
-        per_rank = phalanx.run(train, args=(ns.rounds, ns.steps, trace_dir), np=2)
+        per_rank = phalanx.run(train, args=(models, ns.rounds, ns.steps, trace_dir), np=2)
         wall = time.perf_counter() - t0
-        ops = ops_per_step(os.path.join(trace_dir, "on.json"), ns.steps)
-        trace_kb = os.path.getsize(os.path.join(trace_dir, "on.json")) / 1024
-    fig = paired(per_rank, ns.steps)
-    report(fig, ns.rounds, ns.steps, wall)
-    check = off_check_ns()
-    step_us = 1e6 / fig["off"]["rate"]
-    print(f"  trace: {ops:.1f} operations per step, {trace_kb / ns.steps:.2f} kB per step (rank 0's file)")
+        traces = {name: os.path.join(trace_dir, name, "on.json") for name in models}
+        ops = {name: ops_per_step(path, ns.steps) for name, path in traces.items()}
+        sizes = {name: os.path.getsize(path) / 1024 / ns.steps for name, path in traces.items()}
+    off_ns = off_check_ns()
     print(
-        f"  off: {check:.0f} ns per check x {ops:.1f} ops per step = {check * ops / 1000:.2f} us of a "
-        f"{step_us:.0f} us step ({100 * check * ops / 1000 / step_us:.3f}%)"
+        f"timeline bench: np=2, bench/train.py models + DistributedOptimizer, {ns.rounds} paired rounds x "
+        f"{ns.steps} steps per mode, {wall:.0f} s; ratios are medians of per-round ratios"
     )
+    for name in models:
+        report(name, paired([r[name] for r in per_rank], ns.steps), ops[name], sizes[name], off_ns)
 
 
 if __name__ == "__main__":
