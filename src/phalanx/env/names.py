@@ -65,5 +65,8 @@ SPARK_LOCAL_HOSTNAME = "SPARK_LOCAL_HOSTNAME"
 SPARK_LOCAL_IP = "SPARK_LOCAL_IP"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
+# --- OpenMP: torch's intra-op threads; phalanx.torch.init() sizes them when the user did not.
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
 # --- Python runtime: workers stream their output line by line, so it must not be block-buffered.
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
+from phalanx.torch import _speculate as S
 from phalanx.torch import _state
 from phalanx.torch._engine import Collective
 from phalanx.torch.process_sets import _Groups
@@ -54,6 +55,7 @@ class Allreduce(Collective):
         self.buffers = [R.prescale(t, prescale).reshape(-1) for t in inputs]
         self.works: list[Any] = []
         self.wire: list[torch.Tensor] = []
+        self.pooled: torch.Tensor | None = None
 
     def payload_bytes(self) -> torch.Tensor:
         parts = [as_bytes(b) for b in self.buffers]
@@ -68,6 +70,24 @@ class Allreduce(Collective):
             red = rows[0].clone() if len(rows) == 1 else R.reduce_stack(torch.stack(rows), self.op)
             R.finish_scale(red, self.op, self.n, self.post)
             out.copy_(red.reshape(out.shape))
+
+    def speculative_buffer(self, key: tuple[Any, ...]) -> torch.Tensor:
+        # ``buffers[0]`` is contiguous by construction (``reshape(-1)`` copies what is not).
+        buf, out, src = self.buffers[0], self.outputs[0], self.inputs[0]
+        if buf.data_ptr() != src.data_ptr() or out.data_ptr() == src.data_ptr():
+            # A private (prescaled or reshaped) copy, or in place straight into the caller's tensor: a wrong
+            # guess that no rank matched never used it, and a guess that some rank did not match is a
+            # mismatch, which raises (the in-place tensor's contents are then undefined, as documented).
+            return buf
+        if out.is_contiguous():
+            wire = out.view(-1)
+            wire.copy_(buf)
+            return wire
+        self.pooled = S.acquire(buf.numel(), buf.dtype)
+        return self.pooled.copy_(buf)
+
+    def adopt(self, buffer: torch.Tensor, work: Any) -> None:
+        self.wire, self.works = [buffer], [work]
 
     def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
         for buf, out in zip(self.buffers, self.outputs):
@@ -93,6 +113,8 @@ class Allreduce(Collective):
             R.finish_scale(result, self.op, self.n, self.post)
             if result.data_ptr() != out.data_ptr():
                 out.copy_(result.reshape(out.shape))
+        if self.pooled is not None:
+            S.release(self.pooled)
         return self.outputs[0] if self.sig.count == 1 and self.sig.group_hash == 0 else self.outputs
 
 
@@ -113,7 +135,7 @@ class Allgather(Collective):
         return _from_bytes(raw, self.tensor.dtype, (d0, *self.rest))
 
     def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
-        self.result = torch.cat([self._rows(p, s.shape[0]) for p, s in zip(payloads, sigs)]).clone()
+        self.result = torch.cat([self._rows(p, s.shape[0]) for p, s in zip(payloads, sigs)])
 
     def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
         self.dims = [s.shape[0] for s in sigs]
@@ -204,7 +226,7 @@ class Alltoall(Collective):
             start = sum(splits[: self.me])
             parts.append(rows[start : start + splits[self.me]])
         self.received = self._received(aux)
-        self.output = torch.cat(parts).clone()
+        self.output = torch.cat(parts)
 
     def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
         self.received = self._received(aux)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.torch import _header as H
+from phalanx.torch import _speculate as S
 from phalanx.torch import _state
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 
@@ -49,6 +50,15 @@ class Collective:
         """Launch the payload collective asynchronously on ``groups.data``."""
         raise NotImplementedError
 
+    def speculative_buffer(self, key: S.Key) -> torch.Tensor:
+        """This rank's data for a speculative allreduce predicted as ``key`` (only called when this
+        collective's key equals the prediction, which only allreduce keys can)."""
+        raise NotImplementedError
+
+    def adopt(self, buffer: torch.Tensor, work: Any) -> None:
+        """Take a confirmed speculative allreduce as this collective's payload."""
+        raise NotImplementedError
+
     def is_done(self) -> bool:
         """Whether the issued payload work has completed."""
         return True
@@ -67,6 +77,7 @@ class _Entry:
     state: str = "negotiating"
     error: BaseException | None = None
     name: str = ""
+    spec: tuple[S.Key, torch.Tensor, Any] | None = None
 
 
 @dataclass
@@ -75,6 +86,7 @@ class _Engine:
     handles: dict[int, _Entry] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)
     counter: itertools.count[int] = field(default_factory=itertools.count)
+    predictors: dict[tuple[int, ...], S.Predictor] = field(default_factory=dict)
 
 
 ENGINE = _Engine()
@@ -115,6 +127,9 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     if n == 1:
         _finish_single(entry)
     else:
+        if ENGINE.queue:
+            advance()  # predictions need every earlier control block: common knowledge on every rank
+        entry.spec = _speculate(coll, groups)
         block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
         entry.gathered = torch.empty(block.numel() * n, dtype=torch.int64)
         entry.work = dist.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
@@ -124,6 +139,15 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     handle = next(ENGINE.counter)
     ENGINE.handles[handle] = entry
     return handle
+
+
+def _speculate(coll: Collective, groups: _Groups) -> tuple[S.Key, torch.Tensor, Any] | None:
+    key = ENGINE.predictors.setdefault(groups.ranks, S.Predictor()).predict()
+    if key is None:
+        return None
+    mine = coll.speculative_buffer(key) if S.key_of(coll.sig) == key else None
+    buffer = mine if mine is not None else S.garbage(key)
+    return key, buffer, S.launch(buffer, key, groups.data)
 
 
 def _finish_single(entry: _Entry) -> None:
@@ -144,6 +168,17 @@ def _negotiated(entry: _Entry) -> None:
     headers = rows[:, : H.HEADER_WORDS].tolist()
     sigs = [H.decode(h) for h in headers]
     detail = H.find_mismatch(sigs, ranks)
+    agreed = None if detail is not None else S.key_of(sigs[0])
+    ENGINE.predictors.setdefault(entry.groups.ranks, S.Predictor()).record(agreed)
+    if entry.spec is not None:
+        key, buffer, work = entry.spec
+        entry.spec = None
+        if agreed == key and all(S.key_of(s) == key for s in sigs):
+            entry.coll.adopt(buffer, work)  # the speculative allreduce was the payload
+            entry.state = "running"
+            return
+        work.wait()  # a wrong guess: discard its result, carry on as usual
+        S.release(buffer)
     try:
         if detail is not None:
             raise H.mismatch_error(sigs, ranks, detail, _state.topology().rank)

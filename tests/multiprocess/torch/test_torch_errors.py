@@ -66,11 +66,37 @@ def _errors_job() -> dict[str, Any]:
         report["async mismatch"] = type(e).__name__
     report["async after"] = float(hvd.synchronize(h3)[0])
     report["still works"] = hvd.allreduce(torch.ones(2) * me, op=hvd.Sum).tolist()
+    report["speculation"] = _speculation(me)
     report["adasum"] = _raises(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), NotImplementedError)
     report["not a member"] = _raises(lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
                                      ValueError)  # fmt: skip
     hvd.shutdown()
     return report
+
+
+def _speculation(me: int) -> list[Any]:
+    """Repeated allreduces are predicted (speculative payload); a rank that breaks the pattern must get a
+    mismatch error on every rank, or the right result when all ranks change together, and never a
+    clobbered in-place input."""
+    import torch
+
+    import phalanx.torch as hvd
+
+    seen: list[Any] = []
+    for _ in range(4):
+        seen.append(float(hvd.allreduce(torch.ones(30_000) * (me + 1), op=hvd.Sum)[0]))
+    mine = torch.ones(30_000 + me)
+    try:
+        hvd.allreduce_(mine, op=hvd.Sum)
+        seen.append("no error")
+    except RuntimeError as e:
+        seen.append(type(e).__name__)
+    seen.append(bool(torch.equal(mine, torch.ones(30_000 + me))))
+    for _ in range(3):
+        seen.append(float(hvd.allreduce(torch.ones(30_000), op=hvd.Sum)[0]))
+    seen.append(float(hvd.allreduce(torch.ones(30_000, dtype=torch.float64), op=hvd.Max)[0]))  # all change
+    seen.append(hvd.allgather(torch.ones(1) * me).tolist())  # a different kind where an allreduce is expected
+    return seen
 
 
 def _raises(fn: Any, exc: type[BaseException]) -> str:
@@ -102,5 +128,6 @@ def test_mismatches_raise_on_every_rank_naming_tensor_ranks_and_values() -> None
         assert report["async mismatch"] == "CollectiveMismatchError"
         assert report["async after"] == 2.0
         assert report["still works"] == [1.0, 1.0]
+        assert report["speculation"] == [3.0] * 4 + ["CollectiveMismatchError", True, 2.0, 2.0, 2.0, 1.0, [0.0, 1.0]]
         assert report["adasum"].startswith("NotImplementedError")
         assert report["not a member"].startswith("ValueError")
