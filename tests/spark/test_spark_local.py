@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, WorkerFailedError
+from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.launch import warm
 from phalanx.launch.proctree import is_alive
 from phalanx.spark import HorovodRunner, TorchDistributor, log_to_driver, run
@@ -230,3 +230,19 @@ def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert not [p for p in pids if is_alive(p)]
     assert run(lambda: 7, num_proc=2) == [7, 7]
+
+
+def _kill_my_task() -> None:
+    import signal
+
+    if os.environ["RANK"] == "1":
+        # The rank's parent is the Spark task (a cold start): kill it, as a lost executor would.
+        os.kill(int(os.environ["PHALANX_PARENT_PID"]), signal.SIGKILL)
+    time.sleep(120)
+
+
+@pytest.mark.timeout(120)
+def test_a_task_dying_under_spark_is_a_spark_job_error() -> None:
+    with pytest.raises(SparkJobError, match=r"Spark failed the barrier stage .* before rank\(s\)"):
+        run(_kill_my_task, num_proc=2, env={"PHALANX_WARM_START": "0"})
+    assert run(lambda: 3, num_proc=2) == [3, 3]

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
-from phalanx.errors import InvalidArgumentError, PhalanxError
+from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.warm import preload_for
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
@@ -57,14 +57,24 @@ def launch_spark(spec: SparkJobSpec, sc: SparkContext) -> SparkLauncher:
     launcher = SparkLauncher(spec, sc)
     try:
         launcher.run()
+    except WorkerFailedError as e:
+        root = e.root_cause.exc_type or ""
+        if launcher.spark_error is not None and root.endswith("SparkJobError"):
+            raise launcher.spark_error from e
+        _note_logs(launcher, e)
+        raise
     except PhalanxError as e:
-        if launcher.log_dir is not None:
-            note = f"Full output of every rank: {launcher.log_dir}/rank.N/{{stdout,stderr}}"
-            log.error("phalanx: %s", note)
-            if hasattr(e, "add_note"):
-                e.add_note(note)
+        _note_logs(launcher, e)
         raise
     return launcher
+
+
+def _note_logs(launcher: SparkLauncher, e: BaseException) -> None:
+    if launcher.log_dir is not None:
+        note = f"Full output of every rank: {launcher.log_dir}/rank.N/{{stdout,stderr}}"
+        log.error("phalanx: %s", note)
+        if hasattr(e, "add_note"):
+            e.add_note(note)
 
 
 def _check_compat_args(extra: Mapping[str, object]) -> None:

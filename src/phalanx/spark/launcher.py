@@ -128,6 +128,8 @@ class SparkLauncher:
         self.rank0_stdout = Rank0Stdout()
         self.log_dir: str | None = None
         self.values: list[Any] = []
+        #: Set when Spark itself failed the stage (then the job's error is this, not a rank's).
+        self.spark_error: SparkJobError | None = None
         self._console = StreamSink(spec.stdout, spec.stderr)
         self._files: FileSink | None = None
         self._lock = threading.Lock()
@@ -217,9 +219,11 @@ class SparkLauncher:
             return
         lines = str(error).strip().splitlines()
         message = "\n".join(lines[:_SPARK_ERROR_LINES]) + ("\n..." if len(lines) > _SPARK_ERROR_LINES else "")
-        record = ErrorRecord.from_exception(missing[0], SparkJobError(
-            f"Spark failed the barrier stage of job {self.run_id} before ranks {missing} finished: {message}"
-        ))
+        self.spark_error = SparkJobError(
+            f"Spark failed the barrier stage of job {self.run_id} before rank(s) {missing} finished (a task "
+            f"or its executor died, or Spark refused the stage): {message}"
+        )
+        record = ErrorRecord.from_exception(missing[0], self.spark_error)
         self._channel.events.put(record)  # type: ignore[union-attr]
         for rank in missing:
             self._post_exit(rank, 1, "")
