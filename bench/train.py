@@ -2,14 +2,14 @@
 
 Run: ``.venv/bin/python bench/train.py [--steps 20] [--rounds 3]``. Models: an 824k-parameter CNN
 (CIFAR-shaped input, batch 64 per rank) and a 5.8M-parameter MLP (batch 32 per rank, communication-bound).
-Both trainers run in the same 2-rank job, alternating round by round; each figure is the median over
-rounds. A 1-rank job then compares ``DistributedOptimizer`` with the plain optimizer (overhead).
+Both trainers run in the same 2-rank job, alternating in short chunks of steps (so machine noise hits both
+alike); each figure is total steps / total time. A 1-rank job then compares ``DistributedOptimizer`` with
+the plain optimizer (overhead).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
@@ -37,7 +37,7 @@ def mlp() -> Any:
 MODELS = {"cnn": (cnn, (64, 3, 32, 32)), "mlp": (mlp, (32, 784))}
 
 
-def _steps_per_s(model: Any, opt: Any, shape: tuple[int, ...], steps: int) -> float:
+def _seconds(model: Any, opt: Any, shape: tuple[int, ...], steps: int) -> float:
     import torch
     import torch.distributed as dist
 
@@ -54,7 +54,16 @@ def _steps_per_s(model: Any, opt: Any, shape: tuple[int, ...], steps: int) -> fl
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-    return steps / (time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def _interleaved(trainers: dict[str, Any], shape: tuple[int, ...], steps: int, rounds: int) -> dict[str, float]:
+    """Steps/s of each trainer, alternating chunks of ``steps`` steps for ``rounds`` rounds."""
+    spent = dict.fromkeys(trainers, 0.0)
+    for _ in range(rounds):
+        for key, (model, opt) in trainers.items():
+            spent[key] += _seconds(model, opt, shape, steps)
+    return {k: steps * rounds / v for k, v in spent.items()}
 
 
 def _trainers(name: str) -> dict[str, Any]:
@@ -77,12 +86,7 @@ def _bench_2(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     hvd.init()
     out: dict[str, dict[str, float]] = {}
     for name, (_, shape) in MODELS.items():
-        trainers = _trainers(name)
-        seen: dict[str, list[float]] = {k: [] for k in trainers}
-        for _ in range(rounds):
-            for key, (model, opt) in trainers.items():
-                seen[key].append(_steps_per_s(model, opt, shape, steps))
-        out[name] = {k: statistics.median(v) for k, v in seen.items()}
+        out[name] = _interleaved(_trainers(name), shape, steps, rounds)
     hvd.shutdown()
     return out
 
@@ -98,11 +102,8 @@ def _bench_1(steps: int, rounds: int) -> dict[str, dict[str, float]]:
         plain_model, hvd_model = make(), make()
         plain = torch.optim.SGD(plain_model.parameters(), lr=0.01)
         wrapped = hvd.DistributedOptimizer(torch.optim.SGD(hvd_model.parameters(), lr=0.01))
-        seen: dict[str, list[float]] = {"plain": [], "hvd": []}
-        for _ in range(rounds):
-            seen["plain"].append(_steps_per_s(plain_model, plain, shape, steps))
-            seen["hvd"].append(_steps_per_s(hvd_model, wrapped, shape, steps))
-        out[name] = {k: statistics.median(v) for k, v in seen.items()}
+        trainers = {"plain": (plain_model, plain), "hvd": (hvd_model, wrapped)}
+        out[name] = _interleaved(trainers, shape, steps, rounds)
     hvd.shutdown()
     return out
 
@@ -110,11 +111,13 @@ def _bench_1(steps: int, rounds: int) -> dict[str, dict[str, float]]:
 def main() -> None:
     """Run both jobs and print steps/s and ratios."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps per chunk")
+    parser.add_argument("--rounds", type=int, default=8, help="chunks per trainer")
+    parser.add_argument("--fusion-threshold", default="", help="HOROVOD_FUSION_THRESHOLD (bytes) for the job")
     args = parser.parse_args()
-    two = phalanx.run(_bench_2, args=(args.steps, args.rounds), np=2)[0]
-    print(f"training on 2 ranks, gloo, {args.steps} steps x {args.rounds} rounds (median steps/s of rank 0)")
+    env = {"HOROVOD_FUSION_THRESHOLD": args.fusion_threshold} if args.fusion_threshold else None
+    two = phalanx.run(_bench_2, args=(args.steps, args.rounds), np=2, env=env)[0]
+    print(f"training on 2 ranks, gloo, {args.rounds} x {args.steps} steps per trainer, interleaved (rank 0)")
     for name, r in two.items():
         ratio = r["hvd"] / r["ddp"]
         print(f"  {name}: DDP {r['ddp']:.2f}/s  DistributedOptimizer {r['hvd']:.2f}/s  ratio {ratio:.2f}x")
