@@ -80,6 +80,7 @@ def test_horovod_runner_np_zero_uses_every_slot_with_a_deprecation_warning() -> 
         warnings.simplefilter("always")
         size = HorovodRunner(np=0).run(lambda: int(os.environ["WORLD_SIZE"]))
     assert size == 2
+    assert run(lambda: 1) == [1, 1]  # run(num_proc=None): one rank per slot too, as horovod.spark.run
     assert any(issubclass(w.category, DeprecationWarning) and "np=0" in str(w.message) for w in caught)
 
 

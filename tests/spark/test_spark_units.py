@@ -144,3 +144,33 @@ def test_run_with_modules_imports_shipped_sources_then_cleans_up(monkeypatch: py
     shipped_dir = Path(sys.modules["phalanx_shipped_probe"].__file__ or "").parent
     assert not shipped_dir.exists()
     monkeypatch.delitem(sys.modules, "phalanx_shipped_probe", raising=False)
+
+
+class _CancelRecorder:
+    def __init__(self) -> None:
+        import threading
+
+        self.cancelled: list[str] = []
+        self.event = threading.Event()
+
+    def cancelJobGroup(self, group: str) -> None:
+        self.cancelled.append(group)
+        self.event.set()
+
+
+@pytest.mark.timeout(30)
+def test_a_stage_still_running_after_abort_and_grace_is_cancelled() -> None:
+    import threading
+
+    from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
+
+    sc = _CancelRecorder()
+    launcher = SparkLauncher(SparkJobSpec(np=2, teardown_grace_s=0.1), sc)  # type: ignore[arg-type]
+    stage = threading.Thread(target=sc.event.wait, args=(20,), daemon=True)  # a stage that only ends on cancel
+    stage.start()
+    launcher._job_thread = stage
+    launcher._stop_all()
+    launcher._stop_all()  # idempotent
+    assert sc.event.wait(20), "the job group was not cancelled"
+    stage.join(5)
+    assert sc.cancelled == [launcher.run_id]

@@ -10,7 +10,7 @@ from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.warm import preload_for
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
-from phalanx.spark.session import spark_context, task_slots, wait_for_slots
+from phalanx.spark.session import every_slot, spark_context, wait_for_slots
 from phalanx.spark.shipping import spark_payload
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ def run(
     if verbose >= 2:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
     sc = spark_context()
-    np = validate_np(num_proc, "num_proc") if num_proc is not None else task_slots(sc)
+    np = validate_np(num_proc, "num_proc") if num_proc is not None else every_slot(sc, timeout, _START_HINT)
     spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout,
                         start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
                         description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})",

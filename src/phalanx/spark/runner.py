@@ -12,7 +12,7 @@ from phalanx.launch.api import resolve_start_timeout
 from phalanx.launch.warm import preload_for
 from phalanx.spark.api import launch_spark
 from phalanx.spark.launcher import SparkJobSpec
-from phalanx.spark.session import spark_context, task_slots
+from phalanx.spark.session import every_slot, spark_context
 from phalanx.spark.shipping import spark_payload
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class HorovodRunner:
         payload = spark_payload(main, (), kwargs)
         sc = spark_context()
         if np == 0:
-            np = task_slots(sc)
+            np = every_slot(sc, resolve_start_timeout(None), "the HOROVOD_START_TIMEOUT variable")
             warnings.warn(f"HorovodRunner(np=0) is deprecated: using every task slot ({np}); pass np=N",
                           DeprecationWarning, stacklevel=2)
         spec = SparkJobSpec(

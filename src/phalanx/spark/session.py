@@ -141,3 +141,14 @@ def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str) -> in
                         "(waited %.0f of %.0f s; %s)", np, slots, now - started, timeout_s, knob)
             next_status = now + SLOT_STATUS_EVERY_S
         time.sleep(0.25)
+
+
+def every_slot(sc: SparkContext, timeout_s: float, knob: str) -> int:
+    """The number of task slots, for "one rank per slot" (``num_proc=None``, ``np=0``).
+
+    Waits up to ``timeout_s`` for a first executor to join a cluster that has none yet.
+
+    Raises:
+        SlotsUnavailableError: still no slot after ``timeout_s``.
+    """
+    return wait_for_slots(sc, 1, timeout_s, knob)
