@@ -174,3 +174,13 @@ def test_a_stage_still_running_after_abort_and_grace_is_cancelled() -> None:
     assert sc.event.wait(20), "the job group was not cancelled"
     stage.join(5)
     assert sc.cancelled == [launcher.run_id]
+
+
+def test_a_session_without_spark_context_is_refused_clearly() -> None:
+    class _ConnectLike:
+        @property
+        def sparkContext(self) -> Any:
+            raise NotImplementedError("[NOT_IMPLEMENTED] sparkContext() is not implemented.")
+
+    with pytest.raises(InvalidArgumentError, match="classic SparkSession"):
+        session._classic_context(_ConnectLike())

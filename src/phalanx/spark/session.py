@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
@@ -50,7 +50,7 @@ def spark_context() -> SparkContext:
         ) from e
     active = SparkSession.getActiveSession()
     if active is not None:
-        return active.sparkContext
+        return _classic_context(active)
     if SparkContext._active_spark_context is not None:
         return SparkContext._active_spark_context
     builder = SparkSession.builder.master("local[*]")
@@ -58,6 +58,18 @@ def spark_context() -> SparkContext:
         builder = builder.config(key, value)
     log.info("no active SparkSession: starting an embedded local[*] one")
     return builder.getOrCreate().sparkContext
+
+
+def _classic_context(session: Any) -> SparkContext:
+    try:
+        context: SparkContext = session.sparkContext
+        return context
+    except Exception as e:  # Spark Connect raises its own not-implemented error here
+        raise InvalidArgumentError(
+            f"the active SparkSession ({type(session).__module__}) has no SparkContext (Spark Connect?); "
+            "phalanx.spark runs a barrier RDD stage, which needs a classic SparkSession: create one with "
+            "SparkSession.builder.master(...) instead of .remote(...)"
+        ) from e
 
 
 def executor_python(sc: SparkContext) -> str:
