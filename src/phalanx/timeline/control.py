@@ -36,6 +36,7 @@ class NullTimeline(Timeline):
         self.mark_cycles = False
         self.dropped = 0
         self.unmatched = 0
+        self.writer_cpu_s = 0.0
 
     @property
     def recording(self) -> bool:

@@ -207,6 +207,11 @@ class Timeline:
         flush_interval_s: seconds between the writer thread's flushes (how stale the file may be).
         max_pending: events that may wait for the writer before new ones are dropped.
 
+    Attributes:
+        dropped: events dropped because ``max_pending`` were waiting.
+        unmatched: ``end`` calls without a ``begin``.
+        writer_cpu_s: CPU seconds the writer thread has used (formatting and writing), for cost accounting.
+
     Raises:
         TimelineError: the file cannot be created or written (raised here, at start).
     """
@@ -228,6 +233,7 @@ class Timeline:
         self.mark_cycles = mark_cycles
         self.dropped = 0
         self.unmatched = 0
+        self.writer_cpu_s = 0.0
         self._max_pending = max_pending
         self._interval_s = flush_interval_s
         self._open: dict[tuple[str, str], tuple[int, dict[str, object] | None]] = {}
@@ -298,7 +304,9 @@ class Timeline:
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
             self._drain()
+            self.writer_cpu_s = time.thread_time()
         self._drain()
+        self.writer_cpu_s = time.thread_time()
 
     def _drain(self) -> None:
         lines: list[str] = []

@@ -194,3 +194,12 @@ def test_recording_cost_is_small(tmp_path: Path) -> None:
     tl.close()
     # Typically ~1 us; the bound is loose for slow CI machines. A training step records tens of pairs.
     assert per_pair_us < 25, per_pair_us
+
+
+def test_writer_thread_cpu_is_accounted(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t.json"))
+    for _ in range(2000):
+        tl.begin("grad", timeline.ALLREDUCE, {"bytes": 4})
+        tl.end("grad", timeline.ALLREDUCE)
+    tl.close()
+    assert 0 < tl.writer_cpu_s < 5
