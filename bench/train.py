@@ -111,8 +111,8 @@ def _bench_1(steps: int, rounds: int) -> dict[str, dict[str, float]]:
 def main() -> None:
     """Run both jobs and print steps/s and ratios."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=5, help="steps per chunk")
-    parser.add_argument("--rounds", type=int, default=8, help="chunks per trainer")
+    parser.add_argument("--steps", type=int, default=2, help="steps per chunk")
+    parser.add_argument("--rounds", type=int, default=20, help="chunks per trainer")
     parser.add_argument("--fusion-threshold", default="", help="HOROVOD_FUSION_THRESHOLD (bytes) for the job")
     args = parser.parse_args()
     env = {"HOROVOD_FUSION_THRESHOLD": args.fusion_threshold} if args.fusion_threshold else None

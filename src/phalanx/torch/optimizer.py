@@ -25,15 +25,28 @@ from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 
-def fusion_threshold_bytes() -> int:
-    """``HOROVOD_FUSION_THRESHOLD`` in bytes (default 128 MiB; 0 means one bucket per parameter).
+MIN_AUTO_BUCKET_BYTES = 1024 * 1024
+AUTO_BUCKETS = 4
+
+
+def fusion_threshold_bytes(total_bytes: int = 0) -> int:
+    """The largest gradient bucket, in bytes.
+
+    ``HOROVOD_FUSION_THRESHOLD`` when set (0 means one bucket per parameter). Unset, the default maximum is
+    128 MiB and the gradients are split into about ``AUTO_BUCKETS`` buckets of at least 1 MiB, so that the
+    first buckets' allreduce overlaps the rest of the backward pass (what Horovod's cycle-time fusion
+    achieves dynamically).
+
+    Args:
+        total_bytes: the size of all gradients (for the default split).
 
     Raises:
         ValueError: the variable is not an integer.
     """
     raw = os.environ.get(N.HOROVOD_FUSION_THRESHOLD, "")
     if not raw.strip():
-        return DEFAULT_FUSION_THRESHOLD_BYTES
+        auto = max(MIN_AUTO_BUCKET_BYTES, -(-total_bytes // AUTO_BUCKETS))
+        return min(DEFAULT_FUSION_THRESHOLD_BYTES, auto)
     try:
         return max(int(raw), 1)
     except ValueError as e:
@@ -105,7 +118,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._prescale = (1.0 / predivide if avg else 1.0) if predivide != 1.0 else (1.0 / n if avg else 1.0)
         self._postscale = predivide / n if avg and predivide != 1.0 else 1.0
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        self._buckets = B.plan(params, fusion_threshold_bytes(), _split(params, num_groups, groups))
+        total = sum(p.numel() * p.element_size() for p in params)
+        self._buckets = B.plan(params, fusion_threshold_bytes(total), _split(params, num_groups, groups))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._passes: dict[int, int] = {}
         self._next = 0
