@@ -28,7 +28,7 @@ MODULE_ALIASES = {
 PREFIX_ALIASES = {"horovod.torch.": "phalanx.torch.", "horovod.spark.": "phalanx.spark."}
 # Synthetic packages: name -> {attribute: (phalanx module, attribute)}, resolved lazily on access.
 SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
-    "horovod": {"run": ("phalanx.launch.api", "run")},
+    "horovod": {"run": ("phalanx", "run")},
     "sparkdl": {"HorovodRunner": ("phalanx.spark", "HorovodRunner")},
     "sparkdl.horovod": {"log_to_driver": ("phalanx.spark", "log_to_driver")},
 }

@@ -21,7 +21,7 @@ def _python(code: str, cwd: Path | None = None, extra_path: Path | None = None) 
 def test_finder_aliases_modules_without_copies() -> None:
     out = _python(
         "import phalanx.compat as c; c.install(); c.install()\n"
-        "import horovod, horovod.torch as hvd, horovod.torch.mpi_ops as m, phalanx.torch, phalanx.launch.api as api\n"
+        "import horovod, horovod.torch as hvd, horovod.torch.mpi_ops as m, phalanx.torch, phalanx as api\n"
         "import phalanx.torch.mpi_ops as pm\n"
         "print(hvd is phalanx.torch, m is pm, horovod.run is api.run, hvd.__spec__.name,\n"
         "      sum(type(f).__name__ == 'AliasFinder' for f in sys.meta_path))"
