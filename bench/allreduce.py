@@ -19,7 +19,7 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
 
 
 def _calls(nbytes: int) -> int:
-    return max(5, min(400, (32 << 20) // nbytes))
+    return max(2, min(40, (4 << 20) // nbytes))
 
 
 def _time(fn: Any, calls: int) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
     """Run the benchmark and print a table of times and ratios."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--np", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     rows = phalanx.run(_bench, args=(args.rounds,), np=args.np)[0]
     print(f"allreduce fp32, {args.np} ranks, gloo; median of {args.rounds} rounds (time per call)")

@@ -166,8 +166,11 @@ def _negotiated(entry: _Entry) -> None:
     n = len(ranks)
     rows = entry.gathered.view(n, -1)
     headers = rows[:, : H.HEADER_WORDS].tolist()
-    sigs = [H.decode(h) for h in headers]
-    detail = H.find_mismatch(sigs, ranks)
+    if all(h == headers[0] for h in headers[1:]):  # the common case: identical blocks, nothing to compare
+        sigs, detail = [H.decode(headers[0])] * n, None
+    else:
+        sigs = [H.decode(h) for h in headers]
+        detail = H.find_mismatch(sigs, ranks)
     agreed = None if detail is not None else S.key_of(sigs[0])
     ENGINE.predictors.setdefault(entry.groups.ranks, S.Predictor()).record(agreed)
     if entry.spec is not None:
