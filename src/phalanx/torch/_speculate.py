@@ -29,6 +29,7 @@ from phalanx.torch import _reduce as R
 
 HISTORY = 16
 MAX_PERIOD = 6
+CONFIRM = 8  # entries a period must explain before anything is predicted
 
 Key = tuple[Any, ...]
 
@@ -57,11 +58,19 @@ class Predictor:
         self.history.append(key)
 
     def predict(self) -> Key | None:
-        """The next collective's key when the history repeats with a period of at most ``MAX_PERIOD``, if it
-        is an allreduce worth speculating on (a single CPU tensor beyond the inline size)."""
+        """The next collective's key when the recent history is periodic, if it is an allreduce worth
+        speculating on (a single CPU tensor beyond the inline size).
+
+        The smallest period ``p <= MAX_PERIOD`` that explains the last ``max(2p, CONFIRM)`` entries wins, so
+        an A A B B pattern is read as period 4, not as "A again" after two As.
+        """
         hist = list(self.history)
         for p in range(1, MAX_PERIOD + 1):
-            if len(hist) >= 2 * p and hist[-p:] == hist[-2 * p : -p]:
+            window = max(2 * p, CONFIRM)
+            if len(hist) < window:
+                break
+            recent = hist[-window:]
+            if all(recent[i] == recent[i - p] for i in range(p, window)):
                 guess = hist[-p]
                 return guess if _worth(guess) else None
         return None

@@ -106,3 +106,29 @@ def test_pack_folds_the_scale_and_makes_grads_views() -> None:
     p.grad.add_(1.0)  # accumulated in place since: the next pack scales it in place
     B.pack(bucket, 0.5)
     assert p.grad.tolist() == [1.0, 1.5, 2.0]
+
+
+def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> None:
+    from phalanx.torch import _speculate as S
+
+    big_a = S.key_of(_sig(shape=(100_000,), op=R.Sum))
+    big_b = S.key_of(_sig(shape=(200_000,), op=R.Sum))
+    pred = S.Predictor()
+    for _ in range(S.CONFIRM - 1):
+        pred.record(big_a)
+    assert pred.predict() is None
+    pred.record(big_a)
+    assert pred.predict() == big_a
+    pred = S.Predictor()
+    for k in [big_a, big_a, big_b, big_b] * 3:
+        pred.record(k)
+    assert pred.predict() == big_a
+    pred.record(big_a)
+    assert pred.predict() == big_a
+    pred.record(big_a)
+    assert pred.predict() == big_b
+    small = S.key_of(_sig(shape=(4,)))
+    pred = S.Predictor()
+    for _ in range(S.CONFIRM):
+        pred.record(small)
+    assert pred.predict() is None  # inline-sized collectives are never speculated on
