@@ -58,7 +58,7 @@ def test_use_gpu_gives_each_rank_its_tasks_gpu() -> None:
 
     dist = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True)
     rank0 = dist.run(visible)
-    assert rank0[1] in {"0", "1"}
+    assert rank0[1] == "0,1"  # both GPUs of its host, in local-rank order
     out = run(lambda: (os.environ.get("HOROVOD_HOSTNAME"), os.environ.get("CUDA_VISIBLE_DEVICES")), num_proc=4)
     # run() does not ask for GPUs, but Spark still assigns each task one: the contract passes it on
     # only with use_gpu=True.
@@ -72,7 +72,8 @@ def _all_gpus() -> list[tuple[str, str]]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    mine = f"{os.environ['HOROVOD_HOSTNAME']}|{os.environ['CUDA_VISIBLE_DEVICES']}"
+    own_gpu = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ["LOCAL_RANK"])]  # cuda:LOCAL_RANK
+    mine = f"{os.environ['HOROVOD_HOSTNAME']}|{own_gpu}"
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     dist.destroy_process_group()

@@ -14,7 +14,7 @@ from phalanx.errors import InvalidArgumentError, PhalanxError, SlotsUnavailableE
 from phalanx.job.payload import serialize_call
 from phalanx.spark import session, shipping
 from phalanx.spark.api import check_gpu_conf
-from phalanx.spark.task import TaskSpec, _gpu_env, task_host
+from phalanx.spark.task import TaskSpec, _gpu_env, task_gpus, task_host
 
 JOB = JobContract(run_id="r", master_addr="h", master_port=1, channel="h:2", secret="00")
 
@@ -30,12 +30,17 @@ class _Gpu:
         self.addresses = addresses
 
 
-def test_gpu_env_gives_the_tasks_addresses_or_a_clear_error() -> None:
+def test_gpu_env_makes_cuda_local_rank_the_tasks_own_gpu_or_gives_a_clear_error() -> None:
     spec = TaskSpec(job=JOB, use_gpu=True)
-    assert _gpu_env(spec, {"gpu": _Gpu(["2", "3"])}, 0) == {"CUDA_VISIBLE_DEVICES": "2,3"}
-    assert _gpu_env(TaskSpec(job=JOB), {}, 0) == {}
-    with pytest.raises(PhalanxError, match=r"rank 1 no GPU .*spark.task.resource.gpu.amount"):
-        _gpu_env(spec, {}, 1)
+    hosts = ["a", "b", "a", "b"]
+    gpus = [["2"], ["0"], ["3"], ["1"]]
+    # rank 2 is local rank 1 on host a: device index 1 of "2,3" is its own GPU "3"
+    assert _gpu_env(spec, hosts, gpus, 2) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert _gpu_env(spec, hosts, gpus, 1) == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert _gpu_env(TaskSpec(job=JOB), hosts, [[], [], [], []], 0) == {}
+    assert task_gpus({"gpu": _Gpu(["2", "3"])}) == ["2", "3"] and task_gpus({}) == []
+    with pytest.raises(PhalanxError, match=r"rank 1 no GPU.*spark.task.resource.gpu.amount"):
+        _gpu_env(spec, hosts, [["0"], [], ["1"], ["2"]], 1)
 
 
 class _Conf:

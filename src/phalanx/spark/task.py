@@ -79,18 +79,27 @@ def task_host(environ: dict[str, str] | None = None) -> str:
     return env.get(N.SPARK_LOCAL_HOSTNAME) or env.get(N.SPARK_LOCAL_IP) or socket.gethostname()
 
 
-def _gpu_env(spec: TaskSpec, resources: dict[str, Any], rank: int) -> dict[str, str]:
+def task_gpus(resources: dict[str, Any]) -> list[str]:
+    """The GPU addresses Spark gave this task (``TaskContext.resources()["gpu"]``), maybe none."""
+    return [str(a) for a in (getattr(resources.get("gpu"), "addresses", None) or [])]
+
+
+def _gpu_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], rank: int) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for a rank: the GPUs of every task on its host, in local-rank order.
+
+    So ``cuda:LOCAL_RANK`` (``torch.cuda.set_device(hvd.local_rank())``, DDP's ``device_ids=[local_rank]``)
+    is this rank's own GPU when each task has one, as under torchrun or horovodrun on a multi-GPU host.
+    """
     if not spec.use_gpu:
         return {}
-    gpu = resources.get("gpu")
-    addresses = list(getattr(gpu, "addresses", []) or [])
-    if not addresses:
+    if not gpus[rank]:
         raise PhalanxError(
-            f"use_gpu=True but Spark gave the task of rank {rank} no GPU (its resources: "
-            f"{sorted(resources) or 'none'}); set spark.executor.resource.gpu.amount and "
-            "spark.task.resource.gpu.amount (with a GPU discovery script), or pass use_gpu=False"
+            f"use_gpu=True but Spark gave the task of rank {rank} no GPU; set spark.executor.resource.gpu.amount "
+            "and spark.task.resource.gpu.amount (with a GPU discovery script), or pass use_gpu=False"
         )
-    return {N.CUDA_VISIBLE_DEVICES: ",".join(addresses)}
+    same_host = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    visible = dict.fromkeys(address for r in same_host for address in gpus[r])
+    return {N.CUDA_VISIBLE_DEVICES: ",".join(visible)}
 
 
 def _argv(spec: TaskSpec) -> list[str]:
@@ -176,14 +185,14 @@ def _status(rank: int, returncode: int, reported: bool, error: str = "") -> str:
     return json.dumps({"rank": rank, "exit": returncode, "reported": reported, "error": error})
 
 
-def supervise(spec: TaskSpec, rank: int, hosts: list[str], resources: dict[str, Any]) -> str:
+def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]) -> str:
     """Run one rank to its end; return a JSON status (rank, exit code, whether the driver heard it).
 
     Args:
         spec: the job's task spec.
         rank: this task's barrier partition id.
         hosts: every task's executor host, in partition order.
-        resources: this task's ``TaskContext.resources()``.
+        gpus: every task's GPU addresses, in partition order.
     """
     try:
         channel = WorkerChannel.connect(spec.job.channel, spec.job.secret, rank, Role.SUPERVISOR,
@@ -192,7 +201,7 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], resources: dict[str, 
         return _status(rank, EXIT_NOT_STARTED, False, str(e))
     supervisor = _Supervisor(spec, channel, rank)
     try:
-        env = _rank_env(spec, assign_ranks(hosts)[rank], _gpu_env(spec, resources, rank))
+        env = _rank_env(spec, assign_ranks(hosts)[rank], _gpu_env(spec, hosts, gpus, rank))
         returncode = supervisor.run(env)
     except (PhalanxError, OSError) as e:
         supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
@@ -211,8 +220,10 @@ def barrier_task(spec: TaskSpec) -> Any:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
-        # Every task learns every task's host (in partition order) in one barrier round.
-        hosts = [json.loads(m)["host"] for m in ctx.allGather(json.dumps({"host": task_host()}))]
-        yield supervise(spec, ctx.partitionId(), hosts, dict(ctx.resources()))
+        # Every task learns every task's host and GPUs (in partition order) in one barrier round.
+        mine = {"host": task_host(), "gpus": task_gpus(dict(ctx.resources()))}
+        gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
+        hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
+        yield supervise(spec, ctx.partitionId(), hosts, gpus)
 
     return task
