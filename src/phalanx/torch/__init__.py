@@ -46,6 +46,8 @@ from phalanx.torch.basics import (
     rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from phalanx.torch.compression import Compression
 from phalanx.torch.functions import (
@@ -82,5 +84,5 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
     "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "synchronize",
+    "start_timeline", "stop_timeline", "synchronize",
 ]  # fmt: skip

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
-from phalanx.torch import _state
+from phalanx.torch import _state, _trace
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 
 
@@ -78,6 +78,7 @@ class _Entry:
     error: BaseException | None = None
     name: str = ""
     spec: tuple[S.Key, torch.Tensor, Any] | None = None
+    row: str = ""
 
 
 @dataclass
@@ -123,6 +124,8 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
             "synchronize() it first or give the new one a different name="
         )
     entry = _Entry(coll=coll, groups=groups, name=name)
+    handle = next(ENGINE.counter)
+    entry.row = name or f"{coll.sig.kind}.noname.{handle}"
     n = len(groups.ranks)
     if n == 1:
         _finish_single(entry)
@@ -130,13 +133,14 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         if ENGINE.queue:
             advance()  # predictions need every earlier control block: common knowledge on every rank
         entry.spec = _speculate(coll, groups)
+        _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
+                                                                  "shape": list(coll.sig.shape)})  # fmt: skip
         block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
         entry.gathered = torch.empty(block.numel() * n, dtype=torch.int64)
         entry.work = dist.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
         ENGINE.queue.append(entry)
     if name:
         ENGINE.inflight.add(name)
-    handle = next(ENGINE.counter)
     ENGINE.handles[handle] = entry
     return handle
 
@@ -165,6 +169,8 @@ def _negotiated(entry: _Entry) -> None:
     ranks = list(entry.groups.ranks)
     n = len(ranks)
     rows = entry.gathered.view(n, -1)
+    _trace.end(entry.row, _trace.NEGOTIATE[entry.coll.sig.kind])
+    _trace.begin(entry.row, _trace.RUN[entry.coll.sig.kind])
     headers = rows[:, : H.HEADER_WORDS].tolist()
     if all(h == headers[0] for h in headers[1:]):  # the common case: identical blocks, nothing to compare
         sigs, detail = [H.decode(headers[0])] * n, None
@@ -261,6 +267,8 @@ def synchronize(handle: int) -> Any:
             raise entry.error
         return entry.coll.finish()
     finally:
+        if entry.gathered is not None:
+            _trace.end(entry.row, _trace.RUN[entry.coll.sig.kind])
         del ENGINE.handles[handle]
         ENGINE.inflight.discard(entry.name)
 

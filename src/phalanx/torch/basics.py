@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx import timeline
 from phalanx.torch import _engine, _state
 from phalanx.torch import process_sets as P
 
@@ -32,6 +33,7 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | None = None) -
     _state.join_process_group()
     try:
         P.init_process_sets(process_sets)
+        timeline.start_from_env()
     except BaseException:
         shutdown()
         raise
@@ -42,6 +44,21 @@ def shutdown() -> None:
     _engine.reset()
     P.clear_process_sets()
     _state.leave_process_group()
+    timeline.stop_timeline()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording collectives to a Chrome trace at ``file_path`` (Horovod's ``hvd.start_timeline``).
+
+    Raises:
+        TimelineError: the file cannot be written.
+    """
+    timeline.start_timeline(file_path, mark_cycles=mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop the timeline started by :func:`start_timeline` or ``HOROVOD_TIMELINE``."""
+    timeline.stop_timeline()
 
 
 def is_initialized() -> bool:

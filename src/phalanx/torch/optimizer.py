@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
+from phalanx import timeline
 from phalanx.env import names as N
 from phalanx.torch import _buckets as B
-from phalanx.torch import _engine, _state
+from phalanx.torch import _engine, _state, _trace
 from phalanx.torch import _reduce as R
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
@@ -165,7 +166,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 return
             if self._next == 0:
                 _engine.flush()  # explicit ops issued before this step go first, on every rank
+            row = f"DistributedOptimizer.bucket{self._next}"
+            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+            _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
             B.pack(bucket, self._prescale)
+            _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
+            _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
             B.launch(bucket, self._compression, groups_of(self._ps).data)
             self._next += 1
 
@@ -176,8 +182,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._n > 1:
             self._launch_ready(force=True)
-            for bucket in self._buckets:
+            for i, bucket in enumerate(self._buckets):
                 B.wait(bucket, self._compression, self._postscale)
+                _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
                 bucket.reset()
             self._next = 0
         self._passes.clear()

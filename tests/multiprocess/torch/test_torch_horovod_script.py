@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import phalanx
@@ -33,5 +35,11 @@ def _horovod_style_training() -> tuple[bool, bool]:
 
 
 @pytest.mark.timeout(120)
-def test_unchanged_horovod_script_runs() -> None:
-    assert phalanx.run(_horovod_style_training, np=2) == [(True, True), (True, True)]
+def test_unchanged_horovod_script_runs_and_records_a_timeline(tmp_path: Path) -> None:
+    trace = tmp_path / "timeline.json"
+    out = phalanx.run(_horovod_style_training, np=2, env={"HOROVOD_TIMELINE": str(trace)})
+    assert out == [(True, True), (True, True)]
+    text = trace.read_text()
+    for event in ("NEGOTIATE_BROADCAST", "BROADCAST", "NEGOTIATE_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
+                  "DistributedOptimizer.bucket0", "ALLREDUCE"):  # fmt: skip
+        assert event in text, event
