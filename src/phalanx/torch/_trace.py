@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from phalanx import timeline
+import phalanx.timeline as timeline
 
 NEGOTIATE = {
     "allreduce": timeline.NEGOTIATE_ALLREDUCE, "allgather": timeline.NEGOTIATE_ALLGATHER,

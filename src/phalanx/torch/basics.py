@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx import timeline
+import phalanx.timeline as timeline
 from phalanx.torch import _engine, _state
 from phalanx.torch import process_sets as P
 

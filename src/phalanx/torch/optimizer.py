@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from phalanx import timeline
+import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.torch import _buckets as B
 from phalanx.torch import _engine, _state, _trace
