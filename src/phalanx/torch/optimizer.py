@@ -18,8 +18,8 @@ import torch
 import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.torch import _buckets as B
-from phalanx.torch import _engine, _state, _trace
 from phalanx.torch import _reduce as R
+from phalanx.torch import _state, _trace
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 
@@ -164,15 +164,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._next]
             if bucket.pending and not force:
                 return
-            if self._next == 0:
-                _engine.flush()  # explicit ops issued before this step go first, on every rank
             row = f"DistributedOptimizer.bucket{self._next}"
             nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
             _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
             B.pack(bucket, self._prescale)
             _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
             _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
-            B.launch(bucket, self._compression, groups_of(self._ps).data)
+            B.launch(bucket, self._compression, groups_of(self._ps).grad)
             self._next += 1
 
     def synchronize(self) -> None:

@@ -1,8 +1,10 @@
 """Process sets: named subsets of ranks that run collectives among themselves (Horovod's ``ProcessSet``).
 
-Each distinct membership gets two ``torch.distributed`` groups: a gloo *control* group that carries the
-fixed-size signature blocks (see ``_header``) and a *data* group (gloo for CPU, NCCL for CUDA tensors) that
-carries payloads. Process sets with the same members share their groups, so that two ranks naming
+Each distinct membership gets three ``torch.distributed`` groups: a gloo *control* group that carries the
+fixed-size signature blocks (see ``_header``), a *data* group (gloo for CPU, NCCL for CUDA tensors) that
+carries payloads, and a *grad* group for the ``DistributedOptimizer``'s buckets (so that an explicit
+collective issued between ``backward()`` and ``step()`` can never interleave differently with them).
+Process sets with the same members share their groups, so that two ranks naming
 different sets with the same members are caught by the signature check instead of hanging.
 """
 
@@ -23,6 +25,7 @@ from phalanx.torch import _state
 class _Groups:
     ctrl: Any
     data: Any
+    grad: Any  # the DistributedOptimizer's buckets: their order never interleaves with explicit collectives
     ranks: tuple[int, ...]
 
 
@@ -109,12 +112,13 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
         return cached
     world = tuple(range(dist.get_world_size()))
     if ranks == world and dist.get_world_size() == 1:
-        ctrl = data = dist.group.WORLD
+        ctrl = data = grad = dist.group.WORLD
     else:
         backend = "cpu:gloo,cuda:nccl" if _state.STATE.cuda_backend else "gloo"
         ctrl = dist.new_group(list(ranks), backend="gloo")
         data = dist.new_group(list(ranks), backend=backend)
-    groups = _Groups(ctrl=ctrl, data=data, ranks=ranks)
+        grad = dist.new_group(list(ranks), backend=backend)
+    groups = _Groups(ctrl=ctrl, data=data, grad=grad, ranks=ranks)
     REGISTRY.groups[ranks] = groups
     return groups
 

@@ -135,6 +135,10 @@ def _check_unused_and_order(fail: list[str], me: int) -> None:
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.params(), lr=0.0), named_parameters=net.named())
     for _ in range(2):
         net.loss(torch.ones(2, 4), me).backward()
+        # An explicit collective between backward and step (a metric), while rank 1 still holds back the
+        # bucket of its unused parameter: it must not interleave with the gradient buckets.
+        if hvd.allreduce(torch.ones(40_000), op=hvd.Sum)[0].item() != 2.0:
+            fail.append("metric allreduce between backward and step")
         opt.step()
         grads = [p.grad.clone() for p in net.params()]
         opt.zero_grad()
