@@ -9,6 +9,7 @@ ignored), and the object format ``{"traceEvents": [...]}``. Durations come from 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,45 @@ class Span:
 
     @property
     def nbytes(self) -> int:
-        """The ``bytes`` arg, or 0 when absent or not a number."""
-        value = self.args.get("bytes", 0)
-        return int(value) if isinstance(value, (int, float)) else 0
+        """The ``bytes`` arg; else ``shape`` x the size of ``dtype``; else 0."""
+        value = self.args.get("bytes")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(value)
+        shape, size = self.args.get("shape"), dtype_size(self.args.get("dtype"))
+        if isinstance(shape, list) and size and all(isinstance(d, int) for d in shape):
+            return math.prod(shape) * size
+        return 0
+
+
+_DTYPE_SIZES = {
+    "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+    "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+}  # fmt: skip
+
+
+def dtype_size(dtype: object) -> int | None:
+    """Bytes per element of a dtype named like ``torch.float32`` or ``float32``; None when unknown."""
+    return _DTYPE_SIZES.get(str(dtype).removeprefix("torch.")) if dtype is not None else None
+
+
+def inherit_args(spans: Sequence[Span]) -> list[Span]:
+    """Give a span without ``bytes`` or ``shape`` the args of the previous span on its row.
+
+    Producers often describe a tensor once per operation: phalanx.torch puts dtype and shape on the
+    negotiation and bytes on the bucket copy, not on the collective that follows on the same row.
+    """
+    last: dict[tuple[int, int], dict[str, Any]] = {}
+    out: list[Span] = []
+    for s in sorted(spans, key=lambda s: s.start_us):
+        key = (s.pid, s.tid)
+        prev = last.get(key)
+        if prev and "bytes" not in s.args and "shape" not in s.args:
+            s = Span(s.pid, s.tid, s.row, s.name, s.start_us, s.dur_us, {**prev, **s.args})
+        if "bytes" in s.args or "shape" in s.args:
+            last[key] = s.args
+        out.append(s)
+    return out
 
 
 @dataclass
@@ -139,7 +176,8 @@ def _row_names(events: Iterable[Event]) -> tuple[dict[tuple[int, int], str], dic
 
 
 def spans_from_events(events: Sequence[Event]) -> tuple[list[Span], dict[int, str]]:
-    """Pair the events into spans; return them (sorted by start) and the process names."""
+    """Pair the events into spans; return them (sorted by start, args inherited along rows: see
+    :func:`inherit_args`) and the process names."""
     threads, processes = _row_names(events)
     open_: dict[tuple[int, int], list[Event]] = {}
     spans: list[Span] = []
@@ -163,8 +201,7 @@ def spans_from_events(events: Sequence[Event]) -> tuple[list[Span], dict[int, st
         dur = float(ev.get("dur", 0.0)) if ph == "X" else float(ev.get("ts", t0)) - t0
         args = {**start.get("args", {}), **(ev.get("args", {}) if ph == "E" else {})}
         spans.append(Span(key[0], key[1], row, str(start.get("name", "?")), t0, dur, args))
-    spans.sort(key=lambda s: s.start_us)
-    return spans, processes
+    return inherit_args(spans), processes
 
 
 def load_trace(paths: Sequence[str]) -> Trace:

@@ -84,3 +84,20 @@ def test_merge_every_rank(tmp_path: Path) -> None:
     assert sorted({s.pid for s in trace.spans}) == [0, 1] and len(trace.spans) == 4
     with pytest.raises(TimelineError, match="cannot write the merged trace"):
         merge(paths, str(tmp_path / "no" / "dir.json"))
+
+
+def test_bytes_from_shape_and_dtype_and_along_the_row() -> None:
+    lines = [
+        '{"name":"thread_name","ph":"M","pid":0,"tid":1,"args":{"name":"t"}}',
+        '{"name":"NEGOTIATE_ALLREDUCE","ph":"X","pid":0,"tid":1,"ts":0,"dur":1,'
+        '"args":{"dtype":"torch.float32","shape":[10,20]}}',
+        '{"name":"ALLREDUCE","ph":"X","pid":0,"tid":1,"ts":1,"dur":1}',
+        '{"name":"MEMCPY_IN_FUSION_BUFFER","ph":"X","pid":0,"tid":2,"ts":0,"dur":1,"args":{"bytes":64}}',
+        '{"name":"ALLREDUCE","ph":"X","pid":0,"tid":2,"ts":1,"dur":1,"args":{"tensors":3}}',
+        '{"name":"ALLREDUCE","ph":"X","pid":0,"tid":3,"ts":1,"dur":1,"args":{"dtype":"mystery","shape":[4]}}',
+    ]
+    spans, _ = spans_from_events(parse_events("[\n" + ",\n".join(lines) + ",\n"))
+    got = {(s.tid, s.name): (s.nbytes, s.args) for s in spans}
+    assert got[(1, "NEGOTIATE_ALLREDUCE")][0] == got[(1, "ALLREDUCE")][0] == 800
+    assert got[(2, "ALLREDUCE")] == (64, {"bytes": 64, "tensors": 3})
+    assert got[(3, "ALLREDUCE")][0] == 0  # unknown dtype: no guess
