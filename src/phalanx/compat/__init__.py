@@ -2,8 +2,10 @@
 
 Also ``horovod.spark`` -> ``phalanx.spark``, ``sparkdl.HorovodRunner`` and ``sparkdl.horovod.log_to_driver``
 -> ``phalanx.spark``. The aliases apply only where the real package is not importable (see ``_finder``).
-They are active at interpreter start in every environment phalanx is pip-installed in (the wheel ships
-``phalanx-compat.pth``), and phalanx's worker entry calls :func:`install` so workers always have them.
+They are active in every environment phalanx is pip-installed in: the wheel ships ``phalanx-compat.pth``,
+whose one line registers a tiny inline finder that imports this package only when ``horovod`` or
+``sparkdl`` is first imported (start-up imports nothing). phalanx's worker entry calls :func:`install`, so
+workers always have them.
 """
 
 from __future__ import annotations

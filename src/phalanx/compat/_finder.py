@@ -109,12 +109,19 @@ class AliasFinder(importlib.abc.MetaPathFinder):
 
     def _real_package_exists(self, name: str) -> bool:
         for finder in sys.meta_path:
-            if finder is self or isinstance(finder, AliasFinder):
+            if finder is self or isinstance(finder, AliasFinder) or _is_lazy_hook(finder):
                 continue
             find = getattr(finder, "find_spec", None)
             if find is not None and find(name, None) is not None:
                 return True
         return False
+
+
+LAZY_HOOK_NAME = "PhalanxLazyAliasHook"  # the inline finder of phalanx-compat.pth
+
+
+def _is_lazy_hook(finder: object) -> bool:
+    return getattr(finder, "__name__", "") == LAZY_HOOK_NAME
 
 
 def installed() -> bool:
@@ -124,6 +131,7 @@ def installed() -> bool:
 
 def install() -> None:
     """Put the alias finder first on ``sys.meta_path`` (idempotent)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not _is_lazy_hook(f)]  # superseded
     if not installed():
         sys.meta_path.insert(0, AliasFinder())
 

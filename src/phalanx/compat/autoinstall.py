@@ -1,4 +1,9 @@
-"""Imported by ``phalanx-compat.pth`` at interpreter start: installs the alias finder, never fails."""
+"""``import phalanx.compat.autoinstall`` installs the alias finder at once (e.g. from a sitecustomize).
+
+The ``phalanx-compat.pth`` hook shipped in the wheel does not import this: it registers a tiny inline
+finder that imports :mod:`phalanx.compat` only when ``horovod`` or ``sparkdl`` is first imported, so
+interpreter start-up pays nothing.
+"""
 
 from __future__ import annotations
 
@@ -6,5 +11,5 @@ try:
     from phalanx.compat._finder import install
 
     install()
-except Exception:  # a broken alias must never break the interpreter's start-up
+except Exception:  # a broken alias must never break the importing program
     pass

@@ -33,6 +33,9 @@ def test_pth_hook_makes_unchanged_horovod_imports_work() -> None:
     pth = [p for p in map(Path, sys.path) if (p / "phalanx-compat.pth").exists()]
     if not pth:
         pytest.skip("phalanx is not pip-installed in this interpreter (no phalanx-compat.pth on sys.path)")
+    lazy = _python("print(any(getattr(f, '__name__', '') == 'PhalanxLazyAliasHook' for f in sys.meta_path), "
+                   "'phalanx' in sys.modules)")  # fmt: skip
+    assert lazy == "True False"  # start-up registers the inline hook and imports nothing
     out = _python("import horovod.torch as hvd; hvd.init(); print(hvd.size(), hvd.rank(), type(hvd.Average))")
     assert out == "1 0 <class 'int'>"
 
