@@ -135,7 +135,10 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         entry.spec = _speculate(coll, groups)
         _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
                                                                   "shape": list(coll.sig.shape)})  # fmt: skip
-        block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
+        if entry.spec is None:
+            block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
+        else:  # the payload is already on its way: a header-only block (every rank knows the prediction)
+            block = H.encode(coll.sig, coll.aux(), None, n, inline_words=0)
         entry.gathered = torch.empty(block.numel() * n, dtype=torch.int64)
         entry.work = dist.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
         ENGINE.queue.append(entry)

@@ -99,7 +99,8 @@ def _bitsf(x: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", int(x)))[0])
 
 
-def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: int) -> torch.Tensor:
+def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: int,
+           inline_words: int = INLINE_WORDS) -> torch.Tensor:  # fmt: skip
     """Build this rank's control block.
 
     Args:
@@ -107,9 +108,11 @@ def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: i
         aux: up to ``n_aux`` auxiliary integers (alltoall splits).
         inline: the payload as a flat uint8 CPU tensor when it fits ``INLINE_BYTES``, else None.
         n_aux: auxiliary words in the block (the process set's size).
+        inline_words: size of the inline area (every rank must use the same: 0 when a speculative payload
+            is on its way, which every rank knows).
 
     Returns:
-        An int64 tensor of ``HEADER_WORDS + n_aux + INLINE_WORDS`` words.
+        An int64 tensor of ``HEADER_WORDS + n_aux + inline_words`` words.
     """
     words = [0] * HEADER_WORDS
     words[F_MAGIC], words[F_DEVICE], words[F_OP], words[F_ROOT] = MAGIC, sig.device, sig.op, sig.root
@@ -126,7 +129,7 @@ def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: i
     words[F_NAMELEN] = len(raw)
     padded = raw.ljust(NAME_WORDS * 8, b"\0")
     words[F_NAME : F_NAME + NAME_WORDS] = list(struct.unpack(f"<{NAME_WORDS}q", padded))
-    block = torch.zeros(HEADER_WORDS + n_aux + INLINE_WORDS, dtype=torch.int64)
+    block = torch.zeros(HEADER_WORDS + n_aux + inline_words, dtype=torch.int64)
     block[:HEADER_WORDS] = torch.tensor(words, dtype=torch.int64)
     if aux:
         block[HEADER_WORDS : HEADER_WORDS + len(aux)] = torch.tensor(aux, dtype=torch.int64)

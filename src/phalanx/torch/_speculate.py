@@ -28,7 +28,7 @@ from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 
 HISTORY = 16
-MAX_PERIOD = 6
+MAX_PERIOD = 8
 CONFIRM = 8  # entries a period must explain before anything is predicted
 
 Key = tuple[Any, ...]

@@ -96,6 +96,12 @@ def _speculation(me: int) -> list[Any]:
         seen.append(float(hvd.allreduce(torch.ones(30_000), op=hvd.Sum)[0]))
     seen.append(float(hvd.allreduce(torch.ones(30_000, dtype=torch.float64), op=hvd.Max)[0]))  # all change
     seen.append(hvd.allgather(torch.ones(1) * me).tolist())  # a different kind where an allreduce is expected
+    for _ in range(10):
+        hvd.allreduce(torch.ones(30_000))
+    hvd.barrier()  # an allreduce is predicted: the barrier arrives with a header-only block
+    for _ in range(10):
+        hvd.allreduce(torch.ones(30_000))
+    seen.append(hvd.join())
     return seen
 
 
@@ -129,6 +135,6 @@ def test_mismatches_raise_on_every_rank_naming_tensor_ranks_and_values() -> None
         assert report["async after"] == 2.0
         assert report["still works"] == [1.0, 1.0]
         expected = [3.0] * 10 + ["CollectiveMismatchError", True] + [2.0] * 10 + [1.0, [0.0, 1.0]]
-        assert report["speculation"] == expected
+        assert report["speculation"][:-1] == expected and report["speculation"][-1] in (0, 1)
         assert report["adasum"].startswith("NotImplementedError")
         assert report["not a member"].startswith("ValueError")
