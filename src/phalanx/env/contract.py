@@ -160,11 +160,20 @@ def worker_env(job: JobContract, who: RankIdentity) -> dict[str, str]:
     return env
 
 
-def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contract: Mapping[str, str]) -> dict[str, str]:
+def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contract: Mapping[str, str],
+                cpu_count: int | None = None) -> dict[str, str]:
     """Lay the user's variables, then the contract, over a base environment.
 
     The contract wins over the user's variables (a user cannot break rank assignment by accident), except
     ``PYTHONUNBUFFERED`` which a user may set explicitly.
+
+    Args:
+        base: the launcher's environment.
+        user: the user's extra variables.
+        contract: the rank's contract (:func:`worker_env`).
+        cpu_count: this host's cores; when given and ``OMP_NUM_THREADS`` is set by neither ``base`` nor
+            ``user``, each rank gets ``cpu_count // LOCAL_WORLD_SIZE`` threads (at least 1), so N ranks'
+            OpenMP pools do not oversubscribe the host (torchrun does the same, with 1).
     """
     env = dict(base)
     env.update(user or {})
@@ -172,6 +181,9 @@ def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contrac
         if key == N.PYTHONUNBUFFERED and user and key in user:
             continue
         env[key] = value
+    if cpu_count is not None and N.OMP_NUM_THREADS not in env:
+        local_size = max(1, int(contract.get(N.LOCAL_WORLD_SIZE, "1")))
+        env[N.OMP_NUM_THREADS] = str(max(1, cpu_count // local_size))
     return env
 
 

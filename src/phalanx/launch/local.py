@@ -148,7 +148,7 @@ class LocalLauncher:
         own = {N.PHALANX_PARENT_PID: str(os.getpid())}
         template = self._template()
         for who in assign_ranks([host] * self.spec.np):
-            env = compose_env(os.environ, self.spec.env, {**worker_env(job, who), **own})
+            env = compose_env(os.environ, self.spec.env, {**worker_env(job, who), **own}, os.cpu_count())
             proc = self._spawn(env, template)
             self._procs.append(proc)
             self._watch(who.rank, proc, channel)

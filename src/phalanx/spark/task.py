@@ -112,7 +112,7 @@ def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str]) -> dic
     own = {N.PHALANX_PARENT_PID: str(os.getpid()), **gpu_env}
     if spec.log_to_driver:
         own[N.PHALANX_LOG_TO_DRIVER] = "1"
-    return compose_env(os.environ, spec.env, {**worker_env(spec.job, who), **own})
+    return compose_env(os.environ, spec.env, {**worker_env(spec.job, who), **own}, os.cpu_count())
 
 
 class _Supervisor:

@@ -59,3 +59,12 @@ def test_read_contract_names_missing_and_bad_variables() -> None:
     env["WORLD_SIZE"] = "two"
     with pytest.raises(WorkerContractError, match="WORLD_SIZE='two' is not an integer"):
         read_contract(env)
+
+
+def test_compose_env_shares_cores_unless_the_user_chose() -> None:
+    contract = worker_env(JOB, assign_ranks(["a", "a", "a"])[0])
+    assert compose_env({}, None, contract, cpu_count=8)["OMP_NUM_THREADS"] == "2"
+    assert compose_env({}, None, contract, cpu_count=2)["OMP_NUM_THREADS"] == "1"
+    assert compose_env({"OMP_NUM_THREADS": "4"}, None, contract, cpu_count=8)["OMP_NUM_THREADS"] == "4"
+    assert compose_env({}, {"OMP_NUM_THREADS": "3"}, contract, cpu_count=8)["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in compose_env({}, None, contract)
