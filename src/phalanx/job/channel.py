@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from phalanx.errors import ChannelError
-from phalanx.job.framing import FrameWriter, Kind, read_frame
+from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
 from phalanx.job.records import ErrorRecord, Hello, LogLine
 
 _AUTH = struct.Struct(">IB32s")
@@ -265,8 +265,4 @@ class WorkerChannel:
 
     def close(self) -> None:
         """Close the connection (the driver sees the rank's channel close)."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)

@@ -92,8 +92,13 @@ class FrameWriter:
 
     def close(self) -> None:
         """Close the underlying socket (unblocks a reader in another thread)."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut a socket down both ways, then close it: a reader blocked on it in another thread wakes up."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

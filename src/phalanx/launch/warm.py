@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import IO, Any, Protocol
 
 from phalanx.env import names as N
+from phalanx.job.framing import close_socket
 from phalanx.launch.proctree import terminate_tree
 
 log = logging.getLogger(__name__)
@@ -171,11 +172,7 @@ class Template:
 
     def close(self) -> None:
         """Stop the template and every rank it forked."""
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
+        close_socket(self._sock)
         terminate_tree([self.proc.pid], grace_s=1.0)
         self.proc.wait(timeout=10)
 
