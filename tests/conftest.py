@@ -2,61 +2,58 @@
 
 ``no_leftover_processes`` is autouse: a test fails when it leaves a child process (or zombie) of the
 test process behind that was not there before it started. Fixtures that must outlive a test (a Spark
-session, a standalone cluster) start their processes before the test's snapshot, so they are not counted.
+session, a standalone cluster) start their processes before the test's snapshot, so they are not counted;
+a tier whose infrastructure legitimately starts long-lived processes overrides ``process_is_expected``.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from phalanx.launch import warm
-from phalanx.launch.proctree import descendants, is_alive
+from phalanx.launch.proctree import cmdline, descendants, is_alive, is_zombie
 
 LEFTOVER_WAIT_S = 10.0
 
 
-def _live_descendants() -> set[int]:
-    # The warm-start template outlives jobs by design (it is checked at the end of the session); the
-    # ranks it forks are its children and are counted.
-    live = {p for p in descendants(os.getpid()) if is_alive(p) or _is_zombie(p)}
+def live_descendants(expected: Callable[[int], bool] = lambda pid: False) -> set[int]:
+    """This process's live or zombie descendants, without the warm-start template and expected ones.
+
+    The warm-start template outlives jobs by design (it is checked at the end of the session); the ranks
+    it forks are its children and are counted.
+    """
+    live = {p for p in descendants(os.getpid()) if (is_alive(p) or is_zombie(p)) and not expected(p)}
     return live - warm.template_pids()
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return False
-    return raw[raw.rfind(")") + 2 :].split()[0] == "Z"
+def describe(pid: int) -> str:
+    """``pid 12 (zombie): cmd`` for failure messages."""
+    state = "zombie" if is_zombie(pid) else "alive"
+    return f"pid {pid} ({state}): {cmdline(pid)[:200] or '?'}"
 
 
-def _describe(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        cmd = "?"
-    state = "zombie" if _is_zombie(pid) else "alive"
-    return f"pid {pid} ({state}): {cmd[:200]}"
+@pytest.fixture
+def process_is_expected() -> Callable[[int], bool]:
+    """Processes a tier's own infrastructure keeps alive between tests (none by default)."""
+    return lambda pid: False
 
 
 @pytest.fixture(autouse=True)
-def no_leftover_processes() -> Iterator[None]:
+def no_leftover_processes(process_is_expected: Callable[[int], bool]) -> Iterator[None]:
     """Fail the test if it leaves child processes behind (waits up to LEFTOVER_WAIT_S for them to go)."""
-    before = _live_descendants()
+    before = live_descendants(process_is_expected)
     yield
     deadline = time.monotonic() + LEFTOVER_WAIT_S
-    left = _live_descendants() - before
+    left = live_descendants(process_is_expected) - before
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = _live_descendants() - before
+        left = live_descendants(process_is_expected) - before
     if left:
-        pytest.fail("test left processes behind:\n" + "\n".join(_describe(p) for p in sorted(left)))
+        pytest.fail("test left processes behind:\n" + "\n".join(describe(p) for p in sorted(left)))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -68,4 +65,4 @@ def warm_template_is_shut_down() -> Iterator[None]:
     deadline = time.monotonic() + LEFTOVER_WAIT_S
     while (left := {p for p in descendants(os.getpid()) if is_alive(p)} - before) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not left, "warm-start template left processes: " + ", ".join(_describe(p) for p in sorted(left))
+    assert not left, "warm-start template left processes: " + ", ".join(describe(p) for p in sorted(left))

@@ -17,86 +17,35 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from phalanx.launch.proctree import descendants, is_alive, terminate_tree
+from phalanx.launch.proctree import cmdline, parent_of, terminate_tree
 
 pytestmark = [pytest.mark.spark]
 
 SPARK_START_TIMEOUT_S = 120.0
-LEFTOVER_WAIT_S = 10.0
 _SPARK_OWNED = ("pyspark.daemon", "pyspark/daemon.py")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return False
-    return raw[raw.rfind(")") + 2 :].split()[0] == "Z"
-
-
-def _template_pids() -> set[int]:
-    # The local launcher's warm-start template outlives jobs by design (the root conftest checks it).
-    try:
-        from phalanx.launch import warm
-    except ImportError:
-        return set()
-    pids = getattr(warm, "template_pids", None)
-    return set(pids()) if callable(pids) else set()
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            raw = f.read()
-    except OSError:
-        return 0
-    return int(raw[raw.rfind(")") + 2 :].split()[1])
 
 
 def _spark_owned(pid: int) -> bool:
     """PySpark's daemons and their worker forks; and a warm-start template that one of them started
     (it lives as long as that python worker, by design). The ranks a template forks are counted."""
-    cmd = _cmdline(pid)
+    cmd = cmdline(pid)
     if any(s in cmd for s in _SPARK_OWNED):
         return True
-    return "phalanx.worker.template" in cmd and any(s in _cmdline(_parent(pid)) for s in _SPARK_OWNED)
+    parent = parent_of(pid)
+    return "phalanx.worker.template" in cmd and parent is not None and any(
+        s in cmdline(parent) for s in _SPARK_OWNED)
 
 
-def _phalanx_descendants() -> set[int]:
-    found: set[int] = set()
-    for pid in descendants(os.getpid()):
-        if (is_alive(pid) or _is_zombie(pid)) and not _spark_owned(pid):
-            found.add(pid)
-    return found - _template_pids()
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_processes() -> Iterator[None]:
-    """As the root fixture, but PySpark's reusable python daemons (and their forks) are not counted."""
-    before = _phalanx_descendants()
-    yield
-    deadline = time.monotonic() + LEFTOVER_WAIT_S
-    left = _phalanx_descendants() - before
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = _phalanx_descendants() - before
-    if left:
-        pytest.fail("test left processes behind:\n" + "\n".join(f"pid {p}: {_cmdline(p)[:200]}" for p in sorted(left)))
+@pytest.fixture
+def process_is_expected() -> Callable[[int], bool]:
+    """PySpark's reusable python daemons (and their forks) are not leftovers."""
+    return _spark_owned
 
 
 def _warm_up(spark: Any, tasks: int) -> None:

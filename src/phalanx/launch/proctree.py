@@ -29,6 +29,26 @@ def _parent_and_state(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[0]
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid``, or None when it is gone."""
+    info = _parent_and_state(pid)
+    return info[0] if info else None
+
+
+def is_zombie(pid: int) -> bool:
+    """True when ``pid`` has exited but was not reaped yet."""
+    info = _parent_and_state(pid)
+    return info is not None and info[1] == "Z"
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` (empty when it is gone), for messages."""
+    try:
+        return (_PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def children_map() -> dict[int, list[int]]:
     """Map every live pid to its direct children (empty when ``/proc`` is absent)."""
     tree: dict[int, list[int]] = {}
