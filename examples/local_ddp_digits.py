@@ -15,43 +15,10 @@ from typing import Any
 import phalanx
 
 
-def load_digits_split(seed: int = 0) -> tuple[Any, Any, Any, Any]:
-    """1,797 8x8 images from scikit-learn, as float tensors (N, 1, 8, 8), split 80/20."""
-    import torch
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x / 16.0, y, test_size=0.2, random_state=seed, stratify=y)
-
-    def as_tensors(a: Any, b: Any) -> tuple[Any, Any]:
-        return torch.tensor(a, dtype=torch.float32).view(-1, 1, 8, 8), torch.tensor(b, dtype=torch.long)
-
-    return (*as_tensors(x_tr, y_tr), *as_tensors(x_te, y_te))
-
-
-def make_model() -> Any:
-    """A small CNN for 8x8 digits."""
-    from torch import nn
-
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )
-
-
-def save_atomically(obj: Any, path: str) -> None:
-    """torch.save to a temporary file, then rename: a reader never sees a half-written model."""
-    import torch
-
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def train(epochs: int, out: str) -> dict[str, float]:
     import torch
     import torch.distributed as dist
+    from _digits import load_digits_split, make_model, save_atomically
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -60,7 +27,7 @@ def train(epochs: int, out: str) -> dict[str, float]:
     torch.manual_seed(0)
     x_tr, y_tr, x_te, y_te = load_digits_split()
     data = TensorDataset(x_tr, y_tr)
-    sampler = DistributedSampler(data, num_replicas=size, rank=rank, shuffle=True, seed=0)
+    sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=size, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=32, sampler=sampler)
     model = DDP(make_model())
     opt = torch.optim.Adam(model.parameters(), lr=1e-3 * size)
@@ -79,14 +46,16 @@ def train(epochs: int, out: str) -> dict[str, float]:
     return {"rank": rank, "accuracy": accuracy}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--out", default=os.path.abspath("digits_ddp.pt"))
-    args = parser.parse_args()
-    results = phalanx.run(train, args=(args.epochs, args.out), np=args.np)
-    print(f"test accuracy (rank 0): {results[0]['accuracy']:.3f}; model saved to {args.out}")
+    parser.add_argument("--out", default="digits_ddp.pt")
+    args = parser.parse_args(argv)
+    out = os.path.abspath(args.out)
+    results: list[dict[str, float]] = phalanx.run(train, args=(args.epochs, out), np=args.np)
+    print(f"test accuracy (rank 0): {results[0]['accuracy']:.3f}; model saved to {out}")
+    return results
 
 
 if __name__ == "__main__":
