@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
+
+from _jobs import median_time
 
 import phalanx
 
 
 def trivial_job() -> float:
-    """init, one allreduce, destroy: the smallest real distributed job."""
+    """init, one allreduce, destroy: the smallest real distributed job (defined here, in __main__, so that
+    both launchers send it by value)."""
     import torch
     import torch.distributed as dist
 
@@ -28,6 +29,7 @@ def trivial_job() -> float:
     dist.all_reduce(t)
     dist.destroy_process_group()
     return t.item()
+
 
 
 def run_phalanx() -> None:
@@ -62,14 +64,6 @@ def make_torch_distributor() -> Callable[[], None]:
 
     return run
 
-
-def median_time(fn: Callable[[], None], runs: int) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
 
 
 def main() -> None:

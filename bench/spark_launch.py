@@ -18,12 +18,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
+
+from _jobs import timed
 
 
 def trivial_job() -> float:
-    """init, one allreduce, destroy: the smallest real distributed job."""
+    """init, one allreduce, destroy: the smallest real distributed job (defined here, in __main__, so that
+    both launchers send it by value)."""
     import torch
     import torch.distributed as dist
 
@@ -32,6 +33,7 @@ def trivial_job() -> float:
     dist.all_reduce(t)
     dist.destroy_process_group()
     return t.item()
+
 
 
 def start_spark() -> None:
@@ -64,11 +66,6 @@ def run_theirs() -> None:
     out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(trivial_job)
     assert out == 2.0, out
 
-
-def timed(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
