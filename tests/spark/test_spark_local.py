@@ -247,3 +247,41 @@ def test_a_task_dying_under_spark_is_a_spark_job_error() -> None:
     with pytest.raises(SparkJobError, match=r"Spark failed the barrier stage .* before rank\(s\)"):
         run(_kill_my_task, num_proc=2, env={"PHALANX_WARM_START": "0"})
     assert run(lambda: 3, num_proc=2) == [3, 3]
+
+
+def _leave_state_behind() -> dict[str, Any]:
+    import json
+
+    import torch
+
+    json.PHALANX_LEAK = 1  # type: ignore[attr-defined]
+    torch.PHALANX_LEAK = 1  # type: ignore[attr-defined]
+    os.environ["PHALANX_LEAK"] = "1"
+    return {"parent": _parent_cmd()}
+
+
+def _parent_cmd() -> str:
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+def _look_for_state() -> dict[str, Any]:
+    import json
+
+    import torch
+
+    return {"parent": _parent_cmd(), "leaks": [hasattr(json, "PHALANX_LEAK"), hasattr(torch, "PHALANX_LEAK"),
+                                               "PHALANX_LEAK" in os.environ], "mine": os.environ.get("JOB_VAR")}
+
+
+@pytest.mark.timeout(180)
+def test_later_spark_jobs_fork_from_executor_templates_without_seeing_earlier_jobs() -> None:
+    run(_leave_state_behind, num_proc=2)  # a first job (cold or warm) starts the executors' templates
+    deadline = time.monotonic() + 60
+    second = run(_look_for_state, num_proc=2, env={"JOB_VAR": "second"})
+    while not all("phalanx.worker.template" in o["parent"] for o in second) and time.monotonic() < deadline:
+        time.sleep(1)  # the templates import torch in the background after a job
+        second = run(_look_for_state, num_proc=2, env={"JOB_VAR": "second"})
+    assert all("phalanx.worker.template" in o["parent"] for o in second), second
+    assert [o["leaks"] for o in second] == [[False, False, False]] * 2
+    assert {o["mine"] for o in second} == {"second"}
