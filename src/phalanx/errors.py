@@ -57,6 +57,13 @@ class CollectiveMismatchError(PhalanxError, RuntimeError):
     """
 
 
+class ShmTransportError(PhalanxError, RuntimeError):
+    """A shared-memory collective could not complete: a peer rank died or stalled past the deadline.
+
+    The message names the rank(s), the step and the knob (``PHALANX_SHM_TIMEOUT_S``, ``PHALANX_SHM=0``).
+    """
+
+
 class NotInitializedError(PhalanxError, ValueError):
     """A ``phalanx.torch`` function was called before ``hvd.init()``."""
 
@@ -70,6 +77,27 @@ class SlotsUnavailableError(PhalanxError, RuntimeError):
 
 class SparkJobError(PhalanxError, RuntimeError):
     """Spark itself failed the job's barrier stage (lost executor, refused stage), not the user's code."""
+
+
+class HorovodInternalError(PhalanxError, RuntimeError):
+    """A collective failed because the world changed (a peer died); ``hvd.elastic.run`` rolls back to the
+    last commit and re-forms the world. Horovod's name."""
+
+
+class HostsUpdatedInterrupt(PhalanxError, RuntimeError):
+    """The driver published a new world; raised by ``state.check_host_updates()`` / ``state.commit()``.
+
+    Args:
+        skip_sync: True when the state need not be re-broadcast after the reset (Horovod's meaning).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__(skip_sync)
+        self.skip_sync = skip_sync
+
+
+class ElasticTimeoutError(PhalanxError, TimeoutError):
+    """An elastic worker waited too long for the driver's next round; the message names the knob."""
 
 
 def describe_exit(returncode: int) -> str:

@@ -22,13 +22,19 @@ PHALANX_RUN_ID            the job's id
 PHALANX_CHANNEL           host:port of the driver's channel (results, errors, logs)
 PHALANX_SECRET            the per-job secret that authenticates this worker on the channel
 PHALANX_START_TIMEOUT_S   seconds a worker may take to reach the channel
+PHALANX_ELASTIC_WORKER_   elastic jobs: the worker's stable id (its torch rank comes from the store,
+ID                        round by round; see docs/elastic.md)
+PHALANX_ELASTIC_TIMEOUT_  elastic jobs: seconds to wait for the next round and for a collective (60)
+S
+PHALANX_ELASTIC_CHECKPOI  elastic jobs (user knob): commit() also writes the state to this directory
+NT_DIR
 PYTHONUNBUFFERED          "1" so that output streams line by line (a user's own value is kept)
 ========================  ===========================================================================
 """
 
 from __future__ import annotations
 
-from phalanx.env import names
+from phalanx.env import elastic, names
 from phalanx.env.contract import (
     DEFAULT_START_TIMEOUT_S,
     JobContract,
@@ -47,6 +53,7 @@ __all__ = [
     "WorkerContract",
     "assign_ranks",
     "compose_env",
+    "elastic",
     "names",
     "read_contract",
     "worker_env",

@@ -50,8 +50,22 @@ PHALANX_SECRET = "PHALANX_SECRET"
 PHALANX_START_TIMEOUT_S = "PHALANX_START_TIMEOUT_S"
 PHALANX_PARENT_PID = "PHALANX_PARENT_PID"
 
+# --- elastic jobs (phalanx.run(min_np=...)): the worker's stable id (its channel rank; its torch rank
+# changes from round to round), the seconds a worker waits for the next round / a collective, and the
+# directory where commit() also writes the state (temporary file, then rename).
+PHALANX_ELASTIC_WORKER_ID = "PHALANX_ELASTIC_WORKER_ID"
+PHALANX_ELASTIC_TIMEOUT_S = "PHALANX_ELASTIC_TIMEOUT_S"
+PHALANX_ELASTIC_CHECKPOINT_DIR = "PHALANX_ELASTIC_CHECKPOINT_DIR"
+
 # --- phalanx.spark: "1" when log_to_driver() should send its message on the channel (Spark jobs).
 PHALANX_LOG_TO_DRIVER = "PHALANX_LOG_TO_DRIVER"
+
+# --- same-host shared-memory transport (phalanx.torch.shm): "0" turns it off (gloo carries everything);
+# the seconds a rank waits for its peers inside one shared-memory step before it raises; the bytes of each
+# rank's staging slot (larger tensors go through in chunks of this size).
+PHALANX_SHM = "PHALANX_SHM"
+PHALANX_SHM_TIMEOUT_S = "PHALANX_SHM_TIMEOUT_S"
+PHALANX_SHM_SLOT_BYTES = "PHALANX_SHM_SLOT_BYTES"
 
 # --- phalanx knobs a user may set on the driver.
 PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"
