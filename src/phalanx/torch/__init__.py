@@ -7,6 +7,7 @@ Gloo carries CPU tensors, NCCL CUDA tensors. Collectives run in the order each r
 
 from __future__ import annotations
 
+from phalanx.torch import elastic
 from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
 from phalanx.torch.async_ops import (
     allgather_async,
@@ -79,7 +80,7 @@ __all__ = [
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
-    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
+    "elastic", "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",

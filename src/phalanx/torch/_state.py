@@ -114,6 +114,11 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
     if dist.is_initialized():
         STATE.owns_group = False
         STATE.cuda_backend = "nccl" in str(dist.get_backend())
+    elif env.get(N.PHALANX_ELASTIC_WORKER_ID):
+        from phalanx.torch.elastic import _rendezvous  # only elastic jobs pay for it
+
+        env = _rendezvous.join(backend, env)
+        STATE.owns_group = True
     elif env.get(N.MASTER_ADDR):
         rank, size = _rank_and_size(env)
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size)

@@ -1,0 +1,120 @@
+"""The worker side of an elastic round: wait for the driver's assignment, join that round's group.
+
+The driver hosts the TCPStore and publishes each round (``phalanx.env.elastic``); a worker is a store
+client. Each round's process group lives under its own key prefix, so a new round never reads the keys
+of a broken one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from phalanx.env import elastic as K
+from phalanx.env import names as N
+from phalanx.errors import ElasticTimeoutError, WorkerContractError
+
+
+class _Round:
+    """This process's place in the elastic job; one instance, ``ROUND``."""
+
+    def __init__(self) -> None:
+        self.number = -1
+        self.store: Any = None
+
+
+ROUND = _Round()
+
+
+def is_elastic(env: Mapping[str, str]) -> bool:
+    """Whether this process is a worker of an elastic job."""
+    return bool(env.get(N.PHALANX_ELASTIC_WORKER_ID))
+
+
+def timeout_s(env: Mapping[str, str] | None = None) -> float:
+    """Seconds to wait for a round or a collective (``PHALANX_ELASTIC_TIMEOUT_S``, default 60).
+
+    Raises:
+        WorkerContractError: the variable is not a positive number.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(N.PHALANX_ELASTIC_TIMEOUT_S) or str(K.DEFAULT_ELASTIC_TIMEOUT_S)
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise WorkerContractError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
+    if value <= 0:
+        raise WorkerContractError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} must be positive")
+    return value
+
+
+def _client(env: Mapping[str, str]) -> Any:
+    if ROUND.store is None:
+        ROUND.store = dist.TCPStore(
+            env[N.MASTER_ADDR], int(env[N.MASTER_PORT]), is_master=False,
+            timeout=timedelta(seconds=timeout_s(env)), wait_for_workers=False,
+        )
+    return ROUND.store
+
+
+def wait_assignment(env: Mapping[str, str]) -> tuple[int, int, int]:
+    """Wait for the first round after this process's current one; return (round, rank, size).
+
+    Raises:
+        ElasticTimeoutError: no new round within ``PHALANX_ELASTIC_TIMEOUT_S`` seconds.
+        WorkerContractError: the driver left this worker out of the round.
+    """
+    store = _client(env)
+    wait = timeout_s(env)
+    try:
+        store.wait([K.round_key(ROUND.number + 1)], timedelta(seconds=wait))
+    except (RuntimeError, dist.DistError) as e:
+        raise ElasticTimeoutError(
+            f"elastic worker {env.get(N.PHALANX_ELASTIC_WORKER_ID)} waited {wait:g} s for round "
+            f"{ROUND.number + 1} from the driver and none came; raise {N.PHALANX_ELASTIC_TIMEOUT_S} if "
+            f"re-forming the world takes longer ({e})"
+        ) from e
+    latest = int(store.get(K.LATEST_KEY))
+    key = K.assign_key(latest, int(env[N.PHALANX_ELASTIC_WORKER_ID]))
+    if not store.check([key]):
+        raise WorkerContractError(f"the driver left elastic worker {key.rsplit('/', 1)[-1]} out of round {latest}")
+    rank, size = K.decode_assignment(store.get(key))
+    return latest, rank, size
+
+
+def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
+    """Join the next round's process group; return ``env`` with this round's topology laid over it.
+
+    Raises:
+        ElasticTimeoutError: no round came in time.
+    """
+    number, rank, size = wait_assignment(env)
+    prefixed = dist.PrefixStore(K.group_prefix(number), _client(env))
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s(env)))
+    ROUND.number = number
+    # One host locally: every rank is local (Spark elastic would derive these per host).
+    return {**env, N.HOROVOD_LOCAL_RANK: str(rank), N.HOROVOD_LOCAL_SIZE: str(size),
+            N.HOROVOD_CROSS_RANK: "0", N.HOROVOD_CROSS_SIZE: "1"}
+
+
+def new_round_published(wait_s: float = 0.0) -> bool:
+    """Whether the driver published a round after this process's current one.
+
+    Args:
+        wait_s: seconds to keep looking (0: look once).
+    """
+    if ROUND.store is None:
+        return False
+    give_up = time.monotonic() + wait_s
+    while True:
+        if ROUND.store.check([K.round_key(ROUND.number + 1)]):
+            return True
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(0.05)
