@@ -9,9 +9,12 @@ from typing import Any, Protocol
 
 from phalanx.env import DEFAULT_START_TIMEOUT_S
 from phalanx.env import names as N
+from phalanx.env.elastic import DEFAULT_ELASTIC_TIMEOUT_S
 from phalanx.errors import InvalidArgumentError
+from phalanx.job.elastic import ElasticPolicy
 from phalanx.job.payload import serialize_call
 from phalanx.launch import warm
+from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
@@ -105,6 +108,9 @@ def run(
     output_filename: str | None = None,
     prefix_output: bool = True,
     verbose: bool = False,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    reset_limit: int | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` local processes; the contract of ``horovod.run``.
 
@@ -124,9 +130,14 @@ def run(
         output_filename: also keep each rank's output in ``DIR/rank.N/{stdout,stderr}``.
         prefix_output: prefix each output line with ``[rank]<stream>:`` (default True).
         verbose: log the launcher's steps at INFO level.
+        min_np: elastic job: the fewest workers it may go on with. Giving any of ``min_np``, ``max_np``
+            or ``reset_limit`` makes the job elastic: a lost worker is replaced and the world re-forms
+            (``hvd.elastic.run``; see docs/elastic.md).
+        max_np: elastic job: the most workers (default ``np``).
+        reset_limit: elastic job: the most re-formations before the job fails (default: no limit).
 
     Returns:
-        Every rank's return value, in rank order.
+        Every rank's return value, in rank order (for an elastic job: the final world's).
 
     Raises:
         InvalidArgumentError: a bad argument (checked before any process starts).
@@ -148,4 +159,28 @@ def run(
     )
     if verbose:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
-    return LocalLauncher(spec).run()
+    elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env)
+    return (ElasticLocalLauncher(spec, elastic) if elastic else LocalLauncher(spec)).run()
+
+
+def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: int | None,
+                 env: Mapping[str, str] | None = None) -> ElasticSpec | None:
+    """The elastic part of a job, or None when none of ``min_np``/``max_np``/``reset_limit`` is given.
+
+    Raises:
+        InvalidArgumentError: a bad count, ``min_np > np``, or a bad ``PHALANX_ELASTIC_TIMEOUT_S``.
+    """
+    if min_np is None and max_np is None and reset_limit is None:
+        return None
+    lo = validate_np(min_np, "min_np") if min_np is not None else 1
+    hi = validate_np(max_np, "max_np") if max_np is not None else max(np, lo)
+    if not lo <= np <= hi:
+        raise InvalidArgumentError(f"elastic job needs min_np <= np <= max_np; got {lo} <= {np} <= {hi}")
+    if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int)):
+        raise InvalidArgumentError(f"reset_limit must be an int >= 0 or None; got {reset_limit!r}")
+    raw = (env or {}).get(N.PHALANX_ELASTIC_TIMEOUT_S) or os.environ.get(N.PHALANX_ELASTIC_TIMEOUT_S)
+    try:
+        timeout = float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT_S
+    except ValueError as e:
+        raise InvalidArgumentError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
+    return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout)

@@ -79,11 +79,11 @@ class LocalLauncher:
 
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for commands) in rank order."""
-        channel = DriverChannel(self.spec.np, self.spec.payload)
-        store = RendezvousStore(self.spec.np)
+        channel = DriverChannel(self._channel_size(), self.spec.payload)
+        store = RendezvousStore(self._channel_size())
         files = FileSink(self.spec.output_dir) if self.spec.output_dir else None
         sinks: list[LogSink] = [ConsoleSink(prefix=self.spec.prefix)] + ([files] if files else [])
-        monitor = JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)  # type: ignore[arg-type]
+        monitor = self._monitor(channel, sinks)
         try:
             self._start(channel, store)
             return monitor.run()
@@ -99,6 +99,13 @@ class LocalLauncher:
                 files.close()
             if self.spec.command is None and self.spec.warm_preload is not None:
                 warm.prepare(self.spec.warm_preload)
+
+    def _channel_size(self) -> int:
+        """How many worker ids the channel accepts (subclasses that replace workers need more)."""
+        return self.spec.np
+
+    def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
+        return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)  # type: ignore[arg-type]
 
     def _monitor_config(self) -> MonitorConfig:
         function_job = self.spec.command is None

@@ -57,6 +57,16 @@ class RendezvousStore:
         """True once the store runs (or failed: see :attr:`error`)."""
         return self._ready.wait(timeout_s)
 
+    def set(self, key: str, value: str) -> None:
+        """Set ``key`` in the store (the driver publishes elastic rounds this way).
+
+        Raises:
+            RuntimeError: the store is not running (see :attr:`error`).
+        """
+        if self._store is None:
+            raise RuntimeError(f"the rendezvous store on port {self.port} is not running: {self.error}")
+        self._store.set(key, value)
+
     def close(self) -> None:
         """Stop the store and release the port."""
         self._ready.wait(60.0)

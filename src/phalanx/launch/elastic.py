@@ -1,0 +1,117 @@
+"""Elastic local jobs: a lost worker is replaced and the world re-forms instead of the job failing.
+
+Each process is a *worker* with a stable id (its channel rank, ``PHALANX_ELASTIC_WORKER_ID``); its torch
+rank comes from the round the driver publishes in the TCPStore it hosts (``phalanx.env.elastic``).
+Round 0 is workers ``0..np-1``; after a loss the survivors keep their order and replacements (new ids)
+fill the free slots, up to ``np`` (``max_np`` caps it, ``min_np`` is the floor).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from phalanx.env import JobContract, RankIdentity, compose_env, worker_env
+from phalanx.env import elastic as K
+from phalanx.env import names as N
+from phalanx.errors import PhalanxError
+from phalanx.job.channel import DriverChannel
+from phalanx.job.elastic import ElasticMonitor, ElasticPolicy
+from phalanx.job.logs import LogSink
+from phalanx.job.monitor import JobMonitor
+from phalanx.launch import warm
+from phalanx.launch.local import LocalJobSpec, LocalLauncher
+from phalanx.launch.rendezvous import RendezvousStore
+
+log = logging.getLogger(__name__)
+
+#: Seconds the driver waits for its own store to start before publishing round 0.
+STORE_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ElasticSpec:
+    """The elastic part of a local job.
+
+    Attributes:
+        policy: min_np, max_np, reset_limit.
+        timeout_s: seconds a worker waits for a round and for one collective (``PHALANX_ELASTIC_TIMEOUT_S``).
+    """
+
+    policy: ElasticPolicy
+    timeout_s: float = K.DEFAULT_ELASTIC_TIMEOUT_S
+
+
+class ElasticLocalLauncher(LocalLauncher):
+    """A :class:`LocalLauncher` whose lost workers are replaced while the policy allows."""
+
+    def __init__(self, spec: LocalJobSpec, elastic: ElasticSpec) -> None:
+        super().__init__(spec)
+        self.elastic = elastic
+        self._job: JobContract | None = None
+        self._store: RendezvousStore | None = None
+        self._channel: DriverChannel | None = None
+        self._round = -1
+        self._target = min(spec.np, elastic.policy.max_np)
+
+    def _channel_size(self) -> int:
+        # Every worker id ever used: the first world plus one replacement per worker per reset.
+        limit = self.elastic.policy.reset_limit
+        return self._target * (1 + (limit if limit is not None else 100))
+
+    def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
+        return ElasticMonitor(
+            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,  # type: ignore[arg-type]
+            policy=self.elastic.policy, reform=self._reform, free_slots=self._free_slots,
+        )
+
+    def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
+        self._job = self._contract(channel, store)
+        self._store, self._channel = store, channel
+        template = self._template()
+        for _ in range(self._target):
+            self._spawn_worker(template)
+        self._publish(list(range(self._target)))
+        log.debug("started elastic job: %d workers", self._target)
+
+    def _spawn_worker(self, template: warm.Template | None) -> int:
+        assert self._job is not None and self._channel is not None
+        wid = len(self._procs)
+        if wid >= self._channel_size():
+            raise PhalanxError(f"elastic job used all {self._channel_size()} worker ids; raise reset_limit")
+        size = self._channel_size()
+        who = RankIdentity(rank=wid, size=size, local_rank=wid, local_size=size, cross_rank=0, cross_size=1,
+                           host_rank=0, host_count=1, hostname=socket.gethostname())
+        own = {N.PHALANX_PARENT_PID: str(os.getpid()), N.PHALANX_ELASTIC_WORKER_ID: str(wid),
+               N.PHALANX_ELASTIC_TIMEOUT_S: f"{self.elastic.timeout_s:g}",
+               N.LOCAL_WORLD_SIZE: str(self._target)}  # OpenMP threads: cores / live workers
+        env = compose_env(os.environ, self.spec.env, {**worker_env(self._job, who), **own}, os.cpu_count())
+        proc = self._spawn(env, template)
+        self._procs.append(proc)
+        self._watch(wid, proc, self._channel)
+        return wid
+
+    def _publish(self, world: list[int]) -> None:
+        assert self._store is not None
+        if not self._store.wait_ready(STORE_READY_TIMEOUT_S) or self._store.error is not None:
+            raise PhalanxError(f"the rendezvous store did not start within {STORE_READY_TIMEOUT_S:g} s: "
+                               f"{self._store.error}")
+        self._round += 1
+        for key, value in K.round_plan(self._round, world):
+            self._store.set(key, value)
+        log.debug("published elastic round %d: workers %s", self._round, world)
+
+    def _free_slots(self, alive: list[int]) -> int:
+        return max(0, self._target - len(alive))
+
+    def _reform(self, alive: list[int], size: int) -> list[int]:
+        started = time.monotonic()
+        template = self._template()
+        world = alive[:size] + [self._spawn_worker(template) for _ in range(max(0, size - len(alive)))]
+        self._publish(world)
+        log.info("elastic round %d: workers %s (re-formed in %.2f s)", self._round, world,
+                 time.monotonic() - started)
+        return world
