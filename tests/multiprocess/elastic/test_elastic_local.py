@@ -1,0 +1,61 @@
+"""Elastic local jobs: SIGKILL a rank mid-training, the job completes with the work since one commit lost."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import _digits_job as job
+import pytest
+
+import phalanx
+from phalanx.env import names as N
+from phalanx.errors import WorkerFailedError
+
+STEPS = 40
+COMMIT_EVERY = 5
+ENV = {N.PHALANX_ELASTIC_TIMEOUT_S: "30"}
+
+
+@pytest.fixture(scope="module")
+def data() -> tuple[Any, Any]:
+    return job.load_data()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(data: tuple[Any, Any]) -> list[dict[str, Any]]:
+    return phalanx.run(job.train, (data,), {"steps": STEPS, "commit_every": COMMIT_EVERY}, np=2)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_at_a_random_step_loses_at_most_one_commit_interval(
+        data: tuple[Any, Any], undisturbed: list[dict[str, Any]], tmp_path: Path) -> None:
+    rng = random.Random()
+    kill_at, victim = rng.randrange(2, STEPS - 2), rng.randrange(2)
+    kwargs = {"steps": STEPS, "commit_every": COMMIT_EVERY, "kill_at": kill_at, "victim": victim,
+              "marker": str(tmp_path / "killed")}
+    out = phalanx.run(job.train, (data,), kwargs, np=2, min_np=1, max_np=2, reset_limit=3, env=ENV)
+    assert (tmp_path / "killed").exists(), "the victim never died"
+    assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)
+    lost = max(r["executed"] for r in out) - STEPS
+    assert 0 <= lost < COMMIT_EVERY, f"kill at step {kill_at} of rank {victim}: {lost} steps replayed"
+    assert abs(out[0]["acc"] - undisturbed[0]["acc"]) <= 1.0, (kill_at, victim, out, undisturbed)
+
+
+@pytest.mark.timeout(90)
+def test_reset_limit_zero_fails_with_the_root_cause(data: tuple[Any, Any], tmp_path: Path) -> None:
+    kwargs = {"steps": 20, "kill_at": 3, "victim": 1, "marker": str(tmp_path / "killed")}
+    with pytest.raises(WorkerFailedError) as info:
+        phalanx.run(job.train, (data,), kwargs, np=2, min_np=1, reset_limit=0, env=ENV)
+    assert "SIGKILL" in str(info.value) and "reset_limit=0" in str(info.value)
+    assert info.value.root_cause.rank == 1
+
+
+@pytest.mark.timeout(90)
+def test_durable_commit_lets_a_restarted_job_resume(data: tuple[Any, Any], tmp_path: Path) -> None:
+    env = {**ENV, N.PHALANX_ELASTIC_CHECKPOINT_DIR: str(tmp_path / "ckpt")}
+    first = phalanx.run(job.train, (data,), {"steps": 20}, np=2, min_np=1, env=env)
+    assert (tmp_path / "ckpt" / "state.pt").exists() and first[0]["executed"] == 20
+    second = phalanx.run(job.train, (data,), {"steps": 30}, np=2, min_np=1, env=env)
+    assert [r["executed"] for r in second] == [10, 10]
