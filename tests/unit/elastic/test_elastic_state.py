@@ -1,0 +1,86 @@
+"""State classes and the sampler on one in-process rank (no launcher)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import phalanx.torch as hvd
+from phalanx.env import names as N
+from phalanx.torch.elastic._run import is_peer_loss
+
+
+@pytest.fixture
+def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in (N.MASTER_ADDR, N.MASTER_PORT, N.RANK, N.WORLD_SIZE, N.PHALANX_ELASTIC_WORKER_ID):
+        monkeypatch.delenv(name, raising=False)
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def test_object_state_restores_the_last_commit() -> None:
+    state = hvd.elastic.ObjectState(epoch=0, seen=[1])
+    state.epoch, state.seen = 3, [1, 2]
+    state.save()
+    state.epoch = 7
+    state.seen.append(9)
+    state.restore()
+    assert (state.epoch, state.seen) == (3, [1, 2])
+
+
+def test_torch_state_restores_model_and_optimizer(single: None) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = hvd.elastic.TorchState(model, opt, step=0)
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    state.step = 1
+    state.restore()
+    assert torch.equal(model.weight, before) and state.step == 0 and not opt.state_dict()["state"]
+
+
+def test_durable_commit_is_written_and_resumed(single: None, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(N.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
+    model = torch.nn.Linear(2, 1)
+    state = hvd.elastic.TorchState(model, None, step=5)
+    state.commit()
+    assert (tmp_path / "state.pt").exists() and not list(tmp_path.glob(".*tmp"))
+    fresh = hvd.elastic.TorchState(torch.nn.Linear(2, 1), None, step=0)
+    assert fresh.resume_from_checkpoint()
+    assert fresh.step == 5 and fresh.model is not None and torch.equal(fresh.model.weight, model.weight)
+
+
+def test_reset_callbacks_and_run_without_elastic_job(single: None) -> None:
+    calls: list[str] = []
+    state = hvd.elastic.ObjectState(n=0)
+    state.register_reset_callbacks([lambda: calls.append("reset")])
+    state.on_reset()
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState, add: int) -> int:
+        state.n += add
+        return int(state.n)
+
+    assert train(state, 2) == 2 and calls == ["reset"]
+
+
+def test_peer_loss_is_told_from_user_errors() -> None:
+    assert is_peer_loss(RuntimeError("[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:7591"))
+    assert is_peer_loss(hvd.elastic.HorovodInternalError("lost"))
+    assert not is_peer_loss(ValueError("bad input"))
+
+
+def test_sampler_splits_the_remaining_indices() -> None:
+    sampler = hvd.elastic.ElasticSampler(list(range(10)), shuffle=False)
+    assert list(sampler) == list(range(10))
+    sampler.record_batch(batch_idx=1, batch_size=3)
+    sampler.load_state_dict(sampler.state_dict())
+    assert list(sampler) == [6, 7, 8, 9]
+    shuffled = hvd.elastic.ElasticSampler(list(range(10)), seed=1)
+    assert sorted(shuffled) == list(range(10)) and list(shuffled) != list(range(10))
