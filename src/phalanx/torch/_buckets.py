@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.torch import shm
 from phalanx.torch.compression import Compressor
 
 
@@ -119,7 +120,7 @@ def launch(bucket: Bucket, compression: type[Compressor], group: Any) -> None:
     """Start the bucket's asynchronous allreduce (sum) on ``group``."""
     wire, bucket.ctx = compression.compress(bucket.buffer)
     bucket.wire = wire
-    bucket.work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    bucket.work = shm.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def wait(bucket: Bucket, compression: type[Compressor], postscale: float) -> None:

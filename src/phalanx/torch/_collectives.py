@@ -14,7 +14,7 @@ import torch.distributed as dist
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch import _speculate as S
-from phalanx.torch import _state
+from phalanx.torch import _state, shm
 from phalanx.torch._engine import Collective
 from phalanx.torch.process_sets import _Groups
 
@@ -101,7 +101,7 @@ class Allreduce(Collective):
                 wire = buf if buf.data_ptr() == out.data_ptr() else buf.clone()
             self.wire.append(wire)
             op = R.dist_op(self.op, buf.dtype)
-            self.works.append(dist.all_reduce(wire, op=op, group=groups.data, async_op=True))
+            self.works.append(shm.all_reduce(wire, op=op, group=groups.data, async_op=True))
 
     def is_done(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -145,7 +145,7 @@ class Allgather(Collective):
             mine = torch.zeros((width, *self.rest), dtype=mine.dtype, device=mine.device)
             mine[: self.tensor.shape[0]] = self.tensor
         self.buffer = torch.empty((len(self.dims) * width, *self.rest), dtype=mine.dtype, device=mine.device)
-        self.work = dist.all_gather_single(as_bytes(self.buffer), as_bytes(mine), group=groups.data, async_op=True)
+        self.work = shm.all_gather_single(as_bytes(self.buffer), as_bytes(mine), group=groups.data, async_op=True)
 
     def is_done(self) -> bool:
         return bool(self.work.is_completed())
@@ -185,7 +185,7 @@ class Broadcast(Collective):
     def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
         if _state.topology().rank == self.root and self.wire.data_ptr() != self.tensor.data_ptr():
             self.wire.copy_(self.tensor)
-        self.work = dist.broadcast(as_bytes(self.wire), src=self.root, group=groups.data, async_op=True)
+        self.work = shm.broadcast(as_bytes(self.wire), src=self.root, group=groups.data, async_op=True)
 
     def is_done(self) -> bool:
         return bool(self.work.is_completed())

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
-from phalanx.torch import _state, _trace
+from phalanx.torch import _state, _trace, shm
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 
 
@@ -140,7 +139,7 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         else:  # the payload is already on its way: a header-only block (every rank knows the prediction)
             block = H.encode(coll.sig, coll.aux(), None, n, inline_words=0)
         entry.gathered = torch.empty(block.numel() * n, dtype=torch.int64)
-        entry.work = dist.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
+        entry.work = shm.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
         ENGINE.queue.append(entry)
     if name:
         ENGINE.inflight.add(name)

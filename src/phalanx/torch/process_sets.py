@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.env import names as N
-from phalanx.torch import _state
+from phalanx.torch import _state, shm
 
 
 @dataclass
@@ -118,6 +118,9 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
         ctrl = dist.new_group(list(ranks), backend="gloo")
         data = dist.new_group(list(ranks), backend=backend)
         grad = dist.new_group(list(ranks), backend=backend)
+        transport = shm.build(ranks, ctrl)  # same-host ranks: payloads and control blocks in shared memory
+        if transport is not None:
+            shm.register({"ctrl": ctrl, "data": data, "grad": grad}, transport)
     groups = _Groups(ctrl=ctrl, data=data, grad=grad, ranks=ranks)
     REGISTRY.groups[ranks] = groups
     return groups
@@ -150,6 +153,7 @@ def init_process_sets(process_sets: Sequence[ProcessSet] | None) -> None:
 
 def clear_process_sets() -> None:
     """Forget every set (on ``hvd.shutdown``)."""
+    shm.clear()
     for ps in REGISTRY.sets.values():
         ps.process_set_id = None
         ps._groups = None

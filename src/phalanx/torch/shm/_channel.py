@@ -1,0 +1,194 @@
+"""One shared-memory channel: the ranks of a group on one host, a control area and one slot per rank.
+
+Layout (offsets from the channel's base, every counter on its own 64-byte line):
+
+* line 0: the abort word (0, or 1 + the index of the rank that gave up);
+* lines ``1 .. n``: ``arrive[i]``, the last step whose data rank ``i`` has put in its slot;
+* lines ``n+1 .. 2n``: ``done[i]``, the last step whose data rank ``i`` has finished reading;
+* lines ``2n+1 .. 3n``: ``pid[i]``, for the liveness check;
+* then ``n`` slots of ``slot_bytes`` (page aligned).
+
+Every collective is a sequence of *steps* numbered alike on every rank (all ranks issue the same
+collectives in the same order). A step: wait until every peer finished reading the previous step
+(``done >= g - 1``, so a slot is never overwritten while read), copy this rank's chunk into its slot,
+publish ``arrive = g``, wait for every ``arrive >= g``, read the slots, publish ``done = g``. Counters are
+aligned 8-byte words written once per step after the data (x86-64 keeps stores in order; a reader that sees
+``arrive = g`` sees the slot's data), so a reader never sees a torn chunk. Every rank reduces the slots in
+rank order, so every rank computes bit-identical results.
+
+Waits spin briefly, then yield, then sleep with a growing back-off (two cores are shared by every rank),
+and every ``CHECK_S`` check the abort word, a deadline and whether the peers' processes still exist.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from phalanx.errors import ShmTransportError
+from phalanx.torch.shm._segment import Segment
+
+LINE = 64
+PAGE = 4096
+SPIN = 400  # pure spins before yielding: a peer one step behind usually arrives within them
+YIELD_S = 0.002  # then sched_yield until this much time has passed, then sleep
+MAX_SLEEP_S = 0.001
+CHECK_S = 0.05
+
+
+def layout(n: int, slot_bytes: int) -> tuple[int, int]:
+    """(bytes of the control area rounded to a page, total bytes) of a channel of ``n`` ranks."""
+    ctl = -(-(3 * n + 1) * LINE // PAGE) * PAGE
+    return ctl, ctl + n * slot_bytes
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"Z", b"X")
+
+
+class Channel:
+    """Steps of a group's ranks on one host over one region of a shared-memory segment.
+
+    Args:
+        seg: the mapped segment.
+        base: the region's offset in the segment (page aligned).
+        n: ranks on the channel; me: this rank's index among them.
+        slot_bytes: bytes per rank slot (a multiple of 64).
+        timeout_s: seconds one wait may take before ``ShmTransportError``.
+        label: names the group in error messages.
+    """
+
+    def __init__(self, seg: Segment, base: int, n: int, me: int, slot_bytes: int, timeout_s: float,
+                 label: str) -> None:  # fmt: skip
+        self.seg, self.n, self.me, self.slot_bytes = seg, n, me, slot_bytes
+        self.timeout_s, self.label = timeout_s, label
+        ctl, _total = layout(n, slot_bytes)
+        self.words = memoryview(seg.buf)[base : base + ctl].cast("q")
+        self.slots = [
+            torch.frombuffer(seg.buf, dtype=torch.uint8, count=slot_bytes, offset=base + ctl + i * slot_bytes)
+            for i in range(n)
+        ]
+        self.gen = 0
+        self.words[self._pid(me)] = os.getpid()
+        self.broken: str | None = None
+
+    def _arrive(self, i: int) -> int:
+        return (1 + i) * 8
+
+    def _done(self, i: int) -> int:
+        return (1 + self.n + i) * 8
+
+    def _pid(self, i: int) -> int:
+        return (1 + 2 * self.n + i) * 8
+
+    def peer_pids(self) -> list[int]:
+        """The pids the ranks wrote (0 for one that has not attached yet)."""
+        return [self.words[self._pid(i)] for i in range(self.n)]
+
+    def close(self) -> None:
+        """Release the counters' view (the slots go with their tensors)."""
+        self.words.release()
+
+    # --- waiting -------------------------------------------------------------------------------------
+
+    def _wait_all(self, index: Callable[[int], int], g: int, what: str) -> None:
+        words = self.words
+        for j in range(self.n):
+            k = index(j)
+            if words[k] >= g:
+                continue
+            spins = 0
+            while words[k] < g and spins < SPIN:
+                spins += 1
+            if words[k] < g:
+                self._wait_slow(k, g, j, what)
+
+    def _wait_slow(self, k: int, g: int, j: int, what: str) -> None:
+        words = self.words
+        start = time.monotonic()
+        next_check, nap = start + CHECK_S, 0.00002
+        while words[k] < g:
+            now = time.monotonic()
+            if now - start < YIELD_S:
+                os.sched_yield()
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, MAX_SLEEP_S)
+            if now >= next_check:
+                next_check = now + CHECK_S
+                self._check(j, g, what, now - start)
+
+    def _check(self, j: int, g: int, what: str, waited: float) -> None:
+        culprit = self.words[0]
+        if culprit:
+            self._fail(f"rank index {culprit - 1} of the channel gave up (see its error)", g, what, signal=False)
+        pid = self.words[self._pid(j)]
+        if pid and _pid_dead(pid):
+            self._fail(f"peer index {j} (pid {pid}) has died", g, what)
+        if waited > self.timeout_s:
+            self._fail(
+                f"peer index {j} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
+                "(raise PHALANX_SHM_TIMEOUT_S if ranks legitimately run apart that long)", g, what,
+            )  # fmt: skip
+
+    def _fail(self, cause: str, g: int, what: str, signal: bool = True) -> None:
+        if signal and not self.words[0]:
+            self.words[0] = 1 + self.me
+        self.broken = f"shared-memory {what} on {self.label} failed at step {g}: {cause}"
+        raise ShmTransportError(
+            f"{self.broken}. Every rank of the group must issue the same collectives in the same order; "
+            "set PHALANX_SHM=0 to use gloo instead"
+        )
+
+    def _begin(self) -> int:
+        if self.broken is not None:
+            raise ShmTransportError(f"{self.broken}; the channel cannot be used after a failure")
+        self.gen += 1
+        self._wait_all(self._done, self.gen - 1, "slot reuse")
+        return self.gen
+
+    # --- steps ---------------------------------------------------------------------------------------
+
+    def exchange(self, chunk: torch.Tensor, read: Callable[[list[torch.Tensor]], None], what: str) -> None:
+        """One all-to-all step: publish ``chunk`` (uint8), call ``read`` with every rank's slot view."""
+        g = self._begin()
+        nbytes = chunk.numel()
+        self.slots[self.me][:nbytes].copy_(chunk)
+        self.words[self._arrive(self.me)] = g
+        self._wait_all(self._arrive, g, what)
+        read([s[:nbytes] for s in self.slots])
+        self.words[self._done(self.me)] = g
+
+    def publish(self, root: int, chunk: torch.Tensor, out: torch.Tensor, what: str) -> None:
+        """One broadcast step: the root publishes ``chunk`` (uint8); the others copy it into ``out``."""
+        g = self._begin()
+        if self.me == root:
+            self.slots[root][: chunk.numel()].copy_(chunk)
+            self.words[self._arrive(root)] = g
+        else:
+            self._wait_one(root, g, what)
+            out.copy_(self.slots[root][: out.numel()])
+        self.words[self._done(self.me)] = g
+
+    def _wait_one(self, j: int, g: int, what: str) -> None:
+        k = self._arrive(j)
+        spins = 0
+        while self.words[k] < g and spins < SPIN:
+            spins += 1
+        if self.words[k] < g:
+            self._wait_slow(k, g, j, what)
+
+    def barrier(self) -> None:
+        """Return once every rank of the channel reached this step."""
+        g = self._begin()
+        self.words[self._arrive(self.me)] = g
+        self._wait_all(self._arrive, g, "barrier")
+        self.words[self._done(self.me)] = g

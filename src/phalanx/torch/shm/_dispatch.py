@@ -1,0 +1,130 @@
+"""The seam below phalanx.torch's collectives: ``all_reduce`` / ``all_gather_single`` / ``broadcast`` with
+``torch.distributed``'s signatures, carried by shared memory when the group has a transport and the tensor
+qualifies (CPU, contiguous, a supported op), by ``torch.distributed`` otherwise.
+
+Shared-memory work runs in the caller's thread and is complete when the call returns, except on a
+``grad`` channel (the ``DistributedOptimizer``'s buckets): there it is *deferred* to ``wait()``, in launch
+order, so that a bucket launched from a gradient hook never blocks backward waiting for a rank that has
+not produced that gradient yet (and is perhaps itself waiting in an explicit collective).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.torch.shm import _ops
+from phalanx.torch.shm._setup import Transport
+
+# id(torch group) -> (transport, channel kind); filled by ``register``, emptied by ``clear``.
+_ROUTES: dict[int, tuple[Transport, str]] = {}
+_DEFERRED: dict[int, deque[_Deferred]] = {}
+
+
+class Done:
+    """A completed work object (what ``torch.distributed`` returns, for work that already happened)."""
+
+    def is_completed(self) -> bool:
+        """Always True."""
+        return True
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Nothing to wait for."""
+        return True
+
+
+class _Deferred:
+    """Work that runs on ``wait()``, after every earlier deferred work of the same channel."""
+
+    def __init__(self, queue: deque[_Deferred], fn: Callable[[], None]) -> None:
+        self.queue, self.fn, self.done = queue, fn, False
+        queue.append(self)
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: Any = None) -> bool:
+        while not self.done:
+            head = self.queue.popleft()
+            head.done = True
+            head.fn()
+        return True
+
+
+def register(groups: dict[str, Any], transport: Transport) -> None:
+    """Route the given torch groups (kind -> group) through ``transport``."""
+    for kind, group in groups.items():
+        _ROUTES[id(group)] = (transport, kind)
+
+
+def clear() -> None:
+    """Forget every route and close the transports (``hvd.shutdown``)."""
+    for transport, _kind in list(_ROUTES.values()):
+        transport.close()
+    _ROUTES.clear()
+    _DEFERRED.clear()
+
+
+def _route(group: Any, t: torch.Tensor) -> tuple[Transport, str] | None:
+    route = _ROUTES.get(id(group))
+    if route is None or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return route
+
+
+def _finish(transport: Transport, kind: str, fn: Callable[[], None]) -> Any:
+    if kind != "grad":
+        fn()
+        return Done()
+    return _Deferred(_DEFERRED.setdefault(id(transport), deque()), fn)
+
+
+def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+    """``dist.all_reduce`` (in place), through shared memory when the group has a transport."""
+    route = _route(group, t)
+    if route is None or not _ops.supports(op, t.dtype):
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    transport, kind = route
+    flat = t.view(-1) if t.dim() else t.reshape(1)
+
+    def run() -> None:
+        ch = transport.channels.get(kind)
+        if ch is not None:
+            _ops.allreduce_(ch, flat, op)
+        if transport.leaders is not None:
+            if transport.leader:
+                dist.all_reduce(flat, op=op, group=transport.leaders)
+            if ch is not None:
+                _ops.broadcast_(ch, flat.view(torch.uint8) if flat.numel() else flat, 0)
+
+    return _finish(transport, kind, run)
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """``dist.all_gather_single`` of equal-sized inputs; shared memory on a single-host group."""
+    route = _route(group, inp)
+    if route is None or not route[0].single_host or not out.is_contiguous():
+        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    transport, kind = route
+    ch = transport.channels[kind]
+    return _finish(transport, kind, lambda: _ops.allgather_(ch, _bytes(out), _bytes(inp)))
+
+
+def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+    """``dist.broadcast`` from global rank ``src``; shared memory on a single-host group."""
+    route = _route(group, t)
+    if route is None or not route[0].single_host:
+        return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    transport, kind = route
+    ch = transport.channels[kind]
+    root = transport.local.index(src)
+    return _finish(transport, kind, lambda: _ops.broadcast_(ch, _bytes(t), root))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else flat.to(torch.uint8)

@@ -1,0 +1,91 @@
+"""Collectives over one :class:`~phalanx.torch.shm._channel.Channel`, chunked to the slot size.
+
+Each function works on flat contiguous CPU tensors and finishes before it returns (the work objects
+phalanx hands out for them are already complete).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.torch.shm._channel import Channel
+
+_Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+
+def _combiner(op: object, dtype: torch.dtype) -> _Combine:
+    """``f(a, b, out)`` for a torch.distributed reduce op; bool follows gloo (sum/max = or, product/min = and)."""
+    R = dist.ReduceOp
+    if dtype == torch.bool:
+        if op in (R.SUM, R.MAX, R.BOR):
+            return lambda a, b, out: torch.logical_or(a, b, out=out)
+        if op in (R.PRODUCT, R.MIN, R.BAND):
+            return lambda a, b, out: torch.logical_and(a, b, out=out)
+        if op == R.BXOR:
+            return lambda a, b, out: torch.logical_xor(a, b, out=out)
+    table: dict[object, _Combine] = {
+        R.SUM: lambda a, b, out: torch.add(a, b, out=out),
+        R.PRODUCT: lambda a, b, out: torch.mul(a, b, out=out),
+        R.MIN: lambda a, b, out: torch.minimum(a, b, out=out),
+        R.MAX: lambda a, b, out: torch.maximum(a, b, out=out),
+        R.BAND: lambda a, b, out: torch.bitwise_and(a, b, out=out),
+        R.BOR: lambda a, b, out: torch.bitwise_or(a, b, out=out),
+        R.BXOR: lambda a, b, out: torch.bitwise_xor(a, b, out=out),
+    }
+    if op not in table:
+        raise ValueError(f"reduce op {op} is not supported by the shared-memory transport (nor by gloo)")
+    return table[op]
+
+
+def supports(op: object, dtype: torch.dtype) -> bool:
+    """Whether :func:`allreduce_` can reduce ``dtype`` with ``op``."""
+    if dtype.is_complex and op != dist.ReduceOp.SUM:
+        return False
+    try:
+        _combiner(op, dtype)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
+    """Reduce ``t`` (flat, contiguous, CPU) across the channel, in place, in rank order."""
+    if ch.n == 1:
+        return
+    combine = _combiner(op, t.dtype)
+    step = max(1, ch.slot_bytes // t.element_size())
+    raw = t.view(torch.uint8) if t.numel() else t
+    for start in range(0, t.numel(), step):
+        out = t[start : start + step]
+
+        def read(slots: list[torch.Tensor], out: torch.Tensor = out) -> None:
+            views = [s.view(out.dtype) for s in slots]
+            combine(views[0], views[1], out)
+            for v in views[2:]:
+                combine(out, v, out)
+
+        size = t.element_size()
+        ch.exchange(raw[start * size : (start + out.numel()) * size], read, "allreduce")
+
+
+def allgather_(ch: Channel, out: torch.Tensor, inp: torch.Tensor) -> None:
+    """Gather every rank's ``inp`` (flat uint8, equal sizes) into ``out`` (flat uint8) in rank order."""
+    m = inp.numel()
+    for start in range(0, m, ch.slot_bytes):
+        stop = min(m, start + ch.slot_bytes)
+
+        def read(slots: list[torch.Tensor], start: int = start, stop: int = stop) -> None:
+            for i, s in enumerate(slots):
+                out[i * m + start : i * m + stop].copy_(s)
+
+        ch.exchange(inp[start:stop], read, "allgather")
+
+
+def broadcast_(ch: Channel, t: torch.Tensor, root: int) -> None:
+    """Copy the root's ``t`` (flat uint8) into every rank's ``t``; ``root`` is an index on the channel."""
+    for start in range(0, t.numel(), ch.slot_bytes):
+        part = t[start : start + ch.slot_bytes]
+        ch.publish(root, part, part, "broadcast")

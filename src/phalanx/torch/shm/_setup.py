@@ -1,0 +1,180 @@
+"""Build a group's shared-memory transport (collective: every rank of the job calls :func:`build`).
+
+1. Every rank of the job allgathers (host key, shm usable) on the default group. The transport is used only
+   when every rank has it enabled (``PHALANX_SHM`` not ``0``, ``/dev/shm`` writable): the choice must be
+   the same everywhere.
+2. Members on one host form a channel: the host's first member creates one segment with three regions
+   (control blocks, data payloads, optimizer buckets), the names travel on the group's gloo control group,
+   the others attach and check that they can see each other's processes (liveness), an allreduce (min) of
+   the outcome decides for every member, and the creators unlink the names.
+3. When the group spans hosts, its first member on each host joins a gloo *leaders* group (created on every
+   rank of the job, as ``new_group`` requires): allreduce is reduce-in-host (shm), allreduce among
+   leaders (gloo), share-in-host (shm). Other kinds then stay on gloo.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.env import names as N
+from phalanx.torch.shm import _segment
+from phalanx.torch.shm._channel import Channel, _pid_dead, layout
+
+CTRL_SLOT_BYTES = 64 * 1024
+DEFAULT_SLOT_BYTES = 2 * 1024 * 1024
+DEFAULT_TIMEOUT_S = 600.0
+NAME_BYTES = 64
+KINDS = ("ctrl", "data", "grad")
+
+
+@dataclass
+class Transport:
+    """A group's shared-memory channels.
+
+    Attributes:
+        channels: ``ctrl`` / ``data`` / ``grad`` channels of this host's members.
+        leaders: the gloo group of each host's first member (None when the group is on one host).
+        leader: whether this rank is its host's first member.
+        ranks: the group's global ranks; local: those on this host, in order.
+    """
+
+    channels: dict[str, Channel]
+    leaders: Any
+    leader: bool
+    ranks: tuple[int, ...]
+    local: tuple[int, ...]
+    seg: _segment.Segment | None
+
+    @property
+    def single_host(self) -> bool:
+        """Whether every member is on this host (all kinds go through shared memory)."""
+        return self.leaders is None
+
+    def close(self) -> None:
+        """Drop the channels and the mapping."""
+        for ch in self.channels.values():
+            ch.close()
+        self.channels = {}
+        if self.seg is not None:
+            self.seg.close()
+
+
+def enabled() -> bool:
+    """Whether this rank allows the transport (``PHALANX_SHM``, default on) and has ``/dev/shm``."""
+    flag = os.environ.get(N.PHALANX_SHM, "1").strip().lower()
+    return flag not in ("0", "false", "no", "off") and _segment.available()
+
+
+def _float_env(name: str, default: float) -> float:
+    text = os.environ.get(name, "").strip()
+    try:
+        return float(text) if text else default
+    except ValueError as e:
+        raise ValueError(f"{name}={text!r} is not a number; unset it or give seconds/bytes") from e
+
+
+def _host_key() -> int:
+    host = os.environ.get(N.HOROVOD_HOSTNAME) or socket.gethostname()
+    return int.from_bytes(hashlib.blake2b(host.encode(), digest_size=7).digest(), "little")
+
+
+def _world_hosts() -> list[tuple[int, int]]:
+    mine = torch.tensor([_host_key(), int(enabled())], dtype=torch.int64)
+    out = torch.empty(2 * dist.get_world_size(), dtype=torch.int64)
+    dist.all_gather_single(out, mine)
+    rows = out.view(-1, 2).tolist()
+    return [(int(h), int(ok)) for h, ok in rows]
+
+
+def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
+    """Set up the transport of the group ``ranks`` (call on every rank of the job, in the same order).
+
+    Returns:
+        The transport on members whose group has at least two ranks on some host; None otherwise, and
+        None everywhere when any rank disabled it or the setup failed on any member.
+    """
+    hosts = _world_hosts()
+    if len(ranks) < 2 or not all(ok for _h, ok in hosts):
+        return None
+    by_host: dict[int, list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(hosts[r][0], []).append(r)
+    if all(len(v) == 1 for v in by_host.values()):
+        return None
+    firsts = sorted(v[0] for v in by_host.values())
+    leaders = dist.new_group(firsts, backend="gloo") if len(firsts) > 1 else None
+    me = dist.get_rank()
+    if me not in ranks:
+        return None
+    local = tuple(by_host[hosts[me][0]])
+    return _attach_local(ranks, local, ctrl, leaders)
+
+
+def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any) -> Transport | None:
+    me = dist.get_rank()
+    slot = int(_float_env(N.PHALANX_SHM_SLOT_BYTES, DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    sizes = {"ctrl": CTRL_SLOT_BYTES, "data": slot, "grad": slot}
+    total = sum(layout(len(local), s)[1] for s in sizes.values())
+    seg, name, ok = None, "", True
+    if len(local) > 1 and me == local[0]:
+        try:
+            seg = _segment.create(total)
+            name = seg.name
+        except OSError:
+            ok = False
+    names = _exchange(ctrl, ranks, name)
+    leader_name = names[ranks.index(local[0])]
+    try:
+        if len(local) > 1 and seg is None:
+            seg = _segment.attach(leader_name, total) if leader_name else None
+            ok = ok and seg is not None
+    except OSError:
+        ok = False
+    channels = _channels(seg, local, sizes) if ok and seg is not None else {}
+    ok = ok and _peers_visible(channels, ctrl)
+    agreed = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctrl)
+    if name:
+        _segment.unlink(name)
+    transport = Transport(channels, leaders, me == local[0], ranks, local, seg)
+    if not int(agreed.item()):
+        transport.close()
+        return None
+    return transport
+
+
+def _exchange(ctrl: Any, ranks: tuple[int, ...], name: str) -> list[str]:
+    raw = torch.zeros(NAME_BYTES, dtype=torch.uint8)
+    data = name.encode()
+    raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    out = torch.empty(NAME_BYTES * len(ranks), dtype=torch.uint8)
+    dist.all_gather_single(out, raw, group=ctrl)
+    rows = out.view(len(ranks), NAME_BYTES).tolist()
+    return [bytes(r).rstrip(b"\0").decode() for r in rows]
+
+
+def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, int]) -> dict[str, Channel]:
+    me = local.index(dist.get_rank())
+    timeout = _float_env(N.PHALANX_SHM_TIMEOUT_S, DEFAULT_TIMEOUT_S)
+    label = f"ranks {list(local)}"
+    channels, base = {}, 0
+    for kind in KINDS:
+        channels[kind] = Channel(seg, base, len(local), me, sizes[kind], timeout, f"{label} ({kind})")
+        base += layout(len(local), sizes[kind])[1]
+    return channels
+
+
+def _peers_visible(channels: dict[str, Channel], ctrl: Any) -> bool:
+    """Whether every local peer's pid is visible here (it is not when ranks live in other pid namespaces)."""
+    dist.barrier(group=ctrl)  # every member wrote its pid (or failed before)
+    if not channels:
+        return True
+    pids = channels["ctrl"].peer_pids()
+    return all(p and not _pid_dead(p) for p in pids)

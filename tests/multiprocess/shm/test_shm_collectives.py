@@ -1,0 +1,155 @@
+"""phalanx.torch over the shared-memory transport: dtypes x ops x sizes, other kinds, the optimizer, the
+hierarchical path (two simulated hosts) and the switch. Each test is one ``phalanx.run`` job.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+import phalanx
+
+pytestmark = [pytest.mark.multiprocess]
+
+# 0, 1, odd, inline (<= 8 KiB), several chunks of the small slot the jobs use (4 KiB + remainder)
+SIZES = [0, 1, 7, 1001, 4099, 70001]
+SLOT = {"PHALANX_SHM_SLOT_BYTES": "4096", "PHALANX_SHM_TIMEOUT_S": "60"}
+
+
+def _leftovers() -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("phalanx-shm-"))
+
+
+def _value(rank: int, dtype: Any, n: int) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(97 * rank + n)
+    vals = torch.randint(1, 3, (n,), generator=g)
+    return (vals > 1) if dtype == torch.bool else vals.to(dtype)
+
+
+def _expected(size: int, dtype: Any, n: int, op: int) -> Any:
+    import torch
+
+    import phalanx.torch as hvd
+
+    stack = torch.stack([_value(r, dtype, n).double() for r in range(size)])
+    if dtype == torch.bool:
+        return (stack.amax(0) if op in (hvd.Sum, hvd.Max) else stack.amin(0)).bool()
+    red = {hvd.Sum: stack.sum(0), hvd.Average: stack.sum(0) / size, hvd.Min: stack.amin(0),
+           hvd.Max: stack.amax(0), hvd.Product: stack.prod(0)}[op]  # fmt: skip
+    if not dtype.is_floating_point and op == hvd.Average:
+        red = torch.floor(red)
+    return red.to(dtype)
+
+
+def _allreduce_checks(hosts: list[str] | None = None) -> list[str]:
+    import torch
+
+    import phalanx.torch as hvd
+    from phalanx.torch.shm import _dispatch
+
+    if hosts is not None:
+        os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
+    hvd.init()
+    bad = [] if _dispatch._ROUTES else [f"rank {hvd.rank()}: no shared-memory route"]
+    dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+              torch.float32, torch.float64, torch.bool]  # fmt: skip
+    for dtype in dtypes:
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            if dtype == torch.bool and op == hvd.Average:
+                continue
+            for n in SIZES:
+                got = hvd.allreduce(_value(hvd.rank(), dtype, n), op=op)
+                want = _expected(hvd.size(), dtype, n, op)
+                if not torch.equal(got, want):
+                    bad.append(f"allreduce {dtype} op={op} n={n}: {got[:4].tolist()} != {want[:4].tolist()}")
+    hvd.shutdown()
+    return bad
+
+
+def _other_checks() -> list[str]:
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    r, bad = hvd.rank(), []
+    for n in SIZES:
+        src = torch.arange(n, dtype=torch.float64) * (r + 1)
+        got = hvd.broadcast(src, root_rank=1)
+        if not torch.equal(got, torch.arange(n, dtype=torch.float64) * 2):
+            bad.append(f"broadcast n={n}")
+        g = hvd.allgather(torch.full((r + 1, n), r, dtype=torch.int16))
+        want = torch.cat([torch.full((i + 1, n), i, dtype=torch.int16) for i in range(hvd.size())])
+        if not torch.equal(g, want):
+            bad.append(f"allgather n={n}")
+        rs = hvd.reducescatter(torch.ones(n + 2, 3), op=hvd.Sum)
+        if not torch.equal(rs, torch.full_like(rs, 2.0)):
+            bad.append(f"reducescatter n={n}")
+    x = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
+    if not torch.equal(hvd.allreduce(x, op=hvd.Sum), 2 * x):
+        bad.append("non-contiguous allreduce")
+    hvd.barrier()
+    bad += _optimizer_checks()
+    hvd.shutdown()
+    return bad
+
+
+def _optimizer_checks() -> list[str]:
+    import torch
+
+    import phalanx.torch as hvd
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())  # fmt: skip
+    for step in range(5):
+        torch.manual_seed(step * 10 + hvd.rank())
+        opt.zero_grad()
+        model(torch.randn(8, 33)).sum().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.unsqueeze(0))
+    return [] if torch.equal(gathered[0], gathered[-1]) else ["optimizer: parameters diverged across ranks"]
+
+
+@pytest.mark.timeout(150)
+def test_allreduce_every_dtype_op_size() -> None:
+    results = phalanx.run(_allreduce_checks, np=2, env=SLOT)
+    assert results == [[], []]
+    assert _leftovers() == []
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_allgather_reducescatter_optimizer() -> None:
+    assert phalanx.run(_other_checks, np=2, env=SLOT) == [[], []]
+    assert _leftovers() == []
+
+
+@pytest.mark.timeout(150)
+def test_hierarchical_two_hosts() -> None:
+    hosts = ["hostA", "hostA", "hostB", "hostB"]
+    assert phalanx.run(_allreduce_checks, args=(hosts,), np=4, env=SLOT) == [[]] * 4
+    assert _leftovers() == []
+
+
+def _switch_off() -> bool:
+    import torch
+
+    import phalanx.torch as hvd
+    from phalanx.torch.shm import _dispatch
+
+    hvd.init()
+    ok = not _dispatch._ROUTES and torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), 2.0))
+    hvd.shutdown()
+    return ok
+
+
+@pytest.mark.timeout(60)
+def test_switch_off_uses_gloo() -> None:
+    assert phalanx.run(_switch_off, np=2, env={"PHALANX_SHM": "0"}) == [True, True]

@@ -1,0 +1,71 @@
+"""The shared-memory transport's pieces without processes: segments, layout, reduce ops, the switch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.torch.shm import _ops, _segment, _setup
+from phalanx.torch.shm._channel import LINE, PAGE, Channel, layout
+
+
+def test_segment_create_attach_unlink() -> None:
+    seg = _segment.create(10_000)
+    other = _segment.attach(seg.name, 10_000)
+    seg.buf[:3] = b"abc"
+    assert other.buf[:3] == b"abc"
+    with pytest.raises(OSError, match="expected 20000"):
+        _segment.attach(seg.name, 20_000)
+    _segment.unlink(seg.name)
+    _segment.unlink(seg.name)  # a second unlink is fine
+    assert not os.path.exists(os.path.join(_segment.SHM_DIR, seg.name))
+    assert other.buf[:3] == b"abc"  # the mapping outlives the name
+    seg.close()
+    other.close()
+
+
+def test_layout_is_page_aligned() -> None:
+    ctl, total = layout(3, 8192)
+    assert ctl % PAGE == 0 and ctl >= 10 * LINE
+    assert total == ctl + 3 * 8192
+
+
+def test_single_rank_channel_reduces_nothing() -> None:
+    seg = _segment.create(layout(1, 4096)[1])
+    _segment.unlink(seg.name)
+    ch = Channel(seg, 0, 1, 0, 4096, 5.0, "solo")
+    t = torch.arange(5.0)
+    _ops.allreduce_(ch, t, dist.ReduceOp.SUM)
+    assert torch.equal(t, torch.arange(5.0))
+    ch.barrier()
+    ch.close()
+
+
+@pytest.mark.parametrize(
+    ("op", "dtype", "ok"),
+    [
+        (dist.ReduceOp.SUM, torch.float32, True),
+        (dist.ReduceOp.BXOR, torch.int32, True),
+        (dist.ReduceOp.MAX, torch.bool, True),
+        (dist.ReduceOp.MIN, torch.complex64, False),
+        (dist.ReduceOp.SUM, torch.complex64, True),
+    ],
+)
+def test_supported_ops(op: object, dtype: torch.dtype, ok: bool) -> None:
+    assert _ops.supports(op, dtype) is ok
+
+
+def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHALANX_SHM", "0")
+    assert not _setup.enabled()
+    monkeypatch.setenv("PHALANX_SHM", "1")
+    assert _setup.enabled() is _segment.available()
+
+
+def test_bad_knob_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PHALANX_SHM_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="PHALANX_SHM_TIMEOUT_S='soon'"):
+        _setup._float_env("PHALANX_SHM_TIMEOUT_S", 1.0)
