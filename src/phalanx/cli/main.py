@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
-from phalanx.launch.api import resolve_start_timeout, validate_hosts, validate_np
+from phalanx.launch.api import elastic_spec, resolve_start_timeout, validate_hosts, validate_np
+from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 
 EXIT_USAGE = 2
@@ -35,6 +36,7 @@ class RunConfig:
     verbose: bool
     timeline: str | None
     timeline_mark_cycles: bool
+    elastic: ElasticSpec | None = None
 
     def job_env(self) -> dict[str, str]:
         """Variables the command's ranks get on top of the contract."""
@@ -73,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]<stream>:")
     p.add_argument("--timeline-filename", default=None, help="write a Horovod timeline to this file")
     p.add_argument("--timeline-mark-cycles", action="store_true", help="mark cycles in the timeline")
+    p.add_argument("--min-np", type=int, default=None,
+                   help="elastic: fewest ranks the job may go on with (makes the job elastic; docs/elastic.md)")
+    p.add_argument("--max-np", type=int, default=None, help="elastic: most ranks (default: -np)")
+    p.add_argument("--reset-limit", type=int, default=None,
+                   help="elastic: most re-formations of the world before the job fails (default: no limit)")
     p.add_argument("--verbose", action="store_true", help="log what the launcher does")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
@@ -110,6 +117,7 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
         verbose=ns.verbose,
         timeline=ns.timeline_filename,
         timeline_mark_cycles=ns.timeline_mark_cycles,
+        elastic=elastic_spec(np, ns.min_np, ns.max_np, ns.reset_limit),
     )
 
 
@@ -123,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
                         format="phalanxrun: %(message)s")
     try:
-        LocalLauncher(config.to_spec()).run()
+        spec = config.to_spec()
+        (ElasticLocalLauncher(spec, config.elastic) if config.elastic else LocalLauncher(spec)).run()
     except WorkerFailedError as e:
         sys.stderr.write(f"phalanxrun: {e}\n")
         return e.exit_code

@@ -130,7 +130,7 @@ class ElasticMonitor(JobMonitor):
     def _exited(self, state: _RankState, returncode: int) -> None:
         state.exited = True
         state.returncode = returncode
-        if returncode == 0 and state.result is not None:
+        if returncode == 0 and (state.result is not None or not self.config.expect_results):
             return
         state.failed_at = time.monotonic()
         if self._stopped_at is not None:

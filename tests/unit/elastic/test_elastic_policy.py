@@ -91,3 +91,13 @@ def test_monitor_gives_up_at_the_reset_limit_with_the_reason() -> None:
     with pytest.raises(WorkerFailedError, match="reset_limit=0") as info:
         mon.run()
     assert calls == [] and info.value.root_cause.rank == 1
+
+
+def test_phalanxrun_elastic_flags() -> None:
+    from phalanx.cli.main import parse_config
+
+    config = parse_config(["-np", "3", "--min-np", "2", "--reset-limit", "5", "true"])
+    assert config.elastic is not None and config.elastic.policy == ElasticPolicy(2, 3, 5)
+    assert parse_config(["-np", "3", "true"]).elastic is None
+    with pytest.raises(InvalidArgumentError, match="min_np"):
+        parse_config(["-np", "3", "--min-np", "4", "true"])
