@@ -1,0 +1,72 @@
+"""Every example that runs without Spark, with small settings, as a user runs it; each asserts a test
+accuracy floor on scikit-learn's digits (a 2-3 epoch run reaches 0.85-0.95; chance is 0.1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from example_helpers import EXAMPLES, VENV_BIN, load_example
+
+pytestmark = [pytest.mark.multiprocess]
+
+FLOOR = 0.8
+EPOCHS = "3"
+
+
+@pytest.mark.timeout(90)
+def test_local_ddp_digits(tmp_path: Path) -> None:
+    results = load_example("local_ddp_digits").main(["--np", "2", "--epochs", EPOCHS, "--out", str(tmp_path / "m.pt")])
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["accuracy"] > FLOOR
+    assert (tmp_path / "m.pt").is_file()
+
+
+@pytest.mark.timeout(90)
+def test_horovod_runner_on_the_driver(tmp_path: Path) -> None:
+    """HorovodRunner(np=-2): 2 processes on the driver, no Spark job; rank 0 saves the model."""
+    out = tmp_path / "model.pt"
+    result = load_example("spark_digits").main(["--np", "-2", "--epochs", EPOCHS, "--out", str(out)])
+    assert result["size"] == 2
+    assert result["accuracy"] > FLOOR
+    assert out.is_file() and not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.timeout(90)
+def test_unchanged_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
+    """`phalanxrun -np 2 python examples/horovod_train.py`, with the venv's bin first on PATH (activated)."""
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run(
+        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "horovod_train.py"), "--epochs", EPOCHS],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=80,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", proc.stdout)
+    assert found is not None, proc.stdout[-3000:]
+    assert float(found.group(1)) > FLOOR
+    assert (tmp_path / "digits_horovod.pt").is_file()
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributor_ddp_function_local_mode() -> None:
+    assert load_example("torch_distributor_ddp").main(["--epochs", EPOCHS]) > FLOOR
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributor_ddp_script_with_arguments_local_mode() -> None:
+    """TorchDistributor(...).run("ddp_train.py", "--lr=0.01", "--epochs=3"): rank 0's stdout."""
+    assert load_example("torch_distributor_ddp").main(["--script", "--epochs", EPOCHS, "--lr", "0.01"]) > FLOOR
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_under_torch_distributor() -> None:
+    assert load_example("fsdp_digits").main(["--epochs", EPOCHS]) > FLOOR
+
+
+@pytest.mark.timeout(120)
+def test_lightning_under_torch_distributor() -> None:
+    pytest.importorskip("lightning")
+    assert load_example("lightning_digits").main(["--epochs", EPOCHS]) > FLOOR

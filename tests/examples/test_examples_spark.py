@@ -1,0 +1,53 @@
+"""The examples that run on Spark, on one ``local[2]`` session for the whole module (tests/spark's
+fixture: one JVM), with small settings; each asserts a test accuracy floor on scikit-learn's digits."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from example_helpers import REPO, load_example
+
+pytestmark = [pytest.mark.spark]
+
+FLOOR = 0.8
+EPOCHS = "3"
+
+
+def _spark_fixtures() -> ModuleType:
+    # tests/ is not a package: load tests/spark/conftest.py by path to reuse its session fixture.
+    spec = importlib.util.spec_from_file_location("phalanx_spark_fixtures", REPO / "tests" / "spark" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_fixtures = _spark_fixtures()
+local_spark = _fixtures.local_spark
+
+
+@pytest.fixture
+def process_is_expected() -> Callable[[int], bool]:
+    """PySpark's reusable python daemons (and the warm-start templates they start) are not leftovers."""
+    owned: Callable[[int], bool] = _fixtures._spark_owned
+    return owned
+
+
+@pytest.mark.timeout(120)
+def test_horovod_runner_on_spark(local_spark: Any, tmp_path: Path) -> None:
+    """HorovodRunner(np=2): 2 barrier tasks; rank 0 saves the model atomically (no temporary left)."""
+    out = tmp_path / "model.pt"
+    result = load_example("spark_digits").main(["--np", "2", "--epochs", EPOCHS, "--out", str(out)])
+    assert result["size"] == 2
+    assert result["accuracy"] > FLOOR
+    assert out.is_file() and not list(tmp_path.glob("*.tmp-*"))
+
+
+@pytest.mark.timeout(90)
+def test_torch_distributor_ddp_function_on_spark(local_spark: Any) -> None:
+    assert load_example("torch_distributor_ddp").main(["--spark", "--epochs", EPOCHS]) > FLOOR
