@@ -41,5 +41,9 @@ BENCHES ?= launch spark_launch allreduce train timeline
 bench: $(VENV)/.bench-installed
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || exit 1; done
 
+# Elastic reliability: 20 jobs, each losing a rank to SIGKILL at a random step (BENCHMARKS.md).
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
