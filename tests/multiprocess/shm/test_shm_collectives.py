@@ -133,7 +133,7 @@ def test_broadcast_allgather_reducescatter_optimizer() -> None:
 
 @pytest.mark.timeout(150)
 def test_hierarchical_two_hosts() -> None:
-    hosts = ["hostA", "hostA", "hostB", "hostB"]
+    hosts = ["hostA", "hostA", "hostA", "hostB"]  # 3 ranks in shm on A, 1 alone on B
     assert phalanx.run(_allreduce_checks, args=(hosts,), np=4, env=SLOT) == [[]] * 4
     assert _leftovers() == []
 

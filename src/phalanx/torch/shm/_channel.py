@@ -167,6 +167,23 @@ class Channel:
         read([s[:nbytes] for s in self.slots])
         self.words[self._done(self.me)] = g
 
+    def exchange2(self, chunk: torch.Tensor, first: Callable[[list[torch.Tensor]], None],
+                  second: Callable[[list[torch.Tensor]], None], what: str) -> None:  # fmt: skip
+        """A two-phase step: publish ``chunk``; ``first`` (every rank sees every slot; it may write only its
+        own part of its own slot); a barrier; ``second`` (reads only)."""
+        g = self._begin()
+        nbytes = chunk.numel()
+        views = [s[:nbytes] for s in self.slots]
+        views[self.me].copy_(chunk)
+        self.words[self._arrive(self.me)] = g
+        self._wait_all(self._arrive, g, what)
+        first(views)
+        self.gen = g = g + 1
+        self.words[self._arrive(self.me)] = g
+        self._wait_all(self._arrive, g, what)
+        second(views)
+        self.words[self._done(self.me)] = g
+
     def publish(self, root: int, chunk: torch.Tensor, out: torch.Tensor, what: str) -> None:
         """One broadcast step: the root publishes ``chunk`` (uint8); the others copy it into ``out``."""
         g = self._begin()

@@ -51,24 +51,51 @@ def supports(op: object, dtype: torch.dtype) -> bool:
     return True
 
 
+def _parts(numel: int, n: int) -> list[tuple[int, int]]:
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
-    """Reduce ``t`` (flat, contiguous, CPU) across the channel, in place, in rank order."""
+    """Reduce ``t`` (flat, contiguous, CPU) across the channel, in place.
+
+    Per chunk: every rank publishes its chunk; rank ``i`` reduces part ``i`` of every slot (in rank order)
+    into part ``i`` of its own slot; after a barrier every rank copies every part out. Each element is
+    reduced by one rank only (like gloo's ring: 1/n of the arithmetic per rank), so results agree bitwise.
+    """
     if ch.n == 1:
         return
     combine = _combiner(op, t.dtype)
     step = max(1, ch.slot_bytes // t.element_size())
+    size = t.element_size()
     raw = t.view(torch.uint8) if t.numel() else t
     for start in range(0, t.numel(), step):
         out = t[start : start + step]
+        parts = _parts(out.numel(), ch.n)
 
-        def read(slots: list[torch.Tensor], out: torch.Tensor = out) -> None:
-            views = [s.view(out.dtype) for s in slots]
-            combine(views[0], views[1], out)
+        def first(slots: list[torch.Tensor], out: torch.Tensor = out, parts: list[tuple[int, int]] = parts) -> None:
+            a, b = parts[ch.me]
+            views = [s.view(out.dtype)[a:b] for s in slots]
+            mine = views[ch.me]
+            if ch.n == 2:
+                combine(views[0], views[1], mine)
+                return
+            acc = out[a:b]
+            combine(views[0], views[1], acc)
             for v in views[2:]:
-                combine(out, v, out)
+                combine(acc, v, acc)
+            mine.copy_(acc)
 
-        size = t.element_size()
-        ch.exchange(raw[start * size : (start + out.numel()) * size], read, "allreduce")
+        def second(slots: list[torch.Tensor], out: torch.Tensor = out, parts: list[tuple[int, int]] = parts) -> None:
+            for i, (a, b) in enumerate(parts):
+                out[a:b].copy_(slots[i].view(out.dtype)[a:b])
+
+        ch.exchange2(raw[start * size : (start + out.numel()) * size], first, second, "allreduce")
 
 
 def allgather_(ch: Channel, out: torch.Tensor, inp: torch.Tensor) -> None:

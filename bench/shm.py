@@ -1,0 +1,110 @@
+"""Shared-memory transport vs gloo, 2 ranks on one host, side by side in one job, printed as ratios.
+
+Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
+
+* allreduce fp32, 4 KB .. 64 MB: raw ``dist.all_reduce`` on gloo, ``hvd.allreduce_`` (shared memory, the
+  whole phalanx.torch path: signature check, control block, payload) and the bare transport
+  (``phalanx.torch.shm.all_reduce`` on the payload group), interleaved round by round; medians.
+* training (bench/train.py's CNN and MLP): DistributedOptimizer with shared memory vs DDP on gloo, steps/s
+  per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer).
+  A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import phalanx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train  # bench/train.py: the models and the interleaved trainer
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+
+
+def _time(fn: Any, calls: int) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def _allreduce(rounds: int) -> list[dict[str, float]]:
+    import torch
+    import torch.distributed as dist
+
+    import phalanx.torch as hvd
+    from phalanx.torch import shm
+    from phalanx.torch.process_sets import global_process_set, groups_of
+
+    hvd.init()
+    data = groups_of(global_process_set).data
+    rows = []
+    for nbytes in SIZES:
+        x = torch.ones(nbytes // 4)
+        calls = max(3, min(200, (8 << 20) // nbytes))
+        paths = {"gloo": lambda x=x: dist.all_reduce(x), "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum),
+                 "shm": lambda x=x: shm.all_reduce(x, group=data)}  # fmt: skip
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for _ in range(rounds + 1):  # the first round warms up
+            for key, fn in paths.items():
+                times[key].append(_time(fn, calls))
+        rows.append({"bytes": nbytes, **{k: statistics.median(v[1:]) for k, v in times.items()}})
+    hvd.shutdown()
+    return rows
+
+
+def _print_allreduce(rows: list[dict[str, float]]) -> None:
+    print("allreduce fp32, 2 ranks, one host; median time per call; ratio = gloo time / shm time")
+    print(f"{'size':>7} {'gloo':>10} {'hvd (shm)':>11} {'transport':>10} {'hvd ratio':>10} {'transport ratio':>16}")
+    for r in rows:
+        n = int(r["bytes"])
+        size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+        print(f"{size:>7} {r['gloo'] * 1e3:>8.3f}ms {r['hvd'] * 1e3:>9.3f}ms {r['shm'] * 1e3:>8.3f}ms "
+              f"{r['gloo'] / r['hvd']:>9.2f}x {r['gloo'] / r['shm']:>15.2f}x")  # fmt: skip
+
+
+def _train(steps: int, rounds: int, shm_env: dict[str, str]) -> dict[str, dict[str, float]]:
+    two = phalanx.run(train._bench_2, args=(steps, rounds), np=2, env=shm_env)[0]
+    return two
+
+
+def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any]) -> None:
+    print("training, 2 ranks, steps/s per rank; efficiency = 2-rank steps/s / 1 process (plain optimizer)")
+    for name in shm:
+        alone = one[name]["plain"]
+        print(f"  {name}: alone {alone:.2f}/s | hvd shm {shm[name]['hvd']:.2f}/s (eff {shm[name]['hvd'] / alone:.2f})"
+              f" | hvd gloo {gloo[name]['hvd']:.2f}/s (eff {gloo[name]['hvd'] / alone:.2f})"
+              f" | DDP gloo {shm[name]['ddp']:.2f}/s (eff {shm[name]['ddp'] / alone:.2f})"
+              f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x")  # fmt: skip
+
+
+def main() -> None:
+    """Run the jobs and print the tables."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=2, help="training steps per interleaved chunk")
+    parser.add_argument("--train-rounds", type=int, default=15)
+    parser.add_argument("--skip-train", action="store_true")
+    args = parser.parse_args()
+    print(f"load: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
+    _print_allreduce(phalanx.run(_allreduce, args=(args.rounds,), np=2)[0])
+    if args.skip_train:
+        return
+    shm = _train(args.steps, args.train_rounds, {})
+    gloo = _train(args.steps, args.train_rounds, {"PHALANX_SHM": "0"})
+    one = phalanx.run(train._bench_1, args=(args.steps, args.train_rounds), np=1)[0]
+    _print_train(shm, gloo, one)
+    print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
+
+
+if __name__ == "__main__":
+    main()
