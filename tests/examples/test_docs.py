@@ -1,0 +1,45 @@
+"""The reference documentation matches the code: docs/api.md is what tools/gen_api.py writes today, and
+every public name and every environment variable is documented. No processes."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+
+import pytest
+from example_helpers import REPO
+
+from phalanx.env import names
+
+API = REPO / "docs" / "api.md"
+ENV = REPO / "docs" / "env.md"
+
+
+@pytest.mark.parametrize("module_name", ["phalanx.torch", "phalanx.spark"])
+def test_every_public_name_has_an_api_entry(module_name: str) -> None:
+    text = API.read_text(encoding="utf-8")
+    module = importlib.import_module(module_name)
+    missing = [n for n in module.__all__ if f"### `{module_name}.{n}`" not in text]
+    assert not missing, f"docs/api.md lacks {missing}: run .venv/bin/python tools/gen_api.py"
+
+
+def test_run_has_an_api_entry() -> None:
+    assert "### `phalanx.run`" in API.read_text(encoding="utf-8")
+
+
+def test_api_md_is_generated_from_the_current_code() -> None:
+    spec = importlib.util.spec_from_file_location("gen_api", REPO / "tools" / "gen_api.py")
+    assert spec is not None and spec.loader is not None
+    gen_api = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_api)
+    assert gen_api.render() == API.read_text(encoding="utf-8"), (
+        "docs/api.md is out of date: run .venv/bin/python tools/gen_api.py")
+
+
+def test_every_environment_variable_is_documented() -> None:
+    text = ENV.read_text(encoding="utf-8")
+    variables = [v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)]
+    assert len(variables) > 30
+    missing = [v for v in variables if not re.search(rf"`{v}`", text)]
+    assert not missing, f"docs/env.md does not document {missing}"

@@ -1,0 +1,109 @@
+"""Write docs/api.md from the code: every public name of phalanx.run, phalanx.torch and phalanx.spark,
+with its signature (arguments and defaults) and its docstring.
+
+    .venv/bin/python tools/gen_api.py            # rewrite docs/api.md
+    .venv/bin/python tools/gen_api.py --check    # exit 1 if docs/api.md is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+MODULES = ("phalanx", "phalanx.torch", "phalanx.spark")
+HEADER = """# API reference
+
+Generated from the docstrings by `tools/gen_api.py` (`--check` fails when this file is out of date); do not
+edit by hand. Narrative documentation: [torch.md](torch.md) (semantics of the Horovod API),
+[spark.md](spark.md) (Spark launchers), [env.md](env.md) (environment variables),
+[timeline.md](timeline.md), [migration.md](migration.md).
+"""
+
+
+def public_names(module_name: str) -> list[str]:
+    """The module's ``__all__`` (for ``phalanx``, only ``run``)."""
+    module = importlib.import_module(module_name)
+    return [n for n in module.__all__ if not n.startswith("__")]
+
+
+def _param(p: inspect.Parameter) -> str:
+    text = p.name
+    if p.annotation is not inspect.Parameter.empty:
+        text += f": {p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation)}"
+    if p.default is not inspect.Parameter.empty:
+        default = p.default.__name__ if inspect.isclass(p.default) else repr(p.default)
+        text += f" = {default}" if p.annotation is not inspect.Parameter.empty else f"={default}"
+    return {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + text
+
+
+def signature(obj: Any) -> str:
+    """``(a: int, b: str = 'x', *, c: bool = True) -> R``, annotations as written in the source."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return "(...)"
+    parts: list[str] = []
+    for p in sig.parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not any(x.startswith("*") for x in parts):
+            parts.append("*")
+        parts.append(_param(p))
+    ret = sig.return_annotation
+    arrow = "" if ret is inspect.Signature.empty or inspect.isclass(obj) else f" -> {ret}"
+    return f"({', '.join(parts)}){arrow}"
+
+
+def doc(obj: Any) -> str:
+    text = inspect.getdoc(obj) or "(no docstring)"
+    return "\n".join(("    " + line).rstrip() for line in text.splitlines())
+
+
+def describe(qualified: str, obj: Any) -> list[str]:
+    """Markdown for one public object: a heading, the signature and the docstring (class: its methods)."""
+    if inspect.isclass(obj):
+        lines = [f"### `{qualified}`", "", f"```python\nclass {qualified.rsplit('.', 1)[1]}{signature(obj)}\n```",
+                 "", doc(obj), ""]
+        for name, member in inspect.getmembers(obj, inspect.isfunction):
+            if not name.startswith("_") and member.__qualname__.startswith(obj.__name__ + "."):
+                lines += [f"#### `{qualified}.{name}`", "", f"```python\n{name}{signature(member)}\n```", "",
+                          doc(member), ""]
+        return lines
+    if callable(obj):
+        return [f"### `{qualified}`", "", f"```python\n{qualified}{signature(obj)}\n```", "", doc(obj), ""]
+    if inspect.ismodule(obj):
+        summary = (inspect.getdoc(obj) or "").split("\n\n")[0]
+        return [f"### `{qualified}`", "", f"A submodule: {summary}", ""]
+    return [f"### `{qualified}`", "", f"A constant: `{obj!r}` ({type(obj).__name__}).", ""]
+
+
+def render() -> str:
+    lines = [HEADER]
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        lines += [f"## `{module_name}`", "", (inspect.getdoc(module) or "").split("\n\n")[0], ""]
+        for name in public_names(module_name):
+            lines += describe(f"{module_name}.{name}", getattr(module, name))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if docs/api.md differs from the code")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if DOC.read_text(encoding="utf-8") != text:
+            print("docs/api.md is out of date: run .venv/bin/python tools/gen_api.py", file=sys.stderr)
+            return 1
+        return 0
+    DOC.write_text(text, encoding="utf-8")
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
