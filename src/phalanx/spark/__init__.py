@@ -13,15 +13,17 @@ if TYPE_CHECKING:
     from phalanx.spark.api import run
     from phalanx.spark.distributor import TorchDistributor
     from phalanx.spark.driver_log import log_to_driver
+    from phalanx.spark.elastic import run_elastic
     from phalanx.spark.runner import HorovodRunner
 
-__all__ = ["HorovodRunner", "TorchDistributor", "log_to_driver", "run"]
+__all__ = ["HorovodRunner", "TorchDistributor", "log_to_driver", "run", "run_elastic"]
 
 _HOMES = {
     "HorovodRunner": "phalanx.spark.runner",
     "TorchDistributor": "phalanx.spark.distributor",
     "log_to_driver": "phalanx.spark.driver_log",
     "run": "phalanx.spark.api",
+    "run_elastic": "phalanx.spark.elastic",
 }
 
 

@@ -49,7 +49,7 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
 
     Returns:
         ``acc`` (test accuracy, %), ``executed`` (steps this process ran, replays included), ``commits``,
-        ``rank``, ``size``.
+        ``resumed_from`` (the step the first call started at: > 0 after a durable resume), ``rank``, ``size``.
     """
     import torch
 
@@ -62,9 +62,11 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     state = hvd.elastic.TorchState(model, opt, step=0)
     executed = [0]
+    resumed_from: list[int] = []
 
     @hvd.elastic.run
     def loop(state: hvd.elastic.TorchState) -> float:
+        resumed_from.append(state.step)
         while state.step < steps:
             _maybe_die(state.step, kill_at, victim, marker)
             gen = torch.Generator().manual_seed(seed * 100003 + state.step)
@@ -83,4 +85,5 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
             return float((model(xte).argmax(1) == yte).float().mean()) * 100.0
 
     acc = loop(state)
-    return {"acc": acc, "executed": executed[0], "commits": state.commits, "rank": hvd.rank(), "size": hvd.size()}
+    return {"acc": acc, "executed": executed[0], "commits": state.commits,
+            "resumed_from": resumed_from[0], "rank": hvd.rank(), "size": hvd.size()}
