@@ -29,6 +29,11 @@ def group_prefix(round_no: int) -> str:
     return f"{PREFIX}/{round_no}/pg"
 
 
+def synced_key(round_no: int, worker_id: int) -> str:
+    """Set by a worker once it holds the job's state in round ``round_no`` (after its first sync)."""
+    return f"{PREFIX}/{round_no}/synced/{worker_id}"
+
+
 def encode_assignment(rank: int, size: int) -> str:
     """``"rank,size"``."""
     return f"{rank},{size}"

@@ -49,17 +49,22 @@ class ElasticPolicy:
         if self.reset_limit is not None and self.reset_limit < 0:
             raise InvalidArgumentError(f"reset_limit must be >= 0 (or None); got {self.reset_limit}")
 
-    def decide(self, alive: int, free_slots: int, resets: int) -> Decision:
+    def decide(self, alive: int, free_slots: int, resets: int, holding_state: int | None = None) -> Decision:
         """Decide after a worker was lost.
 
         Args:
             alive: workers still running.
             free_slots: replacements the launcher could start now.
             resets: re-formations so far.
+            holding_state: how many of the alive workers hold the training state (None: all of them); with
+                none, a new world could only start over from scratch.
 
         Returns:
             Re-form with ``min(max_np, alive + free_slots)`` workers, or fail with the reason.
         """
+        if holding_state == 0 or alive == 0:
+            return Decision(False, alive, "no surviving worker holds the training state (every worker of "
+                                          "the last formed world was lost; is the error deterministic?)")
         if self.reset_limit is not None and resets >= self.reset_limit:
             return Decision(False, alive, f"reset_limit={self.reset_limit} reached ({resets} resets); "
                                           "raise reset_limit (--reset-limit) to tolerate more losses")
@@ -79,11 +84,14 @@ class ElasticMonitor(JobMonitor):
         reform: ``reform(alive_ids, size) -> new world`` (worker ids in rank order); starts replacements
             and publishes the round. Called in the monitor's thread.
         free_slots: how many replacements the launcher can start, given the alive worker ids.
+        holds_state: whether a worker holds the training state (one of the first world's, or it synced
+            in the current round).
     """
 
     policy: ElasticPolicy = field(default_factory=lambda: ElasticPolicy(1, 1, 0))
     reform: Callable[[list[int], int], list[int]] = lambda alive, size: alive
     free_slots: Callable[[list[int]], int] = lambda alive: 0
+    holds_state: Callable[[int], bool] = lambda worker: True
     world: list[int] = field(init=False, default_factory=list)
     resets: int = field(init=False, default=0)
     _spawned_at: list[float] = field(init=False, default_factory=list)
@@ -141,7 +149,8 @@ class ElasticMonitor(JobMonitor):
     def _on_loss(self, state: _RankState) -> None:
         alive = [w for w, s in enumerate(self._ranks) if not s.exited]
         finished = any(s.result is not None for s in self._ranks)
-        decision = self.policy.decide(len(alive), self.free_slots(alive), self.resets)
+        holding = sum(1 for w in alive if self.holds_state(w))
+        decision = self.policy.decide(len(alive), self.free_slots(alive), self.resets, holding)
         if finished or not decision.reform:
             self._gave_up = decision.reason or "a worker was lost after others had finished"
             self._fail(state)
@@ -152,6 +161,7 @@ class ElasticMonitor(JobMonitor):
             self.add_worker()
 
     def _check_start(self, started: float) -> None:
+        # ``started`` is unused: every worker is judged from its own start (replacements start late).
         if not self.config.expect_hello or self._stopped_at is not None:
             return
         now = time.monotonic()

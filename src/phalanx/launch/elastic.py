@@ -66,6 +66,7 @@ class ElasticLocalLauncher(LocalLauncher):
         return ElasticMonitor(
             self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,  # type: ignore[arg-type]
             policy=self.elastic.policy, reform=self._reform, free_slots=self._free_slots,
+            holds_state=self._holds_state,
         )
 
     def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
@@ -103,6 +104,12 @@ class ElasticLocalLauncher(LocalLauncher):
         for key, value in K.round_plan(self._round, world):
             self._store.set(key, value)
         log.debug("published elastic round %d: workers %s", self._round, world)
+
+    def _holds_state(self, worker: int) -> bool:
+        if worker < self._target:  # the first world: the user's initial state (or the durable checkpoint)
+            return True
+        assert self._store is not None
+        return self._store.check(K.synced_key(self._round, worker))
 
     def _free_slots(self, alive: list[int]) -> int:
         return max(0, self._target - len(alive))

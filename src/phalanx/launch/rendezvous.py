@@ -67,6 +67,10 @@ class RendezvousStore:
             raise RuntimeError(f"the rendezvous store on port {self.port} is not running: {self.error}")
         self._store.set(key, value)
 
+    def check(self, key: str) -> bool:
+        """Whether ``key`` is set in the store (False while the store is not running)."""
+        return self._store is not None and bool(self._store.check([key]))
+
     def close(self) -> None:
         """Stop the store and release the port."""
         self._ready.wait(60.0)

@@ -59,3 +59,29 @@ def test_durable_commit_lets_a_restarted_job_resume(data: tuple[Any, Any], tmp_p
     assert (tmp_path / "ckpt" / "state.pt").exists() and first[0]["executed"] == 20
     second = phalanx.run(job.train, (data,), {"steps": 30}, np=2, min_np=1, env=env)
     assert [r["executed"] for r in second] == [10, 10]
+
+
+def _raises_everywhere(step: int) -> None:
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def loop(state: hvd.elastic.ObjectState) -> None:
+        while True:
+            hvd.allreduce(torch.ones(1))
+            state.step += 1
+            if state.step == step:
+                raise ValueError(f"bad batch at step {step}")
+
+    loop(state)
+
+
+@pytest.mark.timeout(90)
+def test_a_deterministic_error_on_every_rank_fails_without_a_reset_limit() -> None:
+    with pytest.raises(WorkerFailedError, match="bad batch at step 3") as info:
+        phalanx.run(_raises_everywhere, (3,), np=2, min_np=1, env=ENV)
+    assert "holds the training state" in str(info.value)

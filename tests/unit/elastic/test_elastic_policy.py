@@ -32,6 +32,11 @@ def test_policy_fails_below_min_np_and_after_reset_limit() -> None:
     assert ElasticPolicy(1, 2, None).decide(alive=1, free_slots=1, resets=10**6).reform
 
 
+def test_policy_fails_when_no_survivor_holds_the_state() -> None:
+    decision = ElasticPolicy(1, 2, None).decide(alive=1, free_slots=1, resets=1, holding_state=0)
+    assert not decision.reform and "holds the training state" in decision.reason
+
+
 @pytest.mark.parametrize("args", [(0, 2, None), (3, 2, None), (1, 2, -1)])
 def test_policy_rejects_bad_bounds(args: tuple[int, int, int | None]) -> None:
     with pytest.raises(InvalidArgumentError):

@@ -103,6 +103,13 @@ def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
             N.HOROVOD_CROSS_RANK: "0", N.HOROVOD_CROSS_SIZE: "1"}
 
 
+def mark_synced(env: Mapping[str, str] | None = None) -> None:
+    """Tell the driver this worker holds the job's state in the current round (no-op outside elastic jobs)."""
+    env = os.environ if env is None else env
+    if ROUND.store is not None and is_elastic(env):
+        ROUND.store.set(K.synced_key(ROUND.number, int(env[N.PHALANX_ELASTIC_WORKER_ID])), "1")
+
+
 def new_round_published(wait_s: float = 0.0) -> bool:
     """Whether the driver published a round after this process's current one.
 

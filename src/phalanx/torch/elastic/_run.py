@@ -79,6 +79,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
         while True:
             if not skip_sync:
                 state.sync()
+            _rendezvous.mark_synced()
             try:
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
