@@ -16,13 +16,17 @@ aligned 8-byte words written once per step after the data (x86-64 keeps stores i
 ``arrive = g`` sees the slot's data), so a reader never sees a torn chunk. Every rank reduces the slots in
 rank order, so every rank computes bit-identical results.
 
-Waits spin briefly, then yield, then sleep with a growing back-off (two cores are shared by every rank),
+Waits spin briefly, yield briefly, then block in ``select`` on this rank's wake-up pipe (a FIFO every
+peer writes a byte to after publishing a counter): the kernel wakes the waiter as soon as its peer
+publishes, which matters when more processes than cores compete (two cores shared by every rank). A
+missing wake-up costs at most ``CHECK_S`` (the counters are re-read after every wake-up or time-out),
 and every ``CHECK_S`` check the abort word, a deadline and whether the peers' processes still exist.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import time
 from collections.abc import Callable
 
@@ -34,8 +38,7 @@ from phalanx.torch.shm._segment import Segment
 LINE = 64
 PAGE = 4096
 SPIN = 400  # pure spins before yielding: a peer one step behind usually arrives within them
-YIELD_S = 0.002  # then sched_yield until this much time has passed, then sleep
-MAX_SLEEP_S = 0.001
+YIELD_S = 0.0  # sched_yield phase (off: under load a yield gives away a whole time slice), then block
 CHECK_S = 0.05
 
 
@@ -79,6 +82,21 @@ class Channel:
         self.gen = 0
         self.words[self._pid(me)] = os.getpid()
         self.broken: str | None = None
+        self.wake_r = -1  # this rank's wake-up FIFO (read end), and the peers' (write ends; -1 for self)
+        self.wake_w: list[int] = []
+
+    def set_wakeups(self, read_fd: int, write_fds: list[int]) -> None:
+        """Use wake-up FIFOs (shared by the channels of one segment; the transport owns and closes them)."""
+        self.wake_r, self.wake_w = read_fd, write_fds
+
+    def _post(self, k: int, g: int) -> None:
+        self.words[k] = g
+        for fd in self.wake_w:
+            if fd >= 0:
+                try:
+                    os.write(fd, b"\0")
+                except (BlockingIOError, BrokenPipeError):
+                    pass  # full, hence readable: the peer wakes anyway; or the peer has closed it (shut down)
 
     def _arrive(self, i: int) -> int:
         return (1 + i) * 8
@@ -119,12 +137,24 @@ class Channel:
             now = time.monotonic()
             if now - start < YIELD_S:
                 os.sched_yield()
+            elif self.wake_r >= 0:
+                self._block(words, k, g)
             else:
                 time.sleep(nap)
-                nap = min(nap * 2, MAX_SLEEP_S)
+                nap = min(nap * 2, CHECK_S / 10)
             if now >= next_check:
                 next_check = now + CHECK_S
                 self._check(j, g, what, now - start)
+
+    def _block(self, words: memoryview, k: int, g: int) -> None:
+        if words[k] >= g:
+            return
+        ready, _w, _x = select.select([self.wake_r], [], [], CHECK_S)
+        if ready:
+            try:
+                os.read(self.wake_r, 65536)
+            except BlockingIOError:
+                pass
 
     def _check(self, j: int, g: int, what: str, waited: float) -> None:
         culprit = self.words[0]
@@ -162,10 +192,10 @@ class Channel:
         g = self._begin()
         nbytes = chunk.numel()
         self.slots[self.me][:nbytes].copy_(chunk)
-        self.words[self._arrive(self.me)] = g
+        self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, what)
         read([s[:nbytes] for s in self.slots])
-        self.words[self._done(self.me)] = g
+        self._post(self._done(self.me), g)
 
     def exchange2(self, chunk: torch.Tensor, first: Callable[[list[torch.Tensor]], None],
                   second: Callable[[list[torch.Tensor]], None], what: str) -> None:  # fmt: skip
@@ -175,25 +205,25 @@ class Channel:
         nbytes = chunk.numel()
         views = [s[:nbytes] for s in self.slots]
         views[self.me].copy_(chunk)
-        self.words[self._arrive(self.me)] = g
+        self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, what)
         first(views)
         self.gen = g = g + 1
-        self.words[self._arrive(self.me)] = g
+        self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, what)
         second(views)
-        self.words[self._done(self.me)] = g
+        self._post(self._done(self.me), g)
 
     def publish(self, root: int, chunk: torch.Tensor, out: torch.Tensor, what: str) -> None:
         """One broadcast step: the root publishes ``chunk`` (uint8); the others copy it into ``out``."""
         g = self._begin()
         if self.me == root:
             self.slots[root][: chunk.numel()].copy_(chunk)
-            self.words[self._arrive(root)] = g
+            self._post(self._arrive(root), g)
         else:
             self._wait_one(root, g, what)
             out.copy_(self.slots[root][: out.numel()])
-        self.words[self._done(self.me)] = g
+        self._post(self._done(self.me), g)
 
     def _wait_one(self, j: int, g: int, what: str) -> None:
         k = self._arrive(j)
@@ -206,6 +236,6 @@ class Channel:
     def barrier(self) -> None:
         """Return once every rank of the channel reached this step."""
         g = self._begin()
-        self.words[self._arrive(self.me)] = g
+        self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, "barrier")
-        self.words[self._done(self.me)] = g
+        self._post(self._done(self.me), g)

@@ -120,3 +120,28 @@ def unlink(name: str) -> None:
         os.unlink(_path(name))
     except FileNotFoundError:
         pass
+
+
+def make_fifo() -> tuple[str, int]:
+    """Create this rank's wake-up FIFO; return (name, read fd). The fd is opened read-write and
+    non-blocking, so opening it never waits for a writer and writers never see ENXIO.
+
+    Raises:
+        OSError: the FIFO cannot be created.
+    """
+    name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}.wake"
+    os.mkfifo(_path(name), 0o600)
+    try:
+        return name, os.open(_path(name), os.O_RDWR | os.O_NONBLOCK)
+    except OSError:
+        os.unlink(_path(name))
+        raise
+
+
+def open_fifo(name: str) -> int:
+    """Open a peer's wake-up FIFO for writing (non-blocking).
+
+    Raises:
+        OSError: it does not exist here.
+    """
+    return os.open(_path(name), os.O_WRONLY | os.O_NONBLOCK)

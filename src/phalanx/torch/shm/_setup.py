@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from phalanx.torch.shm._channel import Channel, _pid_dead, layout
 CTRL_SLOT_BYTES = 64 * 1024
 DEFAULT_SLOT_BYTES = 2 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 600.0
-NAME_BYTES = 64
+NAME_BYTES = 128
 KINDS = ("ctrl", "data", "grad")
 
 
@@ -51,6 +51,8 @@ class Transport:
     ranks: tuple[int, ...]
     local: tuple[int, ...]
     seg: _segment.Segment | None
+    wake_r: int = -1
+    wake_w: list[int] = field(default_factory=list)
 
     @property
     def single_host(self) -> bool:
@@ -64,6 +66,10 @@ class Transport:
         self.channels = {}
         if self.seg is not None:
             self.seg.close()
+        for fd in [self.wake_r, *self.wake_w]:
+            if fd >= 0:
+                os.close(fd)
+        self.wake_r, self.wake_w = -1, []
 
 
 def enabled() -> bool:
@@ -122,32 +128,47 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
     slot = int(_float_env(N.PHALANX_SHM_SLOT_BYTES, DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
     sizes = {"ctrl": CTRL_SLOT_BYTES, "data": slot, "grad": slot}
     total = sum(layout(len(local), s)[1] for s in sizes.values())
-    seg, name, ok = None, "", True
-    if len(local) > 1 and me == local[0]:
-        try:
-            seg = _segment.create(total)
-            name = seg.name
-        except OSError:
-            ok = False
-    names = _exchange(ctrl, ranks, name)
-    leader_name = names[ranks.index(local[0])]
+    transport = Transport({}, leaders, me == local[0], ranks, local, None)
+    seg_name, fifo, ok = "", "", True
     try:
-        if len(local) > 1 and seg is None:
-            seg = _segment.attach(leader_name, total) if leader_name else None
-            ok = ok and seg is not None
+        if len(local) > 1:
+            if me == local[0]:
+                transport.seg = _segment.create(total)
+                seg_name = transport.seg.name
+            fifo, transport.wake_r = _segment.make_fifo()
     except OSError:
         ok = False
-    channels = _channels(seg, local, sizes) if ok and seg is not None else {}
-    ok = ok and _peers_visible(channels, ctrl)
+    records = [r.split(";") for r in _exchange(ctrl, ranks, f"{seg_name};{fifo}")]
+    try:
+        if len(local) > 1 and ok:
+            if transport.seg is None:
+                transport.seg = _segment.attach(records[ranks.index(local[0])][0], total)
+            transport.channels = _channels(transport.seg, local, sizes)
+    except OSError:
+        ok = False
+    ok = _peers_visible(transport, ok, ctrl) and _wire_wakeups(transport, [records[ranks.index(r)][1] for r in local])
     agreed = torch.tensor([int(ok)], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctrl)
-    if name:
-        _segment.unlink(name)
-    transport = Transport(channels, leaders, me == local[0], ranks, local, seg)
+    for name in (seg_name, fifo):
+        if name:
+            _segment.unlink(name)
     if not int(agreed.item()):
         transport.close()
         return None
     return transport
+
+
+def _wire_wakeups(transport: Transport, fifos: list[str]) -> bool:
+    if not transport.channels:
+        return True
+    me = transport.local.index(dist.get_rank())
+    try:
+        transport.wake_w = [-1 if i == me else _segment.open_fifo(f) for i, f in enumerate(fifos)]
+    except OSError:
+        return False
+    for ch in transport.channels.values():
+        ch.set_wakeups(transport.wake_r, transport.wake_w)
+    return True
 
 
 def _exchange(ctrl: Any, ranks: tuple[int, ...], name: str) -> list[str]:
@@ -171,10 +192,10 @@ def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, in
     return channels
 
 
-def _peers_visible(channels: dict[str, Channel], ctrl: Any) -> bool:
+def _peers_visible(transport: Transport, ok: bool, ctrl: Any) -> bool:
     """Whether every local peer's pid is visible here (it is not when ranks live in other pid namespaces)."""
-    dist.barrier(group=ctrl)  # every member wrote its pid (or failed before)
-    if not channels:
-        return True
-    pids = channels["ctrl"].peer_pids()
+    dist.barrier(group=ctrl)  # every member wrote its pid and made its FIFO (or failed before)
+    if not ok or not transport.channels:
+        return ok
+    pids = transport.channels["ctrl"].peer_pids()
     return all(p and not _pid_dead(p) for p in pids)
