@@ -77,13 +77,26 @@ def _train(steps: int, rounds: int, shm_env: dict[str, str]) -> dict[str, dict[s
     return two
 
 
-def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any]) -> None:
+def _ddp_on_shm(steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """bench/train.py's 2-rank job with the default group on the ``phalanx_shm`` backend (DDP uses it)."""
+    import torch.distributed as dist
+
+    from phalanx.torch.shm import backend
+
+    dist.init_process_group(backend.NAME)
+    out = train._bench_2(steps, rounds)
+    dist.destroy_process_group()
+    return out
+
+
+def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_shm: dict[str, Any]) -> None:
     print("training, 2 ranks, steps/s per rank; efficiency = 2-rank steps/s / 1 process (plain optimizer)")
     for name in shm:
         alone = one[name]["plain"]
         print(f"  {name}: alone {alone:.2f}/s | hvd shm {shm[name]['hvd']:.2f}/s (eff {shm[name]['hvd'] / alone:.2f})"
               f" | hvd gloo {gloo[name]['hvd']:.2f}/s (eff {gloo[name]['hvd'] / alone:.2f})"
               f" | DDP gloo {shm[name]['ddp']:.2f}/s (eff {shm[name]['ddp'] / alone:.2f})"
+              f" | DDP phalanx_shm {ddp_shm[name]['ddp']:.2f}/s (eff {ddp_shm[name]['ddp'] / alone:.2f})"
               f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x")  # fmt: skip
 
 
@@ -102,7 +115,8 @@ def main() -> None:
     shm = _train(args.steps, args.train_rounds, {})
     gloo = _train(args.steps, args.train_rounds, {"PHALANX_SHM": "0"})
     one = phalanx.run(train._bench_1, args=(args.steps, args.train_rounds), np=1)[0]
-    _print_train(shm, gloo, one)
+    ddp_shm = phalanx.run(_ddp_on_shm, args=(args.steps, args.train_rounds), np=2)[0]
+    _print_train(shm, gloo, one, ddp_shm)
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
 
 

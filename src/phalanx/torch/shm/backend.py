@@ -1,0 +1,151 @@
+"""A ``torch.distributed`` backend, ``"phalanx_shm"``, for torch-native code (DDP, FSDP, Lightning).
+
+``import phalanx.torch.shm.backend`` registers it; then
+``dist.init_process_group("phalanx_shm")`` (or ``backend="cpu:phalanx_shm"``) gives a process group that
+answers allreduce, broadcast and barrier of CPU tensors through shared memory when every rank of the group
+is on this host, and forwards every other call (and everything on a multi-host group) to a gloo process
+group built on the same store. Experimental: see docs/shm.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
+
+from phalanx.torch.shm import _ops, _segment, _setup
+from phalanx.torch.shm._channel import Channel, layout
+
+NAME = "phalanx_shm"
+
+
+def _done(result: list[torch.Tensor]) -> Any:
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    fut.set_result(result)
+    return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+
+class ShmProcessGroup(dist.ProcessGroup):
+    """Shared memory for allreduce / broadcast / barrier of CPU tensors; gloo for the rest."""
+
+    def __init__(self, rank: int, size: int, gloo: Any, channel: Channel | None) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self.gloo, self.channel = gloo, channel
+
+    def getBackendName(self) -> str:
+        return NAME
+
+    def _fits(self, tensors: list[torch.Tensor]) -> bool:
+        return self.channel is not None and len(tensors) == 1 and tensors[0].device.type == "cpu" and (
+            tensors[0].is_contiguous())  # fmt: skip
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        """In-place allreduce (shared memory for one contiguous CPU tensor and a gloo op)."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if not isinstance(tensors, list):
+            tensors = [tensors]
+        if self._fits(tensors) and _ops.supports(op, tensors[0].dtype):
+            assert self.channel is not None
+            _ops.allreduce_(self.channel, tensors[0].view(-1), op)
+            return _done(tensors)
+        return self.gloo.allreduce(tensors, opts or dist.AllreduceOptions())
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+        """Broadcast from ``opts.rootRank`` (a rank of this group)."""
+        if not isinstance(tensors, list):
+            tensors = [tensors]
+        if self._fits(tensors) and opts is not None:
+            assert self.channel is not None
+            flat = tensors[0].view(-1)
+            _ops.broadcast_(self.channel, flat.view(torch.uint8) if flat.numel() else flat, opts.rootRank)
+            return _done(tensors)
+        return self.gloo.broadcast(tensors, opts or dist.BroadcastOptions())
+
+    def barrier(self, opts: Any = None) -> Any:
+        """Return once every rank arrived."""
+        if self.channel is not None:
+            self.channel.barrier()
+            return _done([])
+        return self.gloo.barrier(opts or dist.BarrierOptions())
+
+    def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
+
+    def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:  # type: ignore[override]
+        """Forwarded to gloo."""
+        return self.gloo.reduce_scatter(outputs, inputs, opts or dist.ReduceScatterOptions())
+
+    def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
+
+    def alltoall_base(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.alltoall_base(*args)
+
+    def gather(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.gather(*args)
+
+    def scatter(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.scatter(*args)
+
+    def send(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.send(*args)
+
+    def recv(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.recv(*args)
+
+
+def _channel(store: Any, rank: int, size: int) -> Channel | None:
+    """Every rank on this host and the transport enabled everywhere: map one segment (names via the store)."""
+    store.set(f"shm/host/{rank}", f"{_setup._host_key()}:{int(_setup.enabled())}")
+    hosts = {store.get(f"shm/host/{r}").decode() for r in range(size)}
+    if size < 2 or len(hosts) != 1 or hosts.pop().endswith(":0"):
+        return None
+    slot = int(_setup._float_env("PHALANX_SHM_SLOT_BYTES", _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    total = layout(size, slot)[1]
+    seg = _segment.create(total) if rank == 0 else None
+    if seg is not None:
+        store.set("shm/name", seg.name)
+    seg = seg or _segment.attach(store.get("shm/name").decode(), total)
+    timeout = _setup._float_env("PHALANX_SHM_TIMEOUT_S", _setup.DEFAULT_TIMEOUT_S)
+    channel = Channel(seg, 0, size, rank, slot, timeout, f"{NAME} group of {size} (pid {os.getpid()})")
+    store.add("shm/attached", 1)
+    if rank == 0:
+        try:
+            _wait_count(store, "shm/attached", size, timeout)
+        finally:
+            _segment.unlink(seg.name)  # every rank mapped it (or gave up): the name can go
+    return channel
+
+
+def _wait_count(store: Any, key: str, n: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{NAME}: only {int(store.add(key, 0))} of {n} ranks mapped the segment within "
+                               f"{timeout_s:g} s (PHALANX_SHM_TIMEOUT_S)")  # fmt: skip
+        time.sleep(0.001)
+
+
+def _create(store: Any, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+    return ShmProcessGroup(rank, size, gloo, _channel(store, rank, size))
+
+
+if NAME not in dist.Backend.backend_list:
+    dist.Backend.register_backend(NAME, _create, devices=["cpu"])

@@ -1,0 +1,52 @@
+"""DDP on the experimental ``phalanx_shm`` torch.distributed backend (shared memory + gloo for the rest)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import phalanx
+
+pytestmark = [pytest.mark.multiprocess]
+
+
+def _ddp_job() -> list[str]:
+    import torch
+    import torch.distributed as dist
+
+    from phalanx.torch.shm import backend
+
+    dist.init_process_group(backend.NAME)
+    r, bad = dist.get_rank(), []
+    pg = dist.distributed_c10d._get_default_group()
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
+        for n in (0, 1, 1001, 600_001):
+            t = torch.full((n,), r + 1, dtype=dtype)
+            dist.all_reduce(t)
+            if not torch.equal(t, torch.full((n,), 3, dtype=dtype)):
+                bad.append(f"all_reduce {dtype} n={n}")
+    torch.manual_seed(r)
+    net = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 100)).sum().backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    if not torch.equal(gathered[0], gathered[1]):
+        bad.append("DDP parameters diverged")
+    if not isinstance(pg, backend.ShmProcessGroup) or pg.channel is None or pg.channel.gen == 0:
+        bad.append(f"shared memory not used: {type(pg).__name__}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return bad
+
+
+@pytest.mark.timeout(90)
+def test_ddp_on_the_shm_backend() -> None:
+    assert phalanx.run(_ddp_job, np=2) == [[], []]
+    assert sorted(n for n in os.listdir("/dev/shm") if n.startswith("phalanx-shm-")) == []
