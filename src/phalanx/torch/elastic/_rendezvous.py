@@ -94,10 +94,11 @@ def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
         ElasticTimeoutError: no round came in time.
     """
     number, rank, size = wait_assignment(env)
+    # Before the group forms: a round that fails to form (another loss meanwhile) is not waited for again.
+    ROUND.number = number
     prefixed = dist.PrefixStore(K.group_prefix(number), _client(env))
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s(env)))
-    ROUND.number = number
     # One host locally: every rank is local (Spark elastic would derive these per host).
     return {**env, N.HOROVOD_LOCAL_RANK: str(rank), N.HOROVOD_LOCAL_SIZE: str(size),
             N.HOROVOD_CROSS_RANK: "0", N.HOROVOD_CROSS_SIZE: "1"}
