@@ -43,3 +43,16 @@ def test_every_environment_variable_is_documented() -> None:
     assert len(variables) > 30
     missing = [v for v in variables if not re.search(rf"`{v}`", text)]
     assert not missing, f"docs/env.md does not document {missing}"
+
+
+def test_every_example_is_listed_in_the_readme_and_run_by_a_test() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    tests = "".join(p.read_text(encoding="utf-8") for p in (REPO / "tests" / "examples").glob("test_examples_*.py"))
+    examples = [p for p in (REPO / "examples").glob("*.py") if p.stem not in ("_digits", "demo")]
+    assert len(examples) >= 7
+    unlisted = [p.name for p in examples if f"examples/{p.name}" not in readme]
+    untested = [p.stem for p in examples if p.stem not in tests]
+    assert not unlisted, f"README.md's examples table lacks {unlisted}"
+    assert not untested, f"no test in tests/examples runs {untested}"
+    mentioned = set(re.findall(r"examples/(\w+\.py)", readme))
+    assert not [m for m in mentioned if not (REPO / "examples" / m).is_file()], "README names a missing example"
