@@ -38,7 +38,8 @@ def _param(p: inspect.Parameter) -> str:
     if p.default is not inspect.Parameter.empty:
         default = p.default.__name__ if inspect.isclass(p.default) else repr(p.default)
         text += f" = {default}" if p.annotation is not inspect.Parameter.empty else f"={default}"
-    return {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + text
+    stars = "*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else ""
+    return stars + text
 
 
 def signature(obj: Any) -> str:
