@@ -41,6 +41,10 @@ def _ddp_job() -> list[str]:
         bad.append("DDP parameters diverged")
     if not isinstance(pg, backend.ShmProcessGroup) or pg.channel is None or pg.channel.gen == 0:
         bad.append(f"shared memory not used: {type(pg).__name__}")
+    out = torch.empty(4, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, torch.tensor([r, r], dtype=torch.int64))
+    if out.tolist() != [0, 0, 1, 1]:
+        bad.append(f"all_gather_into_tensor forwarded to gloo: {out.tolist()}")
     dist.barrier()
     dist.destroy_process_group()
     return bad

@@ -81,6 +81,22 @@ class ShmProcessGroup(dist.ProcessGroup):
         """Forwarded to gloo."""
         return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
 
+    def all_gather_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
+        """Forwarded to gloo (``dist.all_gather_single`` / ``all_gather_into_tensor``)."""
+        return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
+
+    def reduce_scatter_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
+        """Forwarded to gloo (``dist.reduce_scatter_tensor``)."""
+        return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
+
+    def all_to_all_single(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.alltoall_base(*args)
+
+    def allreduce_coalesced(self, *args: Any) -> Any:
+        """Forwarded to gloo."""
+        return self.gloo.allreduce_coalesced(*args)
+
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:  # type: ignore[override]
         """Forwarded to gloo."""
         return self.gloo.reduce_scatter(outputs, inputs, opts or dist.ReduceScatterOptions())
