@@ -31,12 +31,19 @@ def public_names(module_name: str) -> list[str]:
     return [n for n in module.__all__ if not n.startswith("__")]
 
 
+def _default(value: Any) -> str:
+    # The global process set's repr shows its current ranks (filled in by hvd.init): name it instead.
+    from phalanx.torch import global_process_set
+
+    return "global_process_set" if value is global_process_set else repr(value)
+
+
 def _param(p: inspect.Parameter) -> str:
     text = p.name
     if p.annotation is not inspect.Parameter.empty:
         text += f": {p.annotation if isinstance(p.annotation, str) else inspect.formatannotation(p.annotation)}"
     if p.default is not inspect.Parameter.empty:
-        default = p.default.__name__ if inspect.isclass(p.default) else repr(p.default)
+        default = p.default.__name__ if inspect.isclass(p.default) else _default(p.default)
         text += f" = {default}" if p.annotation is not inspect.Parameter.empty else f"={default}"
     stars = "*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else ""
     return stars + text
@@ -78,7 +85,7 @@ def describe(qualified: str, obj: Any) -> list[str]:
     if inspect.ismodule(obj):
         summary = (inspect.getdoc(obj) or "").split("\n\n")[0]
         return [f"### `{qualified}`", "", f"A submodule: {summary}", ""]
-    return [f"### `{qualified}`", "", f"A constant: `{obj!r}` ({type(obj).__name__}).", ""]
+    return [f"### `{qualified}`", "", f"A constant: `{_default(obj)}` ({type(obj).__name__}).", ""]
 
 
 def render() -> str:

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-np", type=int, default=None, help="elastic: most ranks (default: -np)")
     p.add_argument("--reset-limit", type=int, default=None,
                    help="elastic: most re-formations of the world before the job fails (default: no limit)")
+    p.add_argument("--gloo", action="store_true", help="accepted for horovodrun compatibility (always gloo/NCCL)")
+    p.add_argument("--mpi", action="store_true", help="refused: phalanx does not use MPI")
     p.add_argument("--verbose", action="store_true", help="log what the launcher does")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
@@ -104,6 +106,8 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
         InvalidArgumentError: a bad value (the message says which and why).
     """
     ns = build_parser().parse_args(list(argv))
+    if ns.mpi:
+        raise InvalidArgumentError("--mpi: phalanx runs on gloo (CPU) and NCCL (CUDA), not MPI; drop --mpi")
     np = validate_np(ns.np, "-np")
     validate_hosts(ns.hosts, np)
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)

@@ -15,6 +15,7 @@ from phalanx.env import names as N
 from phalanx.errors import WorkerContractError
 
 DEFAULT_START_TIMEOUT_S = 30.0
+DEFAULT_TEARDOWN_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -233,3 +234,22 @@ def read_contract(environ: Mapping[str, str] | None = None) -> WorkerContract:
         restart_count=int(env.get(N.TORCHELASTIC_RESTART_COUNT, "0") or 0),
     )
     return WorkerContract(identity=identity, job=job)
+
+
+def teardown_grace_s(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds between SIGTERM and SIGKILL when a job is torn down: ``PHALANX_TEARDOWN_GRACE_S`` or 3.
+
+    Raises:
+        WorkerContractError: the variable is not a non-negative number.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(N.PHALANX_TEARDOWN_GRACE_S)
+    if raw in (None, ""):
+        return DEFAULT_TEARDOWN_GRACE_S
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise WorkerContractError(f"{N.PHALANX_TEARDOWN_GRACE_S}={raw!r} is not a number of seconds") from e
+    if value < 0:
+        raise WorkerContractError(f"{N.PHALANX_TEARDOWN_GRACE_S}={raw!r} must be >= 0 seconds")
+    return value

@@ -20,6 +20,7 @@ from typing import Any
 
 from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
 from phalanx.env import names as N
+from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import PhalanxError
 from phalanx.job.channel import DriverChannel
 from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
@@ -63,7 +64,7 @@ class LocalJobSpec:
     start_timeout_hint: str = "start_timeout"
     prefix: bool = True
     output_dir: str | None = None
-    teardown_grace_s: float = 3.0
+    teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
 from phalanx.env import JobContract
+from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import SparkJobError
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.logs import FileSink, LogSink
@@ -70,7 +71,7 @@ class SparkJobSpec:
     stdout: IO[str] | None = None
     stderr: IO[str] | None = None
     description: str = "phalanx job"
-    teardown_grace_s: float = 3.0
+    teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
 
 

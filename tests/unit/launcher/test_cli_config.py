@@ -30,6 +30,7 @@ def test_parse_full_command_line(tmp_path: Path) -> None:
         (["-np", "2", "-H", "otherhost:2", "true"], "names 'otherhost'"),
         (["-np", "4", "-H", "localhost:2", "true"], "has 2 slot"),
         (["-np", "2", "--start-timeout", "-1", "true"], "start_timeout must be positive"),
+        (["-np", "2", "--mpi", "true"], "phalanx does not use MPI|not MPI; drop --mpi"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(argv: list[str], message: str) -> None:
@@ -61,3 +62,7 @@ def test_env_and_hosts_validation() -> None:
     with pytest.raises(InvalidArgumentError, match="not strings"):
         validate_env({"A": 1})  # type: ignore[dict-item]
     validate_hosts("localhost:2,127.0.0.1:1", 3)
+
+
+def test_gloo_flag_is_accepted_as_horovodrun_does() -> None:
+    assert parse_config(["-np", "2", "--gloo", "true"]).command == ("true",)

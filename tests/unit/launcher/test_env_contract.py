@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 
 from phalanx.env import JobContract, assign_ranks, compose_env, read_contract, worker_env
+from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import WorkerContractError
+from phalanx.launch.local import LocalJobSpec
 
 JOB = JobContract(run_id="r1", master_addr="10.0.0.1", master_port=1234, channel="10.0.0.1:99", secret="ab" * 32)
 
@@ -68,3 +70,12 @@ def test_compose_env_shares_cores_unless_the_user_chose() -> None:
     assert compose_env({"OMP_NUM_THREADS": "4"}, None, contract, cpu_count=8)["OMP_NUM_THREADS"] == "4"
     assert compose_env({}, {"OMP_NUM_THREADS": "3"}, contract, cpu_count=8)["OMP_NUM_THREADS"] == "3"
     assert "OMP_NUM_THREADS" not in compose_env({}, None, contract)
+
+
+def test_teardown_grace_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert teardown_grace_s({}) == 3.0
+    assert teardown_grace_s({"PHALANX_TEARDOWN_GRACE_S": "0.5"}) == 0.5
+    with pytest.raises(WorkerContractError, match="PHALANX_TEARDOWN_GRACE_S='soon' is not a number"):
+        teardown_grace_s({"PHALANX_TEARDOWN_GRACE_S": "soon"})
+    monkeypatch.setenv("PHALANX_TEARDOWN_GRACE_S", "7")
+    assert LocalJobSpec(np=1).teardown_grace_s == 7.0
