@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check src tests bench examples tools
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
