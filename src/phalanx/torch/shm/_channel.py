@@ -40,6 +40,10 @@ PAGE = 4096
 SPIN = 400  # pure spins before yielding: a peer one step behind usually arrives within them
 YIELD_S = 0.0  # sched_yield phase (off: under load a yield gives away a whole time slice), then block
 CHECK_S = 0.05
+# A blocked wait re-reads its counter at least this often even without a wake-up byte: with DDP's gloo
+# group stepping in the same process, waits were observed to sit out whole select time-outs (cause not
+# found yet; see BENCHMARKS.md), so the time-out bounds what a missed wake-up costs.
+SELECT_S = 0.002
 
 
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
@@ -149,7 +153,7 @@ class Channel:
     def _block(self, words: memoryview, k: int, g: int) -> None:
         if words[k] >= g:
             return
-        ready, _w, _x = select.select([self.wake_r], [], [], CHECK_S)
+        ready, _w, _x = select.select([self.wake_r], [], [], SELECT_S)
         if ready:
             try:
                 os.read(self.wake_r, 65536)
