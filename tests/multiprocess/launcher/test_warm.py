@@ -47,6 +47,7 @@ def _look_for_state() -> dict[str, Any]:
         "mine": os.environ.get("JOB_VAR"),
         "draw": float(np.random.rand()),
         "cwd": os.getcwd(),
+        "threads": (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")),
     }
 
 
@@ -61,6 +62,8 @@ def test_a_job_cannot_see_a_previous_jobs_state(tmp_path: Any, monkeypatch: pyte
     for r in second:
         assert (r["json"], r["torch"], r["env"], r["mine"]) == (False, False, False, "second")
         assert r["cwd"] == str(tmp_path)
+        # OpenMP read the template's thread count at import; the rank must get its own share
+        assert r["threads"] == (max(1, (os.cpu_count() or 1) // 2), str(max(1, (os.cpu_count() or 1) // 2)))
     draws = [r["draw"] for r in first + second]
     assert len(set(draws)) == len(draws), "numpy's generator was not reseeded in forked ranks"
 
