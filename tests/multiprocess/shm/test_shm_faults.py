@@ -33,6 +33,7 @@ PEER = textwrap.dedent(
     ch = Channel(seg, 0, 2, 1, 4096, 60.0, "peer")
     _ops.allreduce_(ch, torch.ones(10), dist.ReduceOp.SUM)
     if mode == "kill":
+        sys.stdin.read(1)  # the test has finished the first allreduce too: die before the next one
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
     """
@@ -46,13 +47,16 @@ def _leftovers() -> list[str]:
 def _pair(mode: str, timeout_s: float) -> tuple[Channel, subprocess.Popen[bytes]]:
     """A channel shared with a peer process that did one allreduce; then waits time out after ``timeout_s``."""
     seg = _segment.create(layout(2, SLOT)[1])
-    peer = subprocess.Popen([sys.executable, "-c", PEER, seg.name, mode])
+    peer = subprocess.Popen([sys.executable, "-c", PEER, seg.name, mode], stdin=subprocess.PIPE)
     ch = Channel(seg, 0, 2, 0, SLOT, 60.0, "test pair")  # the peer's start-up (importing torch) is slow
     t = torch.ones(10)
     _ops.allreduce_(ch, t, dist.ReduceOp.SUM)  # the peer attached: the name can go
     _segment.unlink(seg.name)
     assert torch.equal(t, torch.full((10,), 2.0))
     ch.timeout_s = timeout_s
+    assert peer.stdin is not None
+    peer.stdin.write(b"x")  # a killed peer dies now, between collectives, never inside the first one
+    peer.stdin.close()
     return ch, peer
 
 
