@@ -45,7 +45,7 @@ def _expected(size: int, dtype: Any, n: int, op: int) -> Any:
     return red.to(dtype)
 
 
-def _allreduce_checks(hosts: list[str] | None = None) -> list[str]:
+def _allreduce_checks(hosts: list[str] | None = None, cma: bool = True) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
@@ -55,6 +55,9 @@ def _allreduce_checks(hosts: list[str] | None = None) -> list[str]:
         os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
     hvd.init()
     bad = [] if _dispatch._ROUTES else [f"rank {hvd.rank()}: no shared-memory route"]
+    for transport, _kind in _dispatch._ROUTES.values():
+        if any(ch.cma != cma for ch in transport.channels.values()):
+            bad.append(f"rank {hvd.rank()}: cross-memory attach should be {'on' if cma else 'off'}")
     dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
               torch.float32, torch.float64, torch.bool]  # fmt: skip
     for dtype in dtypes:
@@ -122,6 +125,14 @@ def _optimizer_checks() -> list[str]:
 def test_allreduce_every_dtype_op_size() -> None:
     results = phalanx.run(_allreduce_checks, np=2, env=SLOT)
     assert results == [[], []]
+    assert _leftovers() == []
+
+
+@pytest.mark.timeout(150)
+def test_allreduce_through_the_segment_without_cma() -> None:
+    """``PHALANX_SHM_CMA=0`` on one rank: every rank copies large allreduces through the segment."""
+    env = {**SLOT, "PHALANX_SHM_CMA": "0"}
+    assert phalanx.run(_allreduce_checks, args=(None, False), np=2, env=env) == [[], []]
     assert _leftovers() == []
 
 

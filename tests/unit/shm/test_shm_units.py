@@ -69,3 +69,44 @@ def test_bad_knob_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHALANX_SHM_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="PHALANX_SHM_TIMEOUT_S='soon'"):
         _setup._float_env("PHALANX_SHM_TIMEOUT_S", 1.0)
+
+
+def test_cma_reads_another_process_and_reports_errors() -> None:
+    """``process_vm_readv`` from a child's memory; a bad address fails the probe; a dead pid raises ESRCH."""
+    import errno
+    import time
+
+    from phalanx.torch.shm import _cma
+
+    if not _cma.supported():
+        pytest.skip("process_vm_readv needs Linux")
+    src = torch.arange(1000, dtype=torch.int64)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child keeps src (copy-on-write) at the same address until the parent is done
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        dst = torch.zeros(1000, dtype=torch.int64)
+        _cma.read(pid, dst.data_ptr(), src.data_ptr(), 8000)
+        assert torch.equal(dst, src)
+        assert _cma.probe(pid, src.data_ptr() + 8, (1).to_bytes(8, "little"))
+        assert not _cma.probe(pid, src.data_ptr(), (5).to_bytes(8, "little"))  # wrong content
+        assert not _cma.probe(pid, 8, b"12345678")  # unmapped address
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+    time.sleep(0.01)
+    with pytest.raises(OSError) as info:
+        _cma.read(pid, dst.data_ptr(), src.data_ptr(), 8)
+    assert info.value.errno == errno.ESRCH
+
+
+def test_cma_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PHALANX_SHM_CMA", raising=False)
+    assert _setup.cma_wanted()
+    monkeypatch.setenv("PHALANX_SHM_CMA", "off")
+    assert not _setup.cma_wanted()

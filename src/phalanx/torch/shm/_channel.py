@@ -6,6 +6,7 @@ Layout (offsets from the channel's base, every counter on its own 64-byte line):
 * lines ``1 .. n``: ``arrive[i]``, the last step whose data rank ``i`` has put in its slot;
 * lines ``n+1 .. 2n``: ``done[i]``, the last step whose data rank ``i`` has finished reading;
 * lines ``2n+1 .. 3n``: ``pid[i]``, for the liveness check;
+* lines ``3n+1 .. 4n``: ``addr[i]``, the address of rank ``i``'s own tensor in a cross-memory step;
 * then ``n`` slots of ``slot_bytes`` (page aligned).
 
 Every collective is a sequence of *steps* numbered alike on every rank (all ranks issue the same
@@ -33,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from phalanx.errors import ShmTransportError
+from phalanx.torch.shm import _cma
 from phalanx.torch.shm._segment import Segment
 
 LINE = 64
@@ -48,7 +50,7 @@ SELECT_S = 0.002
 
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
     """(bytes of the control area rounded to a page, total bytes) of a channel of ``n`` ranks."""
-    ctl = -(-(3 * n + 1) * LINE // PAGE) * PAGE
+    ctl = -(-(4 * n + 1) * LINE // PAGE) * PAGE
     return ctl, ctl + n * slot_bytes
 
 
@@ -88,6 +90,8 @@ class Channel:
         self.broken: str | None = None
         self.wake_r = -1  # this rank's wake-up FIFO (read end), and the peers' (write ends; -1 for self)
         self.wake_w: list[int] = []
+        self.cma = False  # cross-memory attach agreed by every rank (see :meth:`enable_cma`)
+        self.scratch: list[torch.Tensor] = []  # pre-faulted per-peer buffers of cross-memory steps
 
     def set_wakeups(self, read_fd: int, write_fds: list[int]) -> None:
         """Use wake-up FIFOs (shared by the channels of one segment; the transport owns and closes them)."""
@@ -110,6 +114,9 @@ class Channel:
 
     def _pid(self, i: int) -> int:
         return (1 + 2 * self.n + i) * 8
+
+    def _addr(self, i: int) -> int:
+        return (1 + 3 * self.n + i) * 8
 
     def peer_pids(self) -> list[int]:
         """The pids the ranks wrote (0 for one that has not attached yet)."""
@@ -243,3 +250,58 @@ class Channel:
         self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, "barrier")
         self._post(self._done(self.me), g)
+
+    # --- cross-memory attach -------------------------------------------------------------------------
+
+    def enable_cma(self, wanted: bool) -> bool:
+        """Probe cross-memory reads between every pair of ranks; use them only if every rank can (collective).
+
+        Every rank publishes the address of a word holding its pid; every rank reads each peer's word with
+        ``process_vm_readv``; the outcome (and ``wanted``) is agreed through the ``addr`` words.
+        """
+        probe = torch.tensor([os.getpid()], dtype=torch.int64)
+        self.words[self._addr(self.me)] = probe.data_ptr()
+        self.barrier()
+        ok = wanted and _cma.supported()
+        for j in range(self.n):
+            pid, addr = self.words[self._pid(j)], self.words[self._addr(j)]
+            if ok and j != self.me:
+                ok = _cma.probe(pid, addr, pid.to_bytes(8, "little", signed=True))
+        self.barrier()  # every rank finished reading the probes
+        self.words[self._addr(self.me)] = int(ok)
+        self.barrier()
+        self.cma = all(self.words[self._addr(j)] for j in range(self.n))
+        self.barrier()  # every rank read the outcome before the words are reused
+        return self.cma
+
+    def attach_step(self, addr: int, first: Callable[[list[tuple[int, int]]], None],
+                    second: Callable[[list[tuple[int, int]]], None], what: str) -> None:  # fmt: skip
+        """A two-phase step on the ranks' own buffers: publish ``addr``; ``first`` with every rank's
+        (pid, address) (it may read the peers' buffers and write only its own part of its own); a barrier;
+        ``second`` (it may write its own buffer outside its own part); return once every rank finished
+        reading (the caller's buffer is its own again)."""
+        g = self._begin()
+        self.words[self._addr(self.me)] = addr
+        self._post(self._arrive(self.me), g)
+        self._wait_all(self._arrive, g, what)
+        peers = [(self.words[self._pid(j)], self.words[self._addr(j)]) for j in range(self.n)]
+        self._guarded(first, peers, g, what)
+        self.gen = g = g + 1
+        self._post(self._arrive(self.me), g)
+        self._wait_all(self._arrive, g, what)
+        self._guarded(second, peers, g, what)
+        self._post(self._done(self.me), g)
+        self._wait_all(self._done, g, what)
+
+    def _guarded(self, fn: Callable[[list[tuple[int, int]]], None], peers: list[tuple[int, int]], g: int,
+                 what: str) -> None:  # fmt: skip
+        try:
+            fn(peers)
+        except OSError as e:
+            self._fail(f"cross-memory read failed ({e})", g, what)
+
+    def scratch_buffers(self, nbytes: int) -> list[torch.Tensor]:
+        """``n`` pre-faulted byte buffers of ``nbytes`` (kept and reused: a first touch costs a page fault)."""
+        if not self.scratch or self.scratch[0].numel() < nbytes:
+            self.scratch = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(self.n)]
+        return self.scratch

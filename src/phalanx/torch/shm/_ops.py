@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from phalanx.torch.shm import _cma
 from phalanx.torch.shm._channel import Channel
 
 _Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
@@ -90,6 +91,9 @@ def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
     if t.numel() * size <= min(SMALL_BYTES, ch.slot_bytes):
         _allreduce_small(ch, t, raw, combine)
         return
+    if ch.cma:
+        _allreduce_cma(ch, t, combine)
+        return
     for start in range(0, t.numel(), step):
         out = t[start : start + step]
         parts = _parts(out.numel(), ch.n)
@@ -112,6 +116,51 @@ def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
                 out[a:b].copy_(slots[i].view(out.dtype)[a:b])
 
         ch.exchange2(raw[start * size : (start + out.numel()) * size], first, second, "allreduce")
+
+
+CMA_CHUNK = 1 << 20  # bytes read from a peer per cross-memory copy before reducing them (stays in L2)
+
+
+def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine) -> None:
+    """Allreduce without the segment: rank ``i`` reads part ``i`` of every peer's tensor (cross-memory
+    attach, chunk by chunk into a cached scratch buffer) and reduces it into its own tensor in rank order;
+    after a barrier every rank reads every other part, reduced, straight from its owner's tensor."""
+    size, parts, base = t.element_size(), _parts(t.numel(), ch.n), t.data_ptr()
+    scratch = ch.scratch_buffers(CMA_CHUNK)
+    step = max(1, CMA_CHUNK // size)
+
+    def first(peers: list[tuple[int, int]]) -> None:
+        a, b = parts[ch.me]
+        for s in range(a, b, step):
+            e = min(b, s + step)
+            nb = (e - s) * size
+            views = []
+            for j, (pid, addr) in enumerate(peers):
+                if j == ch.me:
+                    views.append(t[s:e])
+                    continue
+                _cma.read(pid, scratch[j].data_ptr(), addr + s * size, nb)
+                views.append(scratch[j][:nb].view(t.dtype))
+            _reduce_into(views, t[s:e], scratch[ch.me][:nb].view(t.dtype), combine)
+
+    def second(peers: list[tuple[int, int]]) -> None:
+        for j, (pid, addr) in enumerate(peers):
+            a, b = parts[j]
+            if j != ch.me and b > a:
+                _cma.read(pid, base + a * size, addr + a * size, (b - a) * size)
+
+    ch.attach_step(base, first, second, "allreduce")
+
+
+def _reduce_into(views: list[torch.Tensor], out: torch.Tensor, acc: torch.Tensor, combine: _Combine) -> None:
+    """``out = views[0] op views[1] op ...`` in rank order (``out`` may be one of the views)."""
+    if len(views) == 2:
+        combine(views[0], views[1], out)
+        return
+    combine(views[0], views[1], acc)
+    for v in views[2:]:
+        combine(acc, v, acc)
+    out.copy_(acc)
 
 
 def allgather_(ch: Channel, out: torch.Tensor, inp: torch.Tensor) -> None:

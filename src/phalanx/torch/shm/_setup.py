@@ -155,7 +155,23 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
     if not int(agreed.item()):
         transport.close()
         return None
+    _enable_cma(transport)
     return transport
+
+
+def cma_wanted() -> bool:
+    """Whether this rank allows cross-memory attach (``PHALANX_SHM_CMA``, default on)."""
+    return os.environ.get(N.PHALANX_SHM_CMA, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _enable_cma(transport: Transport) -> None:
+    """Probe cross-memory attach once (collective among this host's members) and share it by the channels."""
+    ctrl = transport.channels.get("ctrl")
+    if ctrl is None:
+        return
+    ok = ctrl.enable_cma(cma_wanted())
+    for ch in transport.channels.values():
+        ch.cma = ok
 
 
 def _wire_wakeups(transport: Transport, fifos: list[str]) -> bool:

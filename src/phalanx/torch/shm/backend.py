@@ -146,6 +146,7 @@ def _channel(store: Any, rank: int, size: int) -> Channel | None:
             _wait_count(store, "shm/attached", size, timeout)
         finally:
             _segment.unlink(seg.name)  # every rank mapped it (or gave up): the name can go
+    channel.enable_cma(_setup.cma_wanted())
     return channel
 
 
