@@ -90,6 +90,7 @@ class Channel:
         self.broken: str | None = None
         self.wake_r = -1  # this rank's wake-up FIFO (read end), and the peers' (write ends; -1 for self)
         self.wake_w: list[int] = []
+        self._view_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.cma = False  # cross-memory attach agreed by every rank (see :meth:`enable_cma`)
         self.scratch: list[torch.Tensor] = []  # pre-faulted per-peer buffers of cross-memory steps
 
@@ -124,6 +125,7 @@ class Channel:
 
     def close(self) -> None:
         """Release the counters' view (the slots go with their tensors)."""
+        self._view_cache.clear()
         self.words.release()
 
     # --- waiting -------------------------------------------------------------------------------------
@@ -198,15 +200,28 @@ class Channel:
 
     # --- steps ---------------------------------------------------------------------------------------
 
-    def exchange(self, chunk: torch.Tensor, read: Callable[[list[torch.Tensor]], None], what: str) -> None:
-        """One all-to-all step: publish ``chunk`` (uint8), call ``read`` with every rank's slot view."""
+    def exchange(self, chunk: torch.Tensor, read: Callable[[list[torch.Tensor]], None], what: str,
+                 dtype: torch.dtype = torch.uint8) -> None:  # fmt: skip
+        """One all-to-all step: publish ``chunk`` (uint8), call ``read`` with every rank's slot viewed as
+        ``dtype`` (``chunk``'s length must be a multiple of its element size)."""
         g = self._begin()
-        nbytes = chunk.numel()
-        self.slots[self.me][:nbytes].copy_(chunk)
+        views = self._views(chunk.numel(), dtype)
+        views[self.n].copy_(chunk)
         self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, what)
-        read([s[:nbytes] for s in self.slots])
+        read(views[: self.n])
         self._post(self._done(self.me), g)
+
+    def _views(self, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every slot's first ``nbytes`` as ``dtype``, then this rank's as bytes (cached: small steps repeat)."""
+        key = (nbytes, dtype)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= 64:
+                self._view_cache.clear()
+            views = [s[:nbytes].view(dtype) for s in self.slots] + [self.slots[self.me][:nbytes]]
+            self._view_cache[key] = views
+        return views
 
     def exchange2(self, chunk: torch.Tensor, first: Callable[[list[torch.Tensor]], None],
                   second: Callable[[list[torch.Tensor]], None], what: str) -> None:  # fmt: skip

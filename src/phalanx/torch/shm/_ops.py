@@ -17,8 +17,23 @@ from phalanx.torch.shm._channel import Channel
 _Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
 
+_COMBINERS: dict[tuple[object, bool], _Combine] = {}
+
+
 def _combiner(op: object, dtype: torch.dtype) -> _Combine:
     """``f(a, b, out)`` for a torch.distributed reduce op; bool follows gloo (sum/max = or, product/min = and)."""
+    key = (op, dtype == torch.bool)
+    try:
+        return _COMBINERS[key]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable op object
+        return _make_combiner(op, dtype)
+    fn = _COMBINERS[key] = _make_combiner(op, dtype)
+    return fn
+
+
+def _make_combiner(op: object, dtype: torch.dtype) -> _Combine:
     R = dist.ReduceOp
     if dtype == torch.bool:
         if op in (R.SUM, R.MAX, R.BOR):
@@ -66,13 +81,12 @@ SMALL_BYTES = 64 * 1024  # up to this size every rank reduces everything: one ba
 
 
 def _allreduce_small(ch: Channel, t: torch.Tensor, raw: torch.Tensor, combine: _Combine) -> None:
-    def read(slots: list[torch.Tensor]) -> None:
-        views = [s.view(t.dtype) for s in slots]
+    def read(views: list[torch.Tensor]) -> None:
         combine(views[0], views[1], t)
         for v in views[2:]:
             combine(t, v, t)
 
-    ch.exchange(raw, read, "allreduce")
+    ch.exchange(raw, read, "allreduce", t.dtype)
 
 
 def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
