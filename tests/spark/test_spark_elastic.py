@@ -1,5 +1,6 @@
-"""run_elastic on the standalone cluster: a rank SIGKILLed mid-training; the re-submitted stage resumes
-from the last durable commit."""
+"""Elastic Spark jobs on the standalone cluster: a worker SIGKILLed at a random step is replaced in its slot
+and the survivor keeps its work; a killed task (a lost executor) fails the stage, which is re-submitted and
+resumes from the last durable commit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from phalanx.env import names as N
+from phalanx.errors import WorkerFailedError
 from phalanx.spark import run, run_elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multiprocess" / "elastic"))
@@ -18,19 +21,59 @@ import _digits_job as job
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("standalone_spark")]
 
 STEPS, COMMIT_EVERY = 30, 5
+ENV = {N.PHALANX_ELASTIC_TIMEOUT_S: "30"}
 
 
-@pytest.mark.timeout(300)
-def test_sigkilled_rank_resumes_from_the_last_durable_commit(tmp_path: Path) -> None:
-    data = job.load_data()
-    base = run(job.train, (data,), {"steps": STEPS, "commit_every": COMMIT_EVERY}, num_proc=2)
+@pytest.fixture(scope="module")
+def data() -> tuple[Any, Any]:
+    return job.load_data()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(data: tuple[Any, Any]) -> list[dict[str, Any]]:
+    return run(job.train, (data,), {"steps": STEPS, "commit_every": COMMIT_EVERY}, num_proc=2)
+
+
+@pytest.mark.timeout(180)
+def test_sigkilled_worker_is_replaced_and_the_survivor_keeps_its_work(
+        data: tuple[Any, Any], undisturbed: list[dict[str, Any]], tmp_path: Path) -> None:
+    rng = random.Random()
+    kill_at, victim = rng.randrange(COMMIT_EVERY + 1, STEPS - 1), rng.randrange(2)
+    kwargs: dict[str, Any] = {"steps": STEPS, "commit_every": COMMIT_EVERY, "kill_at": kill_at, "victim": victim,
+                              "marker": str(tmp_path / "killed")}
+    # No checkpoint_dir: a failed stage would not be re-submitted, so completing means the stage survived.
+    out = run_elastic(job.train, (data,), kwargs, num_proc=2, reset_limit=1, env=ENV)
+    assert (tmp_path / "killed").exists(), "the victim never died"
+    assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)
+    survivor = next(r for r in out if r["resumed_from"] == 0)  # started at step 0 and never restarted
+    replacement = next(r for r in out if r is not survivor)
+    lost = survivor["executed"] - STEPS
+    assert 0 <= lost < COMMIT_EVERY, f"kill at step {kill_at} of rank {victim}: {lost} steps replayed"
+    assert replacement["resumed_from"] == kill_at - lost > 0  # got the last commit from rank 0 via sync()
+    assert replacement["executed"] == STEPS - replacement["resumed_from"]
+    assert abs(out[0]["acc"] - undisturbed[0]["acc"]) <= 1.0, (kill_at, victim, out, undisturbed)
+
+
+@pytest.mark.timeout(240)
+def test_lost_task_resubmits_the_stage_from_the_last_durable_commit(
+        data: tuple[Any, Any], undisturbed: list[dict[str, Any]], tmp_path: Path) -> None:
     kill_at = random.Random().randrange(COMMIT_EVERY + 1, STEPS - 1)
     kwargs: dict[str, Any] = {"steps": STEPS, "commit_every": COMMIT_EVERY, "kill_at": kill_at, "victim": 1,
-                              "marker": str(tmp_path / "killed")}
+                              "marker": str(tmp_path / "killed"), "kill_task": True}
+    # Cold starts: the worker's parent is then its task (a warm-started worker's is the template).
     out = run_elastic(job.train, (data,), kwargs, num_proc=2, checkpoint_dir=str(tmp_path / "ckpt"),
-                      reset_limit=2)
+                      reset_limit=2, env={**ENV, N.PHALANX_WARM_START: "0"})
     assert (tmp_path / "killed").exists()
     resumed = out[0]["resumed_from"]
     assert resumed > 0 and 0 <= kill_at - resumed < COMMIT_EVERY, (kill_at, resumed)
     assert [r["executed"] for r in out] == [STEPS - resumed] * 2
-    assert abs(out[0]["acc"] - base[0]["acc"]) <= 1.0
+    assert abs(out[0]["acc"] - undisturbed[0]["acc"]) <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_reset_limit_zero_fails_with_the_root_cause(data: tuple[Any, Any], tmp_path: Path) -> None:
+    kwargs = {"steps": 20, "kill_at": 3, "victim": 1, "marker": str(tmp_path / "killed")}
+    with pytest.raises(WorkerFailedError) as info:
+        run_elastic(job.train, (data,), kwargs, num_proc=2, reset_limit=0, env=ENV)
+    assert "SIGKILL" in str(info.value) and "reset_limit=0" in str(info.value)
+    assert info.value.root_cause.rank == 1

@@ -123,6 +123,18 @@ class DriverChannel:
             except ChannelError:
                 pass
 
+    def command(self, rank: int, role: Role, body: bytes) -> bool:
+        """Send an EVENT frame (a command) to one peer; False when it is not connected (or went away)."""
+        with self._lock:
+            writer = self._peers.get((rank, role))
+        if writer is None:
+            return False
+        try:
+            writer.send(Kind.EVENT, body)
+        except ChannelError:
+            return False
+        return True
+
     def close(self) -> None:
         """Stop accepting and close every connection."""
         self._stopping = True
@@ -262,6 +274,18 @@ class WorkerChannel:
                     return
         except (ChannelError, OSError):
             return
+
+    def next_command(self) -> bytes | None:
+        """Block until the driver sends a command (an EVENT frame; returned) or ABORT / goes away (None)."""
+        try:
+            while True:
+                frame = read_frame(self._sock, limit=1 << 10)
+                if frame is None or frame[0] is Kind.ABORT:
+                    return None
+                if frame[0] is Kind.EVENT:
+                    return frame[1]
+        except (ChannelError, OSError):
+            return None
 
     def close(self) -> None:
         """Close the connection (the driver sees the rank's channel close)."""

@@ -86,12 +86,15 @@ class ElasticMonitor(JobMonitor):
         free_slots: how many replacements the launcher can start, given the alive worker ids.
         holds_state: whether a worker holds the training state (one of the first world's, or it synced
             in the current round).
+        give_up: a reason to fail instead of re-forming, whatever the policy says (e.g. Spark failed the
+            whole stage); empty when there is none.
     """
 
     policy: ElasticPolicy = field(default_factory=lambda: ElasticPolicy(1, 1, 0))
     reform: Callable[[list[int], int], list[int]] = lambda alive, size: alive
     free_slots: Callable[[list[int]], int] = lambda alive: 0
     holds_state: Callable[[int], bool] = lambda worker: True
+    give_up: Callable[[], str] = lambda: ""
     world: list[int] = field(init=False, default_factory=list)
     resets: int = field(init=False, default=0)
     _spawned_at: list[float] = field(init=False, default_factory=list)
@@ -151,8 +154,9 @@ class ElasticMonitor(JobMonitor):
         finished = any(s.result is not None for s in self._ranks)
         holding = sum(1 for w in alive if self.holds_state(w))
         decision = self.policy.decide(len(alive), self.free_slots(alive), self.resets, holding)
-        if finished or not decision.reform:
-            self._gave_up = decision.reason or "a worker was lost after others had finished"
+        forced = self.give_up()
+        if forced or finished or not decision.reform:
+            self._gave_up = forced or decision.reason or "a worker was lost after others had finished"
             self._fail(state)
             return
         self.resets += 1

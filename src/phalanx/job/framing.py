@@ -20,7 +20,8 @@ MAX_FRAME_BYTES = 4 << 30
 
 
 class Kind(IntEnum):
-    """Frame kinds. Driver -> worker: NONCE, PAYLOAD, ABORT. Worker -> driver: the others."""
+    """Frame kinds. Driver -> worker: NONCE, PAYLOAD, ABORT (and EVENT: a command to an elastic Spark task's
+    supervisor). Worker -> driver: the others."""
 
     NONCE = 1
     AUTH = 2

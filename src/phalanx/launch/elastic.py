@@ -32,6 +32,25 @@ log = logging.getLogger(__name__)
 STORE_READY_TIMEOUT_S = 60.0
 
 
+def publish_round(store: RendezvousStore, round_no: int, world: list[int]) -> None:
+    """Publish round ``round_no`` (worker ids in rank order) in the driver's store.
+
+    Raises:
+        PhalanxError: the store did not start within ``STORE_READY_TIMEOUT_S``.
+    """
+    if not store.wait_ready(STORE_READY_TIMEOUT_S) or store.error is not None:
+        raise PhalanxError(f"the rendezvous store did not start within {STORE_READY_TIMEOUT_S:g} s: {store.error}")
+    for key, value in K.round_plan(round_no, world):
+        store.set(key, value)
+    log.debug("published elastic round %d: workers %s", round_no, world)
+
+
+def worker_id_budget(np: int, reset_limit: int | None) -> int:
+    """How many worker ids an elastic job of ``np`` workers may use: the first world plus one replacement
+    per worker per reset (100 resets when there is no limit)."""
+    return np * (1 + (reset_limit if reset_limit is not None else 100))
+
+
 @dataclass(frozen=True)
 class ElasticSpec:
     """The elastic part of a local job.
@@ -59,8 +78,7 @@ class ElasticLocalLauncher(LocalLauncher):
 
     def _channel_size(self) -> int:
         # Every worker id ever used: the first world plus one replacement per worker per reset.
-        limit = self.elastic.policy.reset_limit
-        return self._target * (1 + (limit if limit is not None else 100))
+        return worker_id_budget(self._target, self.elastic.policy.reset_limit)
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         return ElasticMonitor(
@@ -97,13 +115,8 @@ class ElasticLocalLauncher(LocalLauncher):
 
     def _publish(self, world: list[int]) -> None:
         assert self._store is not None
-        if not self._store.wait_ready(STORE_READY_TIMEOUT_S) or self._store.error is not None:
-            raise PhalanxError(f"the rendezvous store did not start within {STORE_READY_TIMEOUT_S:g} s: "
-                               f"{self._store.error}")
         self._round += 1
-        for key, value in K.round_plan(self._round, world):
-            self._store.set(key, value)
-        log.debug("published elastic round %d: workers %s", self._round, world)
+        publish_round(self._store, self._round, world)
 
     def _holds_state(self, worker: int) -> bool:
         if worker < self._target:  # the first world: the user's initial state (or the durable checkpoint)

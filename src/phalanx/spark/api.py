@@ -47,14 +47,19 @@ def check_gpu_conf(sc: SparkContext, use_gpu: bool) -> None:
         )
 
 
-def launch_spark(spec: SparkJobSpec, sc: SparkContext) -> SparkLauncher:
+def launch_spark(spec: SparkJobSpec, sc: SparkContext, launcher: SparkLauncher | None = None) -> SparkLauncher:
     """Check the slots, then run the job; return the finished launcher (values in ``.values``).
+
+    Args:
+        spec: the job.
+        sc: the SparkContext.
+        launcher: the launcher to run (an elastic one); default a plain :class:`SparkLauncher`.
 
     Raises:
         SlotsUnavailableError, WorkerFailedError, StartTimeoutError, SparkJobError.
     """
     wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint)
-    launcher = SparkLauncher(spec, sc)
+    launcher = launcher or SparkLauncher(spec, sc)
     try:
         launcher.run()
     except WorkerFailedError as e:
@@ -124,6 +129,18 @@ def run(
         WorkerFailedError: a rank failed; the root cause, its traceback and log tail come first.
         StartTimeoutError: ranks did not start in time.
     """
+    spec, sc = run_spec(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose, compat)
+    return launch_spark(spec, sc).values
+
+
+def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, num_proc: int | None,
+             start_timeout: float | None, env: Mapping[str, str] | None, stdout: IO[str] | None,
+             stderr: IO[str] | None, verbose: int, compat: Mapping[str, object]) -> tuple[SparkJobSpec, SparkContext]:
+    """Validate :func:`run`'s arguments and build its job; return it with the SparkContext to run it on.
+
+    Raises:
+        InvalidArgumentError, PayloadError: see :func:`run`.
+    """
     _check_compat_args(compat)
     timeout = resolve_start_timeout(start_timeout)
     user_env = validate_env(env)
@@ -136,4 +153,4 @@ def run(
                         start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
                         description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})",
                         warm_preload=preload_for(fn))
-    return launch_spark(spec, sc).values
+    return spec, sc

@@ -148,17 +148,18 @@ class SparkLauncher:
             SparkJobError: Spark failed the stage for a reason outside the user's code.
         """
         host = driver_host(self.sc)
-        channel = DriverChannel(self.spec.np, self.spec.payload, bind_host="0.0.0.0", advertise_host=host)
-        store = RendezvousStore(self.spec.np, bind_host="0.0.0.0")
+        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host="0.0.0.0", advertise_host=host)
+        store = RendezvousStore(self._channel_size(), bind_host="0.0.0.0")
         self._channel = channel
         job = JobContract(run_id=self.run_id, master_addr=host, master_port=store.port,
                           channel=channel.address, secret=channel.secret,
                           start_timeout_s=self.spec.start_timeout_s)
-        monitor = JobMonitor(self._monitor_config(), channel.events, self._sinks(),  # type: ignore[arg-type]
-                             stop_all=self._stop_all, on_custom=self._on_custom)
+        monitor = self._monitor(channel, self._sinks())
         try:
+            self._prepare(store)
             self._submit(job)
             self.values = monitor.run()
+            self._succeeded()
             return self.values
         except BaseException:
             self._stop_all()  # Ctrl-C, or an error of our own: stop the ranks now, not after a wait
@@ -169,6 +170,30 @@ class SparkLauncher:
             store.close()
             if self._files is not None:
                 self._files.close()
+
+    def _channel_size(self) -> int:
+        """How many worker ids the channel and the store accept (an elastic job needs more than np)."""
+        return self.spec.np
+
+    def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
+        return JobMonitor(self._monitor_config(), channel.events, sinks,  # type: ignore[arg-type]
+                          stop_all=self._stop_all, on_custom=self._on_custom)
+
+    def _prepare(self, store: RendezvousStore) -> None:
+        """Called before the stage is submitted (an elastic job publishes its first round)."""
+
+    def _succeeded(self) -> None:
+        """Called once the monitor returned the job's values."""
+
+    def _task_spec(self, job: JobContract) -> TaskSpec:
+        return TaskSpec(job=job, command=self.spec.command, env=dict(self.spec.env),
+                        use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s,
+                        warm_preload=self.spec.warm_preload)
+
+    def _unfinished(self) -> list[int]:
+        """The ranks (worker ids) still expected to end, when Spark failed the stage."""
+        with self._lock:
+            return [r for r in range(self.spec.np) if r not in self._exited]
 
     def _monitor_config(self) -> MonitorConfig:
         function_job = self.spec.command is None
@@ -190,9 +215,7 @@ class SparkLauncher:
         return sinks
 
     def _submit(self, job: JobContract) -> None:
-        spec = TaskSpec(job=job, command=self.spec.command, env=dict(self.spec.env),
-                        use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s,
-                        warm_preload=self.spec.warm_preload)
+        spec = self._task_spec(job)
         with python_exec(self.sc, executor_python(self.sc)):
             rdd = self.sc.parallelize(range(self.spec.np), self.spec.np).barrier().mapPartitions(barrier_task(spec))
             rdd._jrdd  # noqa: B018 - builds the Python function now, while pythonExec is the right one
@@ -214,8 +237,7 @@ class SparkLauncher:
     def _spark_failed(self, error: Exception) -> None:
         if self._stopping.is_set():
             return
-        with self._lock:
-            missing = [r for r in range(self.spec.np) if r not in self._exited]
+        missing = self._unfinished()
         if not missing:
             return
         lines = str(error).strip().splitlines()

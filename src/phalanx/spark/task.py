@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phalanx.env import JobContract, RankIdentity, assign_ranks, compose_env, worker_env
@@ -48,6 +49,9 @@ class TaskSpec:
         teardown_grace_s: seconds between SIGTERM and SIGKILL when the job is aborted.
         warm_preload: modules a warm-start template in this executor's python worker should import
             (function jobs); None starts every rank cold.
+        elastic_timeout_s: for an elastic job (survivors kept), ``PHALANX_ELASTIC_TIMEOUT_S`` of its workers;
+            None for a plain job.
+        worker_ids: for an elastic job, how many worker ids the driver's channel accepts.
     """
 
     job: JobContract
@@ -57,6 +61,8 @@ class TaskSpec:
     log_to_driver: bool = True
     teardown_grace_s: float = 3.0
     warm_preload: tuple[str, ...] | None = None
+    elastic_timeout_s: float | None = None
+    worker_ids: int = 0
 
     def warm(self) -> bool:
         """True when this job's ranks may be forked from a warm-start template."""
@@ -108,8 +114,9 @@ def _argv(spec: TaskSpec) -> list[str]:
     return [sys.executable, "-m", "phalanx.worker.exec", sys.executable, *spec.command]
 
 
-def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str]) -> dict[str, str]:
-    own = {N.PHALANX_PARENT_PID: str(os.getpid()), **gpu_env}
+def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str],
+              extra: dict[str, str] | None = None) -> dict[str, str]:
+    own = {N.PHALANX_PARENT_PID: str(os.getpid()), **gpu_env, **(extra or {})}
     if spec.log_to_driver:
         own[N.PHALANX_LOG_TO_DRIVER] = "1"
     return compose_env(os.environ, spec.env, {**worker_env(spec.job, who), **own}, os.cpu_count())
@@ -118,13 +125,16 @@ def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str]) -> dic
 class _Supervisor:
     """One rank's worker process and its forwarding threads."""
 
-    def __init__(self, spec: TaskSpec, channel: WorkerChannel, rank: int) -> None:
+    def __init__(self, spec: TaskSpec, channel: WorkerChannel, rank: int,
+                 aborted: threading.Event | None = None) -> None:
         self.spec = spec
         self.channel = channel
         self.rank = rank
         self.proc: RankProcess | None = None
         self.channel_ok = True
         self._done = threading.Event()
+        #: Set by whoever reads the driver's frames (elastic tasks); None: this supervisor reads them.
+        self._aborted = aborted
 
     def send(self, kind: Kind, body: bytes) -> None:
         """Send a frame; after the driver went away, keep going silently (the pipes must be drained)."""
@@ -176,7 +186,10 @@ class _Supervisor:
         return returncode
 
     def _abort_watch(self) -> None:
-        self.channel.wait_for_abort()
+        if self._aborted is not None:
+            self._aborted.wait()
+        else:
+            self.channel.wait_for_abort()
         if not self._done.is_set() and self.proc is not None:
             terminate_tree([self.proc.pid], self.spec.teardown_grace_s)
 
@@ -213,6 +226,98 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]
     return _status(rank, returncode, supervisor.channel_ok)
 
 
+class _Commands:
+    """Reads an elastic task's control connection: the driver's ``{"spawn": worker_id}`` commands, or its end.
+
+    ``aborted`` is set when the driver sends ABORT or goes away (the job is over, or failed).
+    """
+
+    def __init__(self, control: WorkerChannel) -> None:
+        self.aborted = threading.Event()
+        self._control = control
+        self._spawns: queue.Queue[int | None] = queue.Queue()
+        threading.Thread(target=self._read, name="phalanx-commands", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            body = self._control.next_command()
+            if body is None:
+                break
+            try:
+                self._spawns.put(int(json.loads(body)["spawn"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # not a command this task knows
+        self.aborted.set()
+        self._spawns.put(None)
+
+    def next_spawn(self) -> int | None:
+        """Block until the driver asks for a replacement worker (its id), or ends the job (None)."""
+        return self._spawns.get()
+
+
+def _elastic_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], slot: int, worker: int) -> dict[str, str]:
+    # The channel rank is the worker id; the torch rank comes from the driver's round (phalanx.env.elastic).
+    who = replace(assign_ranks(hosts)[slot], rank=worker, size=spec.worker_ids)
+    own = {N.PHALANX_ELASTIC_WORKER_ID: str(worker), N.PHALANX_ELASTIC_TIMEOUT_S: f"{spec.elastic_timeout_s:g}"}
+    return _rank_env(spec, who, _gpu_env(spec, hosts, gpus, slot), own)
+
+
+def _run_worker(spec: TaskSpec, channel: WorkerChannel, worker: int, env_for: Callable[[int], dict[str, str]],
+                aborted: threading.Event) -> int:
+    supervisor = _Supervisor(spec, channel, worker, aborted)
+    try:
+        returncode = supervisor.run(env_for(worker))
+    except (PhalanxError, OSError) as e:
+        supervisor.send(Kind.ERROR, ErrorRecord.from_exception(worker, e).encode())
+        returncode = EXIT_NOT_STARTED
+    supervisor.send(Kind.EVENT, exit_event(returncode))
+    return returncode
+
+
+def _connect(spec: TaskSpec, worker: int) -> WorkerChannel:
+    return WorkerChannel.connect(spec.job.channel, spec.job.secret, worker, Role.SUPERVISOR, spec.job.start_timeout_s)
+
+
+def _slot_loop(spec: TaskSpec, control: WorkerChannel, commands: _Commands,
+               env_for: Callable[[int], dict[str, str]], slot: int) -> str:
+    """Run the slot's workers one after the other; return the last one's status."""
+    worker, channel = slot, control
+    while True:
+        returncode = _run_worker(spec, channel, worker, env_for, commands.aborted)
+        if channel is not control:
+            channel.close()
+        nxt = None if returncode == 0 or commands.aborted.is_set() else commands.next_spawn()
+        if nxt is None:
+            return _status(worker, returncode, True)
+        worker = nxt
+        try:
+            channel = _connect(spec, worker)
+        except ChannelError as e:
+            return _status(worker, EXIT_NOT_STARTED, False, str(e))
+
+
+def supervise_slot(spec: TaskSpec, slot: int, hosts: list[str], gpus: list[list[str]]) -> str:
+    """An elastic job's task: run this slot's worker; when it dies (the executor lives), wait for the
+    driver's decision and start the replacement worker it names in this slot, until the job ends.
+
+    The control connection (channel rank = slot, the slot's first worker id) carries the driver's
+    commands; each replacement's output and exit travel on a connection of its own worker id.
+    """
+    try:
+        control = _connect(spec, slot)
+    except ChannelError as e:
+        return _status(slot, EXIT_NOT_STARTED, False, str(e))
+    commands = _Commands(control)
+    try:
+        status = _slot_loop(spec, control, commands, lambda w: _elastic_env(spec, hosts, gpus, slot, w), slot)
+    finally:
+        control.close()
+        commands.aborted.set()  # releases the abort watchers of this task's workers
+    if spec.warm() and spec.warm_preload is not None:
+        warm.prepare(spec.warm_preload)
+    return status
+
+
 def barrier_task(spec: TaskSpec) -> Any:
     """The function to pass to ``rdd.barrier().mapPartitions``: it supervises this task's rank."""
 
@@ -224,6 +329,7 @@ def barrier_task(spec: TaskSpec) -> Any:
         mine = {"host": task_host(), "gpus": task_gpus(dict(ctx.resources()))}
         gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
         hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
-        yield supervise(spec, ctx.partitionId(), hosts, gpus)
+        run_task = supervise_slot if spec.elastic_timeout_s is not None else supervise
+        yield run_task(spec, ctx.partitionId(), hosts, gpus)
 
     return task

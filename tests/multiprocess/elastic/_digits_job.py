@@ -30,7 +30,7 @@ def _split(data: tuple[Any, Any]) -> tuple[Any, Any, Any, Any]:
     return xt[:N_TRAIN], yt[:N_TRAIN], xt[N_TRAIN:], yt[N_TRAIN:]
 
 
-def _maybe_die(step: int, kill_at: int | None, victim: int, marker: str | None) -> None:
+def _maybe_die(step: int, kill_at: int | None, victim: int, marker: str | None, kill_task: bool = False) -> None:
     import phalanx.torch as hvd
 
     if kill_at is None or step != kill_at or hvd.rank() != victim or marker is None:
@@ -38,14 +38,16 @@ def _maybe_die(step: int, kill_at: int | None, victim: int, marker: str | None) 
     if Path(marker).exists():
         return
     Path(marker).write_text(str(os.getpid()))
-    os.kill(os.getpid(), signal.SIGKILL)
+    # kill_task: the Spark task supervising this worker dies (as with a lost executor); the worker follows.
+    os.kill(int(os.environ["PHALANX_PARENT_PID"]) if kill_task else os.getpid(), signal.SIGKILL)
 
 
 def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at: int | None = None, victim: int = 1,
-          marker: str | None = None, seed: int = 0) -> dict[str, Any]:
+          marker: str | None = None, seed: int = 0, kill_task: bool = False) -> dict[str, Any]:
     """Train a tiny MLP on ``data`` (:func:`load_data`), committing every ``commit_every`` steps.
 
-    Rank ``victim`` SIGKILLs itself at the start of step ``kill_at`` unless ``marker`` exists (once).
+    Rank ``victim`` SIGKILLs itself (``kill_task``: its Spark task) at the start of step ``kill_at`` unless
+    ``marker`` exists (once).
 
     Returns:
         ``acc`` (test accuracy, %), ``executed`` (steps this process ran, replays included), ``commits``,
@@ -68,7 +70,7 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
     def loop(state: hvd.elastic.TorchState) -> float:
         resumed_from.append(state.step)
         while state.step < steps:
-            _maybe_die(state.step, kill_at, victim, marker)
+            _maybe_die(state.step, kill_at, victim, marker, kill_task)
             gen = torch.Generator().manual_seed(seed * 100003 + state.step)
             idx = torch.randint(0, N_TRAIN, (BATCH_PER_RANK * hvd.size(),), generator=gen)[hvd.rank()::hvd.size()]
             opt.zero_grad()

@@ -7,14 +7,18 @@ of a broken one.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from phalanx.env import assign_ranks
 from phalanx.env import elastic as K
 from phalanx.env import names as N
 from phalanx.errors import ElasticTimeoutError, WorkerContractError
@@ -99,9 +103,22 @@ def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
     prefixed = dist.PrefixStore(K.group_prefix(number), _client(env))
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s(env)))
-    # One host locally: every rank is local (Spark elastic would derive these per host).
-    return {**env, N.HOROVOD_LOCAL_RANK: str(rank), N.HOROVOD_LOCAL_SIZE: str(size),
-            N.HOROVOD_CROSS_RANK: "0", N.HOROVOD_CROSS_SIZE: "1"}
+    return {**env, **_topology_env(env, rank)}
+
+
+def _host_key(env: Mapping[str, str]) -> int:
+    host = env.get(N.HOROVOD_HOSTNAME) or socket.gethostname()
+    return int.from_bytes(hashlib.blake2b(host.encode(), digest_size=7).digest(), "little")
+
+
+def _topology_env(env: Mapping[str, str], rank: int) -> dict[str, str]:
+    """This round's local and cross ranks: the members' hosts are gathered (a round mixes hosts on Spark)."""
+    mine = torch.tensor([_host_key(env)], dtype=torch.int64)
+    hosts = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(hosts, mine)
+    who = assign_ranks([str(int(h)) for h in hosts])[rank]
+    return {N.HOROVOD_LOCAL_RANK: str(who.local_rank), N.HOROVOD_LOCAL_SIZE: str(who.local_size),
+            N.HOROVOD_CROSS_RANK: str(who.cross_rank), N.HOROVOD_CROSS_SIZE: str(who.cross_size)}
 
 
 def mark_synced(env: Mapping[str, str] | None = None) -> None:

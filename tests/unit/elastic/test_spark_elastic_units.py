@@ -1,0 +1,93 @@
+"""The elastic Spark launcher's decisions without Spark: which slot hosts a replacement, argument checks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from phalanx.env import elastic as K
+from phalanx.errors import InvalidArgumentError, SparkJobError
+from phalanx.job.channel import Role
+from phalanx.job.elastic import ElasticPolicy
+from phalanx.launch.elastic import ElasticSpec
+from phalanx.spark.elastic import elastic_options
+from phalanx.spark.elastic_launcher import ElasticSparkLauncher
+from phalanx.spark.launcher import SparkJobSpec
+
+
+class FakeChannel:
+    def __init__(self, gone: set[int]) -> None:
+        self.sent: list[tuple[int, dict[str, Any]]] = []
+        self.gone = gone
+
+    def command(self, rank: int, role: Role, body: bytes) -> bool:
+        assert role is Role.SUPERVISOR
+        if rank in self.gone:
+            return False
+        self.sent.append((rank, json.loads(body)))
+        return True
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.keys: dict[str, str] = {}
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return True
+
+    error = None
+
+    def set(self, key: str, value: str) -> None:
+        self.keys[key] = value
+
+    def check(self, key: str) -> bool:
+        return key in self.keys
+
+
+def _launcher(np: int, gone: set[int] | None = None) -> tuple[ElasticSparkLauncher, FakeChannel, FakeStore]:
+    launcher = ElasticSparkLauncher(SparkJobSpec(np=np), None, ElasticSpec(ElasticPolicy(1, np, 3)))  # type: ignore[arg-type]
+    channel, store = FakeChannel(gone or set()), FakeStore()
+    launcher._channel = channel  # type: ignore[assignment]
+    launcher._prepare(store)  # type: ignore[arg-type]
+    return launcher, channel, store
+
+
+def test_a_lost_worker_is_replaced_in_its_own_slot_and_the_round_is_published() -> None:
+    launcher, channel, store = _launcher(3)
+    assert store.keys[K.round_key(0)] == "1"
+    assert launcher._free_slots([0, 2]) == 1
+    world = launcher._reform([0, 2], 3)
+    assert world == [0, 2, 3] and channel.sent == [(1, {"spawn": 3})] and launcher.slot_of[3] == 1
+    assert K.decode_assignment(store.keys[K.assign_key(1, 3)]) == (2, 3)
+    # The replacement dies too: the next one goes to the same slot, with a new id.
+    assert launcher._reform([0, 2], 3) == [0, 2, 4] and channel.sent[-1] == (1, {"spawn": 4})
+    assert not launcher._holds_state(4)
+    store.set(K.synced_key(2, 4), "1")
+    assert launcher._holds_state(4) and launcher._holds_state(0)
+
+
+def test_a_gone_task_gets_no_replacement_and_a_failed_stage_gives_up() -> None:
+    launcher, channel, _ = _launcher(2, gone={1})
+    assert launcher._reform([0], 2) == [0] and channel.sent == []
+    assert launcher._give_up() == ""
+    launcher.spark_error = SparkJobError("stage failed")
+    assert launcher._free_slots([0]) == 0 and "Spark failed the barrier stage" in launcher._give_up()
+
+
+def test_elastic_options_are_checked_before_spark_starts() -> None:
+    assert elastic_options() is None
+    options = elastic_options(min_np=1, reset_limit=2, checkpoint_dir="/tmp/x")
+    assert options is not None and options.reset_limit == 2 and options.max_np is None
+    options.check_np(2)
+    with pytest.raises(InvalidArgumentError, match="min_np <= np <= max_np"):
+        elastic_options(min_np=3).check_np(2)  # type: ignore[union-attr]
+    with pytest.raises(InvalidArgumentError, match="min_np <= max_np"):
+        elastic_options(min_np=3, max_np=2)
+    with pytest.raises(InvalidArgumentError, match="reset_limit"):
+        elastic_options(reset_limit=-1)
+    with pytest.raises(InvalidArgumentError, match="min_np"):
+        elastic_options(min_np="2")
+    with pytest.raises(InvalidArgumentError, match="checkpoint_dir"):
+        elastic_options(checkpoint_dir="")
