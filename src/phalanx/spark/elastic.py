@@ -83,7 +83,7 @@ def elastic_options(min_np: object = None, max_np: object = None, reset_limit: o
     if checkpoint_dir is not None and (not isinstance(checkpoint_dir, str | os.PathLike) or not str(checkpoint_dir)):
         raise InvalidArgumentError(
             f"checkpoint_dir must be a directory path every executor can reach; got {checkpoint_dir!r}")
-    ckpt = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None  # type: ignore[arg-type]
+    ckpt = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
     return ElasticOptions(lo, hi, limit, ckpt)
 
 
