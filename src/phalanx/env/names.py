@@ -67,6 +67,9 @@ PHALANX_SHM = "PHALANX_SHM"
 PHALANX_SHM_TIMEOUT_S = "PHALANX_SHM_TIMEOUT_S"
 PHALANX_SHM_SLOT_BYTES = "PHALANX_SHM_SLOT_BYTES"
 PHALANX_SHM_CMA = "PHALANX_SHM_CMA"
+#: "0" leaves glibc's malloc thresholds alone (hvd.init() raises them: large tensors reuse heap memory
+#: instead of fresh page-faulted mmaps; see phalanx/torch/_malloc.py for the memory trade-off).
+PHALANX_MALLOC_TUNE = "PHALANX_MALLOC_TUNE"
 
 # --- phalanx knobs a user may set on the driver.
 PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"

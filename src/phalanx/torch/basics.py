@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx.timeline as timeline
-from phalanx.torch import _engine, _state
+from phalanx.torch import _engine, _malloc, _state
 from phalanx.torch import process_sets as P
 
 
@@ -31,6 +31,7 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | None = None) -
     if _state.STATE.topology is not None:
         return
     _state.join_process_group()
+    _malloc.tune()  # large tensors reuse heap memory instead of fresh page-faulted mmaps (PHALANX_MALLOC_TUNE)
     try:
         P.init_process_sets(process_sets)
         timeline.start_from_env()
