@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(PIP) install --upgrade pip
 	# torch first, pinned: an open range would pull a multi-GB CUDA build.
 	$(PIP) install -c constraints-dev.txt torch
-	$(PIP) install -c constraints-dev.txt -e ".[dev,spark]"
+	# TensorFlow (phalanx[tensorflow], ~1.5 GB, ~30 s): make test covers phalanx.tensorflow.keras too.
+	$(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -74,3 +74,40 @@ def save_atomically(obj: Any, path: str) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def load_digits_numpy_split(seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """The digits as float32 numpy images (N, 8, 8, 1) in [0, 1] with int64 labels, split 80/20 at random
+    (the same split on every rank), for the Keras examples (no torch import)."""
+    import numpy as np
+
+    x, y = load_digits_arrays()
+    images = (x / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
+    order = np.random.default_rng(seed).permutation(len(y))
+    cut = int(0.8 * len(order))
+    return images[order[:cut]], y[order[:cut]], images[order[cut:]], y[order[cut:]]
+
+
+def make_keras_model() -> Any:
+    """The small CNN of ``make_model`` in Keras (8x8x1 inputs, 10 logits)."""
+    import keras
+
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10),
+    ])
+
+
+def keras_weights_agree(hvd: Any, model: Any) -> bool:
+    """Whether every rank holds bit-identical weights (an allgather of each rank's weight bytes' hash)."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256(b"".join(np.asarray(w).tobytes() for w in model.get_weights())).digest()
+    mine = np.frombuffer(digest, dtype=np.int64).reshape(1, -1)
+    every = np.asarray(hvd.allgather(mine, name="weights digest"))
+    return bool((every == every[0]).all())

@@ -1,4 +1,5 @@
-"""Write docs/api.md from the code: every public name of phalanx.run, phalanx.torch and phalanx.spark,
+"""Write docs/api.md from the code: every public name of phalanx.run, phalanx.torch, phalanx.spark and
+phalanx.tensorflow.keras,
 with its signature (arguments and defaults) and its docstring.
 
     .venv/bin/python tools/gen_api.py            # rewrite docs/api.md
@@ -15,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
-MODULES = ("phalanx", "phalanx.torch", "phalanx.spark")
+MODULES = ("phalanx", "phalanx.torch", "phalanx.spark", "phalanx.tensorflow.keras")
 HEADER = """# API reference
 
 Generated from the docstrings by `tools/gen_api.py` (`--check` fails when this file is out of date); do not
 edit by hand. Narrative documentation: [torch.md](torch.md) (semantics of the Horovod API),
+[tensorflow.md](tensorflow.md) (Keras),
 [spark.md](spark.md) (Spark launchers), [env.md](env.md) (environment variables),
 [timeline.md](timeline.md), [migration.md](migration.md).
 """

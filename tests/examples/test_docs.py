@@ -16,7 +16,7 @@ API = REPO / "docs" / "api.md"
 ENV = REPO / "docs" / "env.md"
 
 
-@pytest.mark.parametrize("module_name", ["phalanx.torch", "phalanx.spark"])
+@pytest.mark.parametrize("module_name", ["phalanx.torch", "phalanx.spark", "phalanx.tensorflow.keras"])
 def test_every_public_name_has_an_api_entry(module_name: str) -> None:
     text = API.read_text(encoding="utf-8")
     module = importlib.import_module(module_name)

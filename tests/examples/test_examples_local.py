@@ -70,3 +70,44 @@ def test_fsdp_under_torch_distributor() -> None:
 def test_lightning_under_torch_distributor() -> None:
     pytest.importorskip("lightning")
     assert load_example("lightning_digits").main(["--epochs", EPOCHS]) > FLOOR
+
+
+KERAS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.mark.timeout(120)
+def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
+    """Horovod's Keras example, unchanged (``experimental_run_tf_function=False`` included), 2 ranks."""
+    pytest.importorskip("tensorflow")
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **KERAS_ENV)
+    proc = subprocess.run(
+        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "keras_horovod_train.py"),
+         "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+); weights identical on 2 ranks: True", proc.stdout)
+    assert found is not None, proc.stdout[-3000:]
+    assert float(found.group(1)) > FLOOR
+    assert "experimental_run_tf_function" in proc.stdout + proc.stderr  # the warning that it was dropped
+    assert (tmp_path / "digits_keras.keras").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_classic_horovod_keras_function_under_phalanx_run() -> None:
+    pytest.importorskip("tensorflow")
+    import phalanx
+
+    results = phalanx.run(load_example("keras_horovod_train").train, kwargs={"epochs": int(EPOCHS)}, np=2,
+                          env=KERAS_ENV)  # fmt: skip
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["weights_agree"] for r in results)
+    assert results[0]["accuracy"] == results[1]["accuracy"] > FLOOR
+
+
+@pytest.mark.timeout(120)
+def test_keras_horovod_runner_on_the_driver() -> None:
+    """HorovodRunner(np=-2) with a Keras function (LogCallback writes to stdout off Spark)."""
+    pytest.importorskip("tensorflow")
+    result = load_example("keras_spark_digits").main(["--np", "-2", "--epochs", EPOCHS])
+    assert result["size"] == 2 and result["weights_agree"]
+    assert result["accuracy"] > FLOOR

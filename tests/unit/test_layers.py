@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "worker": {"job", "env", "errors"},
     "timeline": {"env", "errors"},
     "torch": {"env", "timeline", "errors"},
+    "tensorflow": {"torch", "env", "timeline", "errors"},
     "spark": {"launch", "job", "env", "errors", "worker"},
     "cli": {"launch", "env", "errors", "timeline", "job"},
-    "compat": {"torch", "spark", "launch", "env", "errors", "__init__"},
+    "compat": {"torch", "tensorflow", "spark", "launch", "env", "errors", "__init__"},
     "__init__": {"launch"},
 }
 
@@ -74,9 +75,10 @@ def test_every_module_belongs_to_a_layer() -> None:
         ("phalanx.launch.api", ["torch", "pyspark"]),
         ("phalanx.worker.exec", ["torch", "pyspark", "cloudpickle"]),
         ("phalanx.cli.main", ["torch", "pyspark"]),
-        ("phalanx.torch", ["pyspark"]),
+        ("phalanx.torch", ["pyspark", "tensorflow", "keras"]),
+        ("phalanx.compat", ["tensorflow", "keras", "torch"]),
         ("phalanx.timeline", ["torch", "pyspark"]),
-        ("phalanx.spark", ["pyspark", "torch"]),
+        ("phalanx.spark", ["pyspark", "torch", "tensorflow", "keras"]),
     ],
 )
 def test_importing_does_not_pull_heavy_dependencies(module: str, forbidden: list[str]) -> None:

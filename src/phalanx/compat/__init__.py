@@ -1,7 +1,10 @@
 """Drop-in aliases: ``import horovod.torch as hvd`` is ``phalanx.torch``, ``horovod.run`` is ``phalanx.run``.
 
-Also ``horovod.spark`` -> ``phalanx.spark``, ``sparkdl.HorovodRunner`` and ``sparkdl.horovod.log_to_driver``
--> ``phalanx.spark``. The aliases apply only where the real package is not importable (see ``_finder``).
+Also ``horovod.spark`` -> ``phalanx.spark``, ``horovod.tensorflow`` -> ``phalanx.tensorflow``,
+``horovod.tensorflow.keras`` and ``horovod.keras`` -> ``phalanx.tensorflow.keras``,
+``sparkdl.horovod.tensorflow.keras.LogCallback`` -> ``phalanx.spark.keras_log.LogCallback``,
+``sparkdl.HorovodRunner`` and ``sparkdl.horovod.log_to_driver`` -> ``phalanx.spark``. The aliases apply
+only where the real package is not importable (see ``_finder``).
 They are active in every environment phalanx is pip-installed in: the wheel ships ``phalanx-compat.pth``,
 whose one line registers a tiny inline finder that imports this package only when ``horovod`` or
 ``sparkdl`` is first imported (start-up imports nothing). phalanx's worker entry calls :func:`install`, so

@@ -23,14 +23,21 @@ from typing import Any
 MODULE_ALIASES = {
     "horovod.torch": "phalanx.torch",
     "horovod.spark": "phalanx.spark",
+    "horovod.tensorflow": "phalanx.tensorflow",
+    "horovod.keras": "phalanx.tensorflow.keras",
 }
 # Prefixes whose submodules map one to one (horovod.torch.mpi_ops -> phalanx.torch.mpi_ops).
-PREFIX_ALIASES = {"horovod.torch.": "phalanx.torch.", "horovod.spark.": "phalanx.spark."}
+PREFIX_ALIASES = {
+    "horovod.torch.": "phalanx.torch.", "horovod.spark.": "phalanx.spark.",
+    "horovod.tensorflow.": "phalanx.tensorflow.", "horovod.keras.": "phalanx.tensorflow.keras.",
+}
 # Synthetic packages: name -> {attribute: (phalanx module, attribute)}, resolved lazily on access.
 SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
     "horovod": {"run": ("phalanx", "run")},
     "sparkdl": {"HorovodRunner": ("phalanx.spark", "HorovodRunner")},
     "sparkdl.horovod": {"log_to_driver": ("phalanx.spark", "log_to_driver")},
+    "sparkdl.horovod.tensorflow": {},
+    "sparkdl.horovod.tensorflow.keras": {"LogCallback": ("phalanx.spark.keras_log", "LogCallback")},
 }
 
 
@@ -89,7 +96,7 @@ class AliasLoader(importlib.abc.Loader):
 
 
 class AliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``horovod``, ``horovod.torch[.*]``, ``horovod.spark[.*]``, ``sparkdl``, ``sparkdl.horovod``."""
+    """Finds ``horovod``, ``horovod.{torch,spark,tensorflow,keras}[.*]``, ``sparkdl``, ``sparkdl.horovod[...]``."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:  # fmt: skip

@@ -66,7 +66,7 @@ def test_real_package_wins(tmp_path: Path) -> None:
 def test_unknown_names_are_not_aliased() -> None:
     out = _python(
         "import phalanx.compat as c; c.install()\n"
-        "try:\n    import horovod.tensorflow\nexcept ImportError as e:\n    print('ImportError')\n"
+        "try:\n    import horovod.mxnet\nexcept ImportError as e:\n    print('ImportError')\n"
         "c.uninstall(); print(c.installed())"
     )
     assert out == "ImportError\nFalse"

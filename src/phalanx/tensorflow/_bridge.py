@@ -1,0 +1,117 @@
+"""The bridge from TensorFlow tensors to phalanx.torch's collectives: numpy arrays through ``tf.numpy_function``.
+
+TensorFlow hands a ``tf.numpy_function`` its inputs as numpy arrays (eagerly, or from inside a graph that
+``model.fit`` traced); they become torch tensors without a copy (``torch.from_numpy``), go through
+``phalanx.torch``'s collectives (so the signature check, the inline and speculative payloads and the
+shared-memory transport all apply), and come back as numpy arrays. bfloat16 travels as its 16-bit pattern:
+numpy has no bfloat16 of its own (TensorFlow's is ``ml_dtypes.bfloat16``), torch has one.
+
+Why numpy_function and not a custom op: nothing is compiled, and the same code runs eagerly and in graphs.
+XLA cannot compile it, so functions that call it must run with ``jit_compile=False``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import torch
+
+import phalanx.torch as ptorch
+from phalanx.errors import CollectiveMismatchError
+from phalanx.torch.process_sets import ProcessSet, global_process_set
+
+# Marks the errors a collective raised inside a graph, so model.fit's wrapper can re-raise them cleanly.
+ERROR_MARK = "[phalanx collective error]"
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A torch view of ``array`` (a copy only when it is not contiguous or is read-only)."""
+    array = np.ascontiguousarray(array)
+    if not array.flags.writeable:
+        array = array.copy()
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def to_numpy(tensor: torch.Tensor, like: np.dtype) -> np.ndarray:
+    """``tensor`` as a numpy array of dtype ``like`` (bfloat16 by its bit pattern)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.contiguous().view(torch.int16).numpy().view(like)
+    return tensor.numpy()
+
+
+def _guard(fn: Any) -> Any:
+    """Run a collective; a phalanx error keeps its text but gets ``ERROR_MARK`` (TF wraps it in an OpError)."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except CollectiveMismatchError as e:
+            raise CollectiveMismatchError(f"{ERROR_MARK} {e}") from e
+
+    return call
+
+
+def np_allreduce(array: np.ndarray, name: str | None, op: int, pre: float, post: float,
+                 process_set: ProcessSet = global_process_set) -> np.ndarray:  # fmt: skip
+    """Allreduce a numpy array through phalanx.torch; returns a new array of the same dtype and shape."""
+    handle = ptorch.allreduce_async(to_torch(array), name=name, op=op, prescale_factor=pre, postscale_factor=post,
+                                    process_set=process_set)  # fmt: skip
+    return to_numpy(ptorch.synchronize(handle), array.dtype)
+
+
+def np_allgather(array: np.ndarray, name: str | None, process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Concatenate every rank's array along dim 0."""
+    out = ptorch.synchronize(ptorch.allgather_async(to_torch(array), name=name, process_set=process_set))
+    return to_numpy(out, array.dtype)
+
+
+def np_broadcast(array: np.ndarray, root_rank: int, name: str | None,
+                 process_set: ProcessSet = global_process_set) -> np.ndarray:  # fmt: skip
+    """``root_rank``'s array on every rank."""
+    out = ptorch.synchronize(ptorch.broadcast_async(to_torch(array), root_rank, name=name, process_set=process_set))
+    return to_numpy(out, array.dtype)
+
+
+def tf_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float = 1.0, post: float = 1.0,
+                 process_set: ProcessSet = global_process_set) -> tf.Tensor:  # fmt: skip
+    """Allreduce a dense TF tensor (eagerly or inside a graph); the result keeps its static shape."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(np_allreduce(tensor.numpy(), name, op, pre, post, process_set))
+
+    def fn(a: np.ndarray) -> np.ndarray:
+        return np_allreduce(a, name, op, pre, post, process_set)
+
+    out = tf.numpy_function(_guard(fn), [tensor], Tout=tensor.dtype, stateful=True, name="phalanx_allreduce")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def tf_allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Allgather a TF tensor along dim 0 (dim 0 may differ between ranks)."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(np_allgather(tensor.numpy(), name, process_set))
+
+    def fn(a: np.ndarray) -> np.ndarray:
+        return np_allgather(a, name, process_set)
+
+    out = tf.numpy_function(_guard(fn), [tensor], Tout=tensor.dtype, stateful=True, name="phalanx_allgather")
+    out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+    return out
+
+
+def tf_broadcast(tensor: tf.Tensor, root_rank: int, name: str | None,
+                 process_set: ProcessSet = global_process_set) -> tf.Tensor:  # fmt: skip
+    """Broadcast a TF tensor from ``root_rank`` (a global rank)."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(np_broadcast(tensor.numpy(), root_rank, name, process_set))
+
+    def fn(a: np.ndarray) -> np.ndarray:
+        return np_broadcast(a, root_rank, name, process_set)
+
+    out = tf.numpy_function(_guard(fn), [tensor], Tout=tensor.dtype, stateful=True, name="phalanx_broadcast")
+    out.set_shape(tensor.shape)
+    return out

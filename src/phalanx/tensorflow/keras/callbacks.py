@@ -1,0 +1,157 @@
+"""Horovod's Keras callbacks (``hvd.callbacks``) for Keras 3."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+from keras.src.utils import io_utils
+
+import phalanx.torch as ptorch
+from phalanx.tensorflow import _bridge, ops
+from phalanx.torch import _reduce as R
+
+
+def model_variables(model: Any) -> list[Any]:
+    """The model's variables and, when it has one, its optimizer's (Horovod's broadcast set)."""
+    variables = list(model.variables)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None:
+        variables.extend(optimizer.variables)
+    return variables
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Broadcast the model's and optimizer's variables from ``root_rank`` at the end of the first batch.
+
+    Keras 3 builds optimizers (and subclassed models) lazily, during the first step, so the variables
+    exist only then; as in Horovod, the broadcast happens after that first batch (its update used averaged
+    gradients on every rank, and the broadcast then makes every rank's weights the root's).
+
+    Args:
+        root_rank: the global rank whose variables win.
+        device: accepted for Horovod compatibility.
+    """
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.broadcast_done = False
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        """Broadcast once, after the first batch."""
+        if self.broadcast_done:
+            return
+        ops.broadcast_variables(model_variables(self.model), self.root_rank, name="BroadcastGlobalVariables")
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Average the epoch's metrics (``logs``) across ranks at the end of each epoch, in one collective.
+
+    Put it before callbacks that read metrics (checkpointing, early stopping, LR schedules on plateau).
+
+    Args:
+        device: accepted for Horovod compatibility.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Replace every numeric metric in ``logs`` by its average over ranks."""
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and isinstance(float(v), float))
+        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+        averaged = _bridge.np_allreduce(values, "MetricAverageCallback:" + ",".join(keys)[:90], R.Average, 1.0, 1.0)
+        for key, value in zip(keys, averaged.tolist()):
+            logs[key] = value
+
+
+def _set_lr(model: Any, value: float) -> None:
+    model.optimizer.learning_rate = value
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
+
+    Args:
+        initial_lr: the base learning rate (usually already scaled by ``hvd.size()``).
+        multiplier: a constant, or a function of the (fractional, when not ``staircase``) epoch.
+        start_epoch: first epoch the schedule applies to.
+        end_epoch: first epoch it no longer applies to (None: until the end).
+        staircase: change once per epoch (True) or every batch with a fractional epoch (False).
+        momentum_correction: accepted for Horovod compatibility; Keras 3 compiles momentum into the training
+            function as a constant, so it is not corrected (see docs/tensorflow.md).
+        steps_per_epoch: batches per epoch for ``staircase=False`` (default: what ``fit`` reports).
+    """
+
+    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.initial_lr = initial_lr
+        self.multiplier = multiplier if callable(multiplier) else (lambda _epoch: multiplier)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def _active(self, epoch: int) -> bool:
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _steps(self) -> int:
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            raise ValueError("LearningRateScheduleCallback(staircase=False) needs steps_per_epoch= (fit does "
+                             "not know the number of steps of this dataset)")  # fmt: skip
+        return int(steps)
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        """Staircase: set the epoch's learning rate."""
+        self.current_epoch = epoch
+        if self.staircase and self._active(epoch):
+            _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        """Smooth schedule: set the learning rate of a fractional epoch."""
+        if not self.staircase and self._active(self.current_epoch):
+            epoch = self.current_epoch + batch / self._steps()
+            _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs`` (Goyal et al.).
+
+    Horovod's formula: ``lr = initial_lr / size * (epoch * (size - 1) / warmup_epochs + 1)`` with a fractional
+    epoch, updated every batch.
+
+    Args:
+        initial_lr: the learning rate after warmup (usually ``base_lr * hvd.size()``).
+        warmup_epochs: epochs of warmup.
+        momentum_correction: accepted for Horovod compatibility (see LearningRateScheduleCallback).
+        steps_per_epoch: batches per epoch (default: what ``fit`` reports).
+        verbose: 1 prints a line when warmup ends.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:  # fmt: skip
+        def multiplier(epoch: float) -> float:
+            size = ptorch.size()
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)  # fmt: skip
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        """At the end of warmup, set exactly ``initial_lr`` (and say so when ``verbose``)."""
+        if epoch == self.warmup_epochs - 1:
+            _set_lr(self.model, self.initial_lr)
+            if self.verbose and ptorch.rank() == 0:
+                io_utils.print_msg(f"\nEpoch {epoch + 1}: finished learning rate warmup to {self.initial_lr:g}.")
