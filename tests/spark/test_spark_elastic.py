@@ -13,7 +13,7 @@ import pytest
 
 from phalanx.env import names as N
 from phalanx.errors import WorkerFailedError
-from phalanx.spark import run, run_elastic
+from phalanx.spark import HorovodRunner, TorchDistributor, run_elastic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multiprocess" / "elastic"))
 import _digits_job as job
@@ -31,7 +31,9 @@ def data() -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def undisturbed(data: tuple[Any, Any]) -> list[dict[str, Any]]:
-    return run(job.train, (data,), {"steps": STEPS, "commit_every": COMMIT_EVERY}, num_proc=2)
+    # TorchDistributor's elastic opt-in, undisturbed: rank 0's value.
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, reset_limit=1)
+    return [distributor.run(job.train, data, steps=STEPS, commit_every=COMMIT_EVERY)]
 
 
 @pytest.mark.timeout(180)
@@ -73,7 +75,7 @@ def test_lost_task_resubmits_the_stage_from_the_last_durable_commit(
 @pytest.mark.timeout(120)
 def test_reset_limit_zero_fails_with_the_root_cause(data: tuple[Any, Any], tmp_path: Path) -> None:
     kwargs = {"steps": 20, "kill_at": 3, "victim": 1, "marker": str(tmp_path / "killed")}
-    with pytest.raises(WorkerFailedError) as info:
-        run_elastic(job.train, (data,), kwargs, num_proc=2, reset_limit=0, env=ENV)
+    with pytest.raises(WorkerFailedError) as info:  # HorovodRunner's elastic opt-in
+        HorovodRunner(np=2, reset_limit=0, driver_log_verbosity="all").run(job.train, data=data, **kwargs)
     assert "SIGKILL" in str(info.value) and "reset_limit=0" in str(info.value)
     assert info.value.root_cause.rank == 1

@@ -18,7 +18,8 @@ from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.warm import preload_for
-from phalanx.spark.api import check_gpu_conf, launch_spark
+from phalanx.spark.api import check_gpu_conf
+from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_context
 from phalanx.spark.shipping import spark_payload
@@ -61,14 +62,28 @@ class TorchDistributor:
         use_gpu: give each rank GPUs: the task's ``TaskContext.resources()["gpu"]`` (or, in local mode,
             the driver's GPUs) as ``CUDA_VISIBLE_DEVICES``; an error when there are none.
 
+        min_np: elastic training (phalanx's opt-in; see docs/elastic.md): the fewest ranks the job may go on
+            with. Giving any of ``min_np``, ``max_np``, ``reset_limit`` or ``checkpoint_dir`` makes a
+            function job elastic: it uses ``hvd.elastic.run``, a lost worker is replaced and the others keep
+            their work, as with :func:`phalanx.spark.run_elastic`. Scripts are not run elastically.
+        max_np: elastic: the most ranks (default ``num_processes``).
+        reset_limit: elastic: most re-formations plus stage re-submissions (default 3).
+        checkpoint_dir: elastic: where commits are also written (shared storage), so that a stage Spark
+            failed (a lost executor) is submitted again and resumes from the last commit.
+
     Raises:
-        InvalidArgumentError: ``num_processes`` is not a positive int.
+        InvalidArgumentError: ``num_processes`` is not a positive int, or bad elastic settings.
     """
 
-    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True) -> None:
+    def __init__(self, num_processes: int = 1, local_mode: bool = True, use_gpu: bool = True, *,
+                 min_np: int | None = None, max_np: int | None = None, reset_limit: int | None = None,
+                 checkpoint_dir: str | None = None) -> None:
         self.num_processes = validate_np(num_processes, "num_processes")
         self.local_mode = bool(local_mode)
         self.use_gpu = bool(use_gpu)
+        self.elastic = elastic_options(min_np, max_np, reset_limit, checkpoint_dir)
+        if self.elastic is not None:
+            self.elastic.check_np(self.num_processes)
 
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_object`` on every rank.
@@ -88,6 +103,10 @@ class TorchDistributor:
             SlotsUnavailableError: the cluster cannot run ``num_processes`` tasks at once.
         """
         if isinstance(train_object, str | os.PathLike):
+            if self.elastic is not None:
+                raise InvalidArgumentError(
+                    "elastic training (min_np/max_np/reset_limit/checkpoint_dir) runs a function that uses "
+                    f"hvd.elastic.run, not a script ({os.fspath(train_object)!r}); pass the training function")
             command = script_command(os.fspath(train_object), args)
             if kwargs:
                 raise InvalidArgumentError(f"a script takes no keyword arguments; got {sorted(kwargs)}")
@@ -116,7 +135,7 @@ class TorchDistributor:
             description=f"TorchDistributor(num_processes={self.num_processes}).run({name})",
             warm_preload=preload,
         )
-        return launch_spark(spec, sc)
+        return launch(spec, sc, self.elastic)
 
     def _gpu_env(self) -> dict[str, str]:
         if not self.use_gpu:
@@ -132,7 +151,9 @@ class TorchDistributor:
     def _local(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from phalanx.launch.api import run as run_local
 
-        return run_local(fn, args=args, kwargs=kwargs, np=self.num_processes, env=self._gpu_env())[0]
+        elastic = local_elastic_kwargs(self.elastic)
+        env = {**self._gpu_env(), **elastic.pop("env", {})}
+        return run_local(fn, args=args, kwargs=kwargs, np=self.num_processes, env=env, **elastic)[0]
 
     def _local_script(self, command: tuple[str, ...]) -> str:
         from phalanx.launch.local import LocalJobSpec, LocalLauncher

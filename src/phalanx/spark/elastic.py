@@ -87,6 +87,19 @@ def elastic_options(min_np: object = None, max_np: object = None, reset_limit: o
     return ElasticOptions(lo, hi, limit, ckpt)
 
 
+def launch(spec: SparkJobSpec, sc: SparkContext, options: ElasticOptions | None) -> SparkLauncher:
+    """Run ``spec``: elastically with ``options``, else as a plain job (:func:`~phalanx.spark.api.launch_spark`)."""
+    return launch_elastic(spec, sc, options) if options is not None else launch_spark(spec, sc)
+
+
+def local_elastic_kwargs(options: ElasticOptions | None) -> dict[str, Any]:
+    """The arguments of :func:`phalanx.run` that make a driver-local job (``np < 0``, ``local_mode``) elastic."""
+    if options is None:
+        return {}
+    return {"min_np": options.min_np, "max_np": options.max_np, "reset_limit": options.reset_limit,
+            "env": options.env({})}
+
+
 def launch_elastic(spec: SparkJobSpec, sc: SparkContext, options: ElasticOptions) -> SparkLauncher:
     """Run ``spec`` elastically; return the launcher of the attempt that completed.
 

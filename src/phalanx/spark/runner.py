@@ -10,7 +10,7 @@ from typing import Any
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.api import resolve_start_timeout
 from phalanx.launch.warm import preload_for
-from phalanx.spark.api import launch_spark
+from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import every_slot, spark_context
 from phalanx.spark.shipping import spark_payload
@@ -30,11 +30,22 @@ class HorovodRunner:
             messages on the driver and keeps every rank's full output in files, which errors name;
             ``"all"`` streams every rank's output, prefixed ``[rank]<stream>:``.
 
+        min_np: elastic training (phalanx's opt-in; see docs/elastic.md): the fewest ranks the job may go on
+            with. Giving any of ``min_np``, ``max_np``, ``reset_limit`` or ``checkpoint_dir`` makes the job
+            elastic: ``main`` uses ``hvd.elastic.run``, a lost worker is replaced and the others keep their
+            work, as with :func:`phalanx.spark.run_elastic`.
+        max_np: elastic: the most ranks (default ``np``).
+        reset_limit: elastic: most re-formations plus stage re-submissions (default 3).
+        checkpoint_dir: elastic: where commits are also written (shared storage), so that a stage Spark
+            failed (a lost executor) is submitted again and resumes from the last commit.
+
     Raises:
-        InvalidArgumentError: ``np`` is not an int, or an unknown verbosity.
+        InvalidArgumentError: ``np`` is not an int, an unknown verbosity, or bad elastic settings.
     """
 
-    def __init__(self, *, np: int, driver_log_verbosity: str = "log_callback_only") -> None:
+    def __init__(self, *, np: int, driver_log_verbosity: str = "log_callback_only", min_np: int | None = None,
+                 max_np: int | None = None, reset_limit: int | None = None,
+                 checkpoint_dir: str | None = None) -> None:
         if isinstance(np, bool) or not isinstance(np, int):
             raise InvalidArgumentError(f"np must be an int (ranks; negative: on the driver); got {np!r}")
         if driver_log_verbosity not in VERBOSITIES:
@@ -43,6 +54,9 @@ class HorovodRunner:
             )
         self.num_processor = np
         self.driver_log_verbosity = driver_log_verbosity
+        self.elastic = elastic_options(min_np, max_np, reset_limit, checkpoint_dir)
+        if self.elastic is not None and np != 0:
+            self.elastic.check_np(abs(np))
 
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
         """Run ``main(**kwargs)`` on every rank and return rank 0's return value.
@@ -65,7 +79,7 @@ class HorovodRunner:
             from phalanx.launch.api import run as run_local
 
             log.info("HorovodRunner(np=%d): %d processes on the driver, no Spark job", np, -np)
-            return run_local(main, kwargs=kwargs, np=-np)[0]
+            return run_local(main, kwargs=kwargs, np=-np, **local_elastic_kwargs(self.elastic))[0]
         payload = spark_payload(main, (), kwargs)
         sc = spark_context()
         if np == 0:
@@ -78,7 +92,7 @@ class HorovodRunner:
             description=f"HorovodRunner(np={np}).run({getattr(main, '__name__', 'main')})",
             warm_preload=preload_for(main),
         )
-        return launch_spark(spec, sc).values[0]
+        return launch(spec, sc, self.elastic).values[0]
 
     def _console(self) -> str:
         return "all" if self.driver_log_verbosity == "all" else "log_callback_only"

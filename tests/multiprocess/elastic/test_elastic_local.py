@@ -85,3 +85,13 @@ def test_a_deterministic_error_on_every_rank_fails_without_a_reset_limit() -> No
     with pytest.raises(WorkerFailedError, match="bad batch at step 3") as info:
         phalanx.run(_raises_everywhere, (3,), np=2, min_np=1, env=ENV)
     assert "holds the training state" in str(info.value)
+
+
+@pytest.mark.timeout(90)
+def test_horovod_runner_on_the_driver_opts_in_with_reset_limit(data: tuple[Any, Any], tmp_path: Path) -> None:
+    from phalanx.spark import HorovodRunner
+
+    kwargs = {"steps": 20, "commit_every": COMMIT_EVERY, "kill_at": 12, "victim": 1, "marker": str(tmp_path / "killed")}
+    out = HorovodRunner(np=-2, reset_limit=1, checkpoint_dir=str(tmp_path / "ckpt")).run(job.train, data=data, **kwargs)
+    assert (tmp_path / "killed").exists() and out["size"] == 2 and out["executed"] == 20 + 12 - 10
+    assert (tmp_path / "ckpt" / "state.pt").exists()

@@ -91,3 +91,21 @@ def test_elastic_options_are_checked_before_spark_starts() -> None:
         elastic_options(min_np="2")
     with pytest.raises(InvalidArgumentError, match="checkpoint_dir"):
         elastic_options(checkpoint_dir="")
+
+
+def test_horovod_runner_and_distributor_opt_in_check_their_arguments_up_front(tmp_path: Any) -> None:
+    from phalanx.spark import HorovodRunner, TorchDistributor
+
+    assert HorovodRunner(np=2).elastic is None and TorchDistributor(2).elastic is None
+    runner = HorovodRunner(np=2, min_np=1, reset_limit=2, checkpoint_dir=str(tmp_path))
+    assert runner.elastic is not None and runner.elastic.reset_limit == 2
+    with pytest.raises(InvalidArgumentError, match=r"min_np <= np <= max_np; got 3 <= 2"):
+        HorovodRunner(np=2, min_np=3)
+    with pytest.raises(InvalidArgumentError, match=r"min_np <= np <= max_np; got 1 <= 3 <= 2"):
+        HorovodRunner(np=-3, max_np=2)
+    with pytest.raises(InvalidArgumentError, match="reset_limit must be an int >= 0; got 'x'"):
+        TorchDistributor(2, local_mode=False, reset_limit="x")  # type: ignore[arg-type]
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(InvalidArgumentError, match="not a script"):
+        TorchDistributor(2, local_mode=False, use_gpu=False, min_np=1).run(str(script))
