@@ -17,6 +17,7 @@ import torch
 
 import phalanx.timeline as timeline
 from phalanx.env import names as N
+from phalanx.errors import NotInitializedError
 from phalanx.torch import _buckets as B
 from phalanx.torch import _reduce as R
 from phalanx.torch import _state, _trace
@@ -113,11 +114,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be >= 1, got {bpps}")
         self._names = _names(self, named_parameters)
         self._compression, self._bpps, self._ps = compression, bpps, ps
-        n = len(groups_of(ps).ranks)
-        self._n = n
-        avg = op == R.Average
-        self._prescale = (1.0 / predivide if avg else 1.0) if predivide != 1.0 else (1.0 / n if avg else 1.0)
-        self._postscale = predivide / n if avg and predivide != 1.0 else 1.0
+        self._op, self._predivide = op, predivide
+        self._phalanx_groups = groups_of(ps)
+        n = len(self._phalanx_groups.ranks)
+        self._rescale(n)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         total = sum(p.numel() * p.element_size() for p in params)
         self._buckets = B.plan(params, fusion_threshold_bytes(total), _split(params, num_groups, groups))
@@ -129,6 +129,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params] if n > 1 else []
         if n > 1:
             self._check_layout()
+
+    def _rescale(self, n: int) -> None:
+        avg, predivide = self._op == R.Average, self._predivide
+        self._n = n
+        self._prescale = (1.0 / predivide if avg else 1.0) if predivide != 1.0 else (1.0 / n if avg else 1.0)
+        self._postscale = predivide / n if avg and predivide != 1.0 else 1.0
+
+    def _follow_world(self) -> None:
+        """After an elastic job re-formed its world: average over the new size, and drop the bookkeeping of
+        the step a failed collective left half done (its buckets' work belongs to the old group)."""
+        try:
+            groups = groups_of(self._ps)
+        except (NotInitializedError, ValueError):
+            return  # after hvd.shutdown(): nothing to follow (and no collective will run)
+        if groups is self._phalanx_groups:
+            return
+        self._phalanx_groups = groups
+        self._rescale(len(groups.ranks))
+        self._passes.clear()
+        self._next = 0
+        self._synchronized = False
+        for bucket in self._buckets:
+            bucket.reset()
 
     def _check_layout(self) -> None:
         from phalanx.torch.functions import allgather_object
@@ -145,6 +168,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
 
     def _hook(self, p: torch.Tensor) -> None:
+        self._follow_world()
         key = id(p)
         count = self._passes.get(key, 0) + 1
         if count > self._bpps:
@@ -178,7 +202,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Parameters without a gradient on this rank contribute zeros and receive the reduced gradient.
         """
-        if self._n > 1:
+        self._follow_world()
+        if self._hooks:
             self._launch_ready(force=True)
             for i, bucket in enumerate(self._buckets):
                 B.wait(bucket, self._compression, self._postscale)
@@ -210,6 +235,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: called after ``backward()`` but before ``step()``/``synchronize()``.
         """
+        self._follow_world()
         if self._next > 0 or any(c == self._bpps for c in self._passes.values()):
             raise ValueError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "

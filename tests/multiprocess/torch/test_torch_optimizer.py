@@ -200,3 +200,47 @@ def test_distributed_optimizer_matches_the_single_process_reference(threshold: s
 @pytest.mark.timeout(120)
 def test_distributed_optimizer_at_three_ranks() -> None:
     assert phalanx.run(_optimizer_job, np=3, env={"HOROVOD_FUSION_THRESHOLD": "4096"}) == [[], [], []]
+
+
+def _goes_on_smaller() -> Any:
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)])
+
+    def step() -> list[float]:
+        (w * float(hvd.rank() + 1)).sum().backward()  # rank r's gradient: r + 1
+        opt.step()
+        opt.zero_grad()
+        return [float(v) for v in w.detach()]
+
+    first, me = step(), hvd.rank()
+    hvd.shutdown()
+    if me == 2:
+        return None
+    # A re-formed world of two (what an elastic job that goes on smaller does): a fresh group, hvd.init().
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          wait_for_workers=False, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=dist.PrefixStore("smaller", store), rank=me, world_size=2)
+    hvd.init()
+    second, size = step(), hvd.size()
+    hvd.shutdown()
+    dist.destroy_process_group()
+    return first, second, size
+
+
+@pytest.mark.timeout(90)
+def test_the_averaging_divisor_follows_the_world_after_a_re_formation() -> None:
+    out = phalanx.run(_goes_on_smaller, np=3)
+    assert out[2] is None
+    for first, second, size in out[:2]:
+        assert size == 2
+        assert first == [-2.0] * 4  # (1 + 2 + 3) / 3
+        assert second == [-3.5] * 4  # then (1 + 2) / 2, not / 3
