@@ -5,12 +5,17 @@ Each job trains the tests' digits MLP (``tests/multiprocess/elastic/_digits_job.
 Prints, per job and in total: completed / failed, the steps replayed (work lost), the accuracy against an
 undisturbed run, the wall time; and checks that no worker process is left behind.
 
-    .venv/bin/python bench/soak.py [--jobs 20] [--seed S]
+    .venv/bin/python bench/soak.py [--jobs 20] [--seed S] [--spark]
+
+``--spark`` runs every job with ``phalanx.spark.run_elastic`` on an embedded ``local[*]`` Spark session
+(no checkpoint directory: a job completes only if its barrier stage survived the kill, the victim being
+replaced in its own task while the other rank keeps its work).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import random
 import statistics
@@ -49,14 +54,31 @@ def one_job(data: Any, args: argparse.Namespace, rng: random.Random, folder: str
     kwargs = {"steps": args.steps, "commit_every": args.commit_every, "kill_at": kill_at, "victim": victim,
               "marker": os.path.join(folder, f"killed.{time.monotonic_ns()}")}
     started = time.perf_counter()
+    env = {N.PHALANX_ELASTIC_TIMEOUT_S: "30"}
     try:
-        out = phalanx.run(job.train, (data,), kwargs, np=args.np, min_np=1, reset_limit=3,
-                          env={N.PHALANX_ELASTIC_TIMEOUT_S: "30"}, prefix_output=False)
+        if args.spark:
+            from phalanx.spark import run_elastic
+
+            out = run_elastic(job.train, (data,), kwargs, num_proc=args.np, min_np=1, reset_limit=3, env=env,
+                              stdout=io.StringIO(), stderr=io.StringIO())
+        else:
+            out = phalanx.run(job.train, (data,), kwargs, np=args.np, min_np=1, reset_limit=3, env=env,
+                              prefix_output=False)
     except Exception as e:  # a failed job is a data point here, not a crash of the soak
         return {"ok": False, "kill_at": kill_at, "victim": victim, "error": f"{type(e).__name__}: {e}"[:300],
                 "seconds": time.perf_counter() - started}
     return {"ok": True, "kill_at": kill_at, "victim": victim, "acc": out[0]["acc"],
             "lost": max(r["executed"] for r in out) - args.steps, "seconds": time.perf_counter() - started}
+
+
+def undisturbed(data: Any, args: argparse.Namespace) -> float:
+    """Rank 0's accuracy after a run without a kill."""
+    kwargs = {"steps": args.steps, "commit_every": args.commit_every}
+    if args.spark:
+        from phalanx.spark import run
+
+        return float(run(job.train, (data,), kwargs, num_proc=args.np, stdout=io.StringIO())[0]["acc"])
+    return float(phalanx.run(job.train, (data,), kwargs, np=args.np, prefix_output=False)[0]["acc"])
 
 
 def main() -> None:
@@ -67,6 +89,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--commit-every", type=int, default=5)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--spark", action="store_true", help="run the jobs with phalanx.spark.run_elastic")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     rng = random.Random(seed)
@@ -74,10 +97,10 @@ def main() -> None:
     base, base_s = 0.0, 0.0
     for _ in range(2):  # the second run is warm, like the soak's jobs
         started = time.perf_counter()
-        base = phalanx.run(job.train, (data,), {"steps": args.steps, "commit_every": args.commit_every},
-                           np=args.np, prefix_output=False)[0]["acc"]
+        base = undisturbed(data, args)
         base_s = time.perf_counter() - started
-    print(f"soak seed {seed}: {args.jobs} jobs x {args.np} ranks, {args.steps} steps, commit every "
+    print(f"soak seed {seed}{' (Spark, local[*])' if args.spark else ''}: {args.jobs} jobs x {args.np} ranks, "
+          f"{args.steps} steps, commit every "
           f"{args.commit_every}; undisturbed: accuracy {base:.2f}%, {base_s:.1f} s")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
