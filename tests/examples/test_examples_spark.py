@@ -51,3 +51,15 @@ def test_horovod_runner_on_spark(local_spark: Any, tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_torch_distributor_ddp_function_on_spark(local_spark: Any) -> None:
     assert load_example("torch_distributor_ddp").main(["--spark", "--epochs", EPOCHS]) > FLOOR
+
+
+@pytest.mark.timeout(180)
+def test_keras_horovod_runner_on_spark(local_spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """HorovodRunner(np=2) with Keras: identical weights, accuracy floor, LogCallback lines on the driver."""
+    pytest.importorskip("tensorflow")
+    result = load_example("keras_spark_digits").main(["--np", "2", "--epochs", EPOCHS])
+    assert result["size"] == 2 and result["weights_agree"]
+    assert result["accuracy"] > FLOOR
+    out = capsys.readouterr().out
+    for epoch in range(1, int(EPOCHS) + 1):
+        assert f"[0]<stdout>:epoch {epoch}: accuracy: " in out, out[-2000:]

@@ -111,10 +111,29 @@ def _embedding_and_mixed_checks(hvd: Any, me: int) -> dict[str, Any]:
         _fit(hvd, model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)))
         out["mixed optimizer"] = base_class(model.optimizer).__name__
         out["agree mixed"] = _agree(hvd, model)
+        out.update(_overflow_on_one_rank(hvd, me))
     finally:
         keras.mixed_precision.set_global_policy("float32")
     out["tf"] = tf.__version__
     return out
+
+
+def _overflow_on_one_rank(hvd: Any, me: int) -> dict[str, Any]:
+    """Only rank 1's float16 gradients overflow: the averaged gradients overflow on both ranks, so both skip
+    the step and halve the loss scale (checking local gradients first would make the ranks disagree)."""
+    import keras
+    import numpy as np
+
+    model = _dense_model(seed=3)  # the same initial weights on both ranks, no broadcast callback
+    # Keras' order, built by hand: compile turns it into DistributedOptimizer(LossScaleOptimizer(SGD)).
+    opt = keras.optimizers.LossScaleOptimizer(hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)))
+    model.compile(optimizer=opt, loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    x = np.full((8, 6), 1e6 if me == 1 else 0.5, dtype="float32")  # 1e6 is inf in float16
+    model.fit(x, np.ones((8, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+    unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    return {"overflow skipped": unchanged, "agree overflow": _agree(hvd, model),
+            "loss scale": float(model.optimizer.dynamic_scale.numpy())}
 
 
 def _checkpoint_checks(hvd: Any, me: int, tmp: str) -> dict[str, Any]:
@@ -167,12 +186,14 @@ def test_ops_dtypes_optimizers_checkpoints(tmp_path: Path) -> None:
     assert r0["broadcast"] == r1["broadcast"] == [1.0]
     assert r0["in tf.function"] == [1.0, 2.0]
     agree = [k for k in r0 if k.startswith("agree")]
-    assert len(agree) == 9
+    assert len(agree) == 10
     for key in agree:
         assert r0[key] is True and r1[key] is True, key
     assert r0["applied steps"] == 2  # 4 batches, 2 backward passes per step
     assert r0["jit_compile"] is False
     assert r0["mixed optimizer"] == "LossScaleOptimizer"
+    assert r0["overflow skipped"] is True and r1["overflow skipped"] is True
+    assert r0["loss scale"] == r1["loss scale"] == 2.0**15 / 2
     assert r0["loaded distributed"] == "True:Adam"
     assert r0["loaded iterations"] == 3 and r0["iterations after load"] == 6
 

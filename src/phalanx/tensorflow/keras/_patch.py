@@ -92,6 +92,7 @@ def _compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -
             kwargs.pop(arg)
             warnings.warn(f"model.compile({arg}=...) is a TensorFlow 1 argument that Keras 3 removed; phalanx "
                           "drops it (remove it from the call)", stacklevel=2)  # fmt: skip
+    optimizer = _distributed_outside(optimizer)
     if O.is_distributed(optimizer):
         if kwargs.get("jit_compile") is True:
             warnings.warn("jit_compile=True is turned off: XLA cannot compile phalanx's allreduce bridge",
@@ -116,6 +117,14 @@ def live_models() -> list[Any]:
     gc.collect()
     _MODELS[:] = [ref for ref in _MODELS if ref() is not None]
     return [m for m in (ref() for ref in _MODELS) if m is not None]
+
+
+def _distributed_outside(optimizer: Any) -> Any:
+    """``LossScaleOptimizer(DistributedOptimizer(x))`` built by hand -> ``DistributedOptimizer(LossScale(x))``."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not O.is_distributed(inner):
+        return optimizer
+    return O.with_options(O.plain_copy(optimizer), O.options_of(inner))
 
 
 def _loss_scaled(model: Any, optimizer: Any, auto_scale_loss: bool) -> Any:
