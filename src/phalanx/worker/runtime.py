@@ -19,6 +19,7 @@ from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.payload import dumps, load_call
 from phalanx.job.records import ErrorRecord, Hello
+from phalanx.worker import dist_backend
 from phalanx.worker.lifeline import die_with_parent
 
 #: Exit code of a worker whose function raised.
@@ -98,6 +99,7 @@ def main() -> int:
     threading.Thread(target=_watchdog, args=(channel,), name="phalanx-watchdog", daemon=True).start()
     channel.send(Kind.HELLO, Hello(rank=rank, pid=os.getpid(), host=contract.identity.hostname).encode())
     _install_compat()
+    dist_backend.install()
     try:
         code = _run(channel, rank)
     finally:

@@ -40,6 +40,15 @@ class ShmProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return NAME
 
+    # A Python process group has no C++ backend to keep its name (DeviceMesh / FSDP2 read it): keep it here.
+    def _set_group_name(self, name: str) -> None:
+        self._phalanx_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """The name torch.distributed gave this group (``_set_group_name``)."""
+        return getattr(self, "_phalanx_name", "")
+
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
         return self.channel is not None and len(tensors) == 1 and tensors[0].device.type == "cpu" and (
             tensors[0].is_contiguous())  # fmt: skip

@@ -1,0 +1,108 @@
+"""torch-native code in a phalanx rank gets the shared-memory backend without code changes.
+
+The worker entry calls :func:`install` before the user's function runs. It wraps
+``torch.distributed.init_process_group`` (now if torch is already imported, else right after
+``torch.distributed`` is first imported, through a one-shot import hook) so that a request for gloo, on a
+job whose ranks all share this host, becomes a request for ``phalanx_shm``
+(:mod:`phalanx.torch.shm.backend`): allreduce, broadcast and barrier of CPU tensors go through shared
+memory and everything else through the gloo group it wraps. ``"gloo"`` becomes ``"phalanx_shm"`` and
+``"cpu:gloo,cuda:nccl"`` becomes ``"cpu:phalanx_shm,cuda:nccl"``; any other backend (nccl, the default
+``None``, mpi) and multi-host jobs are left alone, and ``PHALANX_SHM=0`` turns the substitution off.
+
+This module imports nothing heavy: the backend module (torch) is imported by name only when a call is
+substituted, once torch is fully initialised.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from phalanx.env import names as N
+
+SHM_BACKEND = "phalanx_shm"
+_BACKEND_MODULE = "phalanx.torch.shm.backend"
+_TARGET = "torch.distributed"
+_MARK = "__phalanx_shm_wrapped__"
+
+
+def _same_host(environ: Mapping[str, str]) -> bool:
+    try:
+        world, local = int(environ.get(N.WORLD_SIZE, "1")), int(environ.get(N.LOCAL_WORLD_SIZE, "0"))
+    except ValueError:
+        return False
+    return world >= 2 and local == world
+
+
+def choose(backend: Any, environ: Mapping[str, str]) -> Any:
+    """The backend to really use for ``init_process_group(backend)`` in a rank with ``environ``."""
+    if not isinstance(backend, str) or not _same_host(environ):
+        return backend
+    if environ.get(N.PHALANX_SHM, "1").strip().lower() in ("0", "false", "no", "off"):
+        return backend
+    if backend.lower() == "gloo":
+        return SHM_BACKEND
+    parts = [p.strip() for p in backend.split(",")]
+    if any(p.lower() == "cpu:gloo" for p in parts):
+        return ",".join(f"cpu:{SHM_BACKEND}" if p.lower() == "cpu:gloo" else p for p in parts)
+    return backend
+
+
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        # phalanx.torch's own default group stays as asked: it carries its own shared-memory transport.
+        chosen = backend if caller.startswith("phalanx.") else choose(backend, os.environ)
+        if chosen is not backend:
+            importlib.import_module(_BACKEND_MODULE)  # registers the backend with torch.distributed
+        return original(chosen, *args, **kwargs)
+
+    setattr(init_process_group, _MARK, True)
+    return init_process_group
+
+
+def _patch() -> None:
+    """Wrap ``init_process_group`` in the loaded ``torch.distributed`` (and its ``distributed_c10d``)."""
+    for name in (_TARGET, f"{_TARGET}.distributed_c10d"):
+        module = sys.modules.get(name)
+        fn = getattr(module, "init_process_group", None)
+        if fn is not None and not getattr(fn, _MARK, False):
+            setattr(module, "init_process_group", _wrap(fn))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_patch` right after ``torch.distributed`` is first imported, then steps aside."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _TARGET:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _patch()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Substitute ``phalanx_shm`` for gloo in this process's ``init_process_group`` (idempotent)."""
+    if _TARGET in sys.modules:
+        _patch()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
