@@ -75,7 +75,7 @@ def _patch() -> None:
         module = sys.modules.get(name)
         fn = getattr(module, "init_process_group", None)
         if fn is not None and not getattr(fn, _MARK, False):
-            setattr(module, "init_process_group", _wrap(fn))
+            module.init_process_group = _wrap(fn)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
