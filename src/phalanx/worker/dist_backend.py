@@ -72,7 +72,7 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 def _patch() -> None:
     """Wrap ``init_process_group`` in the loaded ``torch.distributed`` (and its ``distributed_c10d``)."""
     for name in (_TARGET, f"{_TARGET}.distributed_c10d"):
-        module = sys.modules.get(name)
+        module: Any = sys.modules.get(name)
         fn = getattr(module, "init_process_group", None)
         if fn is not None and not getattr(fn, _MARK, False):
             module.init_process_group = _wrap(fn)
