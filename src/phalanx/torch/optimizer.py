@@ -31,22 +31,27 @@ MIN_AUTO_BUCKET_BYTES = 1024 * 1024
 AUTO_BUCKETS = 4
 
 
-def fusion_threshold_bytes(total_bytes: int = 0) -> int:
+def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
     """The largest gradient bucket, in bytes.
 
     ``HOROVOD_FUSION_THRESHOLD`` when set (0 means one bucket per parameter). Unset, the default maximum is
-    128 MiB and the gradients are split into about ``AUTO_BUCKETS`` buckets of at least 1 MiB, so that the
-    first buckets' allreduce overlaps the rest of the backward pass (what Horovod's cycle-time fusion
-    achieves dynamically).
+    128 MiB and, when ``overlap``, the gradients are split into about ``AUTO_BUCKETS`` buckets of at least
+    1 MiB, so that the first buckets' allreduce overlaps the rest of the backward pass (what Horovod's
+    cycle-time fusion achieves dynamically). Without overlap (buckets that travel through shared memory
+    run in ``synchronize()``, after backward) every extra bucket only adds a round of latency, so they are
+    fused up to the maximum.
 
     Args:
         total_bytes: the size of all gradients (for the default split).
+        overlap: whether a bucket's allreduce can run while backward goes on.
 
     Raises:
         ValueError: the variable is not an integer.
     """
     raw = os.environ.get(N.HOROVOD_FUSION_THRESHOLD, "")
     if not raw.strip():
+        if not overlap:
+            return DEFAULT_FUSION_THRESHOLD_BYTES
         auto = max(MIN_AUTO_BUCKET_BYTES, -(-total_bytes // AUTO_BUCKETS))
         return min(DEFAULT_FUSION_THRESHOLD_BYTES, auto)
     try:
@@ -120,7 +125,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rescale(n)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         total = sum(p.numel() * p.element_size() for p in params)
-        self._buckets = B.plan(params, fusion_threshold_bytes(total), _split(params, num_groups, groups))
+        # Shared-memory buckets run in synchronize(), after backward: splitting them buys no overlap.
+        overlap = not (self._phalanx_groups.shm and all(p.device.type == "cpu" for p in params))
+        threshold = fusion_threshold_bytes(total, overlap)
+        self._buckets = B.plan(params, threshold, _split(params, num_groups, groups))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._passes: dict[int, int] = {}
         self._next = 0

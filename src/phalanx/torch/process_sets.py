@@ -27,6 +27,7 @@ class _Groups:
     data: Any
     grad: Any  # the DistributedOptimizer's buckets: their order never interleaves with explicit collectives
     ranks: tuple[int, ...]
+    shm: bool = False  # CPU payloads travel through shared memory (grad: deferred to wait(), see shm._dispatch)
 
 
 class ProcessSet:
@@ -111,6 +112,7 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
     if cached is not None:
         return cached
     world = tuple(range(dist.get_world_size()))
+    via_shm = False
     if ranks == world and dist.get_world_size() == 1:
         ctrl = data = grad = dist.group.WORLD
     else:
@@ -121,7 +123,8 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
         transport = shm.build(ranks, ctrl)  # same-host ranks: payloads and control blocks in shared memory
         if transport is not None:
             shm.register({"ctrl": ctrl, "data": data, "grad": grad}, transport)
-    groups = _Groups(ctrl=ctrl, data=data, grad=grad, ranks=ranks)
+        via_shm = transport is not None
+    groups = _Groups(ctrl=ctrl, data=data, grad=grad, ranks=ranks, shm=via_shm)
     REGISTRY.groups[ranks] = groups
     return groups
 

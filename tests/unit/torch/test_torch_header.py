@@ -132,3 +132,18 @@ def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> N
     for _ in range(S.CONFIRM):
         pred.record(small)
     assert pred.predict() is None  # inline-sized collectives are never speculated on
+
+
+def test_default_fusion_threshold_splits_only_when_buckets_can_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.env import names as N
+    from phalanx.torch.optimizer import DEFAULT_FUSION_THRESHOLD_BYTES, MIN_AUTO_BUCKET_BYTES, fusion_threshold_bytes
+
+    monkeypatch.delenv(N.HOROVOD_FUSION_THRESHOLD, raising=False)
+    assert fusion_threshold_bytes(40 << 20) == 10 << 20  # about 4 buckets, overlapping backward
+    assert fusion_threshold_bytes(1 << 20) == MIN_AUTO_BUCKET_BYTES
+    assert fusion_threshold_bytes(40 << 20, overlap=False) == DEFAULT_FUSION_THRESHOLD_BYTES  # shm: one bucket
+    monkeypatch.setenv(N.HOROVOD_FUSION_THRESHOLD, "4096")
+    assert fusion_threshold_bytes(40 << 20, overlap=False) == 4096  # the user's choice wins
+    monkeypatch.setenv(N.HOROVOD_FUSION_THRESHOLD, "lots")
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='lots'"):
+        fusion_threshold_bytes()
