@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-np", type=int, default=None, help="elastic: most ranks (default: -np)")
     p.add_argument("--reset-limit", type=int, default=None,
                    help="elastic: most re-formations of the world before the job fails (default: no limit)")
+    p.add_argument("--host-discovery-script", default=None,
+                   help="elastic: executable printing host:slots lines, polled every second; the world grows "
+                        "up to --max-np when this machine's slots grow (only this host's names count)")
     p.add_argument("--gloo", action="store_true", help="accepted for horovodrun compatibility (always gloo/NCCL)")
     p.add_argument("--mpi", action="store_true", help="refused: phalanx does not use MPI")
     p.add_argument("--verbose", action="store_true", help="log what the launcher does")
@@ -121,7 +124,7 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
         verbose=ns.verbose,
         timeline=ns.timeline_filename,
         timeline_mark_cycles=ns.timeline_mark_cycles,
-        elastic=elastic_spec(np, ns.min_np, ns.max_np, ns.reset_limit),
+        elastic=elastic_spec(np, ns.min_np, ns.max_np, ns.reset_limit, discovery_script=ns.host_discovery_script),
     )
 
 

@@ -75,6 +75,13 @@ class ElasticPolicy:
         return Decision(True, size)
 
 
+@dataclass(frozen=True)
+class HostsUpdated:
+    """Host discovery reported ``slots`` for the job (a launcher puts this in the monitor's event queue)."""
+
+    slots: int
+
+
 @dataclass
 class ElasticMonitor(JobMonitor):
     """A :class:`JobMonitor` whose lost workers trigger a re-formation while the policy allows.
@@ -132,7 +139,10 @@ class ElasticMonitor(JobMonitor):
             raise WorkerFailedError([replace(root, summary=note), *failures[1:]])
         return [self._load(rank, self._ranks[wid]) for rank, wid in enumerate(self.world)]
 
-    def _handle(self, event: Event | RankExit) -> None:
+    def _handle(self, event: Event | RankExit | HostsUpdated) -> None:
+        if isinstance(event, HostsUpdated):
+            self._grow(event.slots)
+            return
         if isinstance(event, ErrorRecord):
             self._ranks[event.rank].error = event  # judged when the process ends
             return
@@ -161,6 +171,20 @@ class ElasticMonitor(JobMonitor):
             return
         self.resets += 1
         self.world = self.reform(alive, decision.size)
+        while len(self._ranks) <= max(self.world):
+            self.add_worker()
+
+    def _grow(self, slots: int) -> None:
+        """More slots were discovered: add workers up to ``max_np`` (a re-formation: it counts as a reset)."""
+        alive = [w for w, s in enumerate(self._ranks) if not s.exited]
+        size = min(self.policy.max_np, slots)
+        finished = any(s.result is not None for s in self._ranks)
+        if self._stopped_at is not None or finished or size <= len(alive):
+            return
+        if self.policy.reset_limit is not None and self.resets >= self.policy.reset_limit:
+            return  # growing is an opportunity, not a need: the job goes on at its size
+        self.resets += 1
+        self.world = self.reform(alive, size)
         while len(self._ranks) <= max(self.world):
             self.add_worker()
 

@@ -14,6 +14,7 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy
 from phalanx.job.payload import serialize_call
 from phalanx.launch import warm
+from phalanx.launch.discovery import check_script
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 
@@ -111,6 +112,7 @@ def run(
     min_np: int | None = None,
     max_np: int | None = None,
     reset_limit: int | None = None,
+    host_discovery_script: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` local processes; the contract of ``horovod.run``.
 
@@ -135,6 +137,9 @@ def run(
             (``hvd.elastic.run``; see docs/elastic.md).
         max_np: elastic job: the most workers (default ``np``).
         reset_limit: elastic job: the most re-formations before the job fails (default: no limit).
+        host_discovery_script: elastic job: an executable printing ``host:slots`` lines, polled every
+            second; when this machine's slots grow, workers are added up to ``max_np`` and running ranks
+            get ``HostsUpdatedInterrupt`` at their next ``commit()``. Only this host's names count.
 
     Returns:
         Every rank's return value, in rank order (for an elastic job: the final world's).
@@ -159,19 +164,22 @@ def run(
     )
     if verbose:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
-    elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env)
+    elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env, host_discovery_script)
     return (ElasticLocalLauncher(spec, elastic) if elastic else LocalLauncher(spec)).run()
 
 
 def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: int | None,
-                 env: Mapping[str, str] | None = None) -> ElasticSpec | None:
-    """The elastic part of a job, or None when none of ``min_np``/``max_np``/``reset_limit`` is given.
+                 env: Mapping[str, str] | None = None, discovery_script: str | None = None) -> ElasticSpec | None:
+    """The elastic part of a job, or None when none of ``min_np``/``max_np``/``reset_limit`` (or a host
+    discovery script) is given.
 
     Raises:
-        InvalidArgumentError: a bad count, ``min_np > np``, or a bad ``PHALANX_ELASTIC_TIMEOUT_S``.
+        InvalidArgumentError: a bad count, ``min_np > np``, a bad ``PHALANX_ELASTIC_TIMEOUT_S``, or a
+            discovery script that is not an executable file.
     """
-    if min_np is None and max_np is None and reset_limit is None:
+    if min_np is None and max_np is None and reset_limit is None and discovery_script is None:
         return None
+    script = check_script(discovery_script) if discovery_script is not None else None
     lo = validate_np(min_np, "min_np") if min_np is not None else 1
     hi = validate_np(max_np, "max_np") if max_np is not None else max(np, lo)
     if not lo <= np <= hi:
@@ -183,4 +191,4 @@ def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: i
         timeout = float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT_S
     except ValueError as e:
         raise InvalidArgumentError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
-    return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout)
+    return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout, script)

@@ -13,16 +13,18 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from phalanx.env import JobContract, RankIdentity, compose_env, worker_env
 from phalanx.env import elastic as K
 from phalanx.env import names as N
 from phalanx.errors import PhalanxError
 from phalanx.job.channel import DriverChannel
-from phalanx.job.elastic import ElasticMonitor, ElasticPolicy
+from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor
 from phalanx.launch import warm
+from phalanx.launch.discovery import HostDiscovery
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.rendezvous import RendezvousStore
 
@@ -58,10 +60,12 @@ class ElasticSpec:
     Attributes:
         policy: min_np, max_np, reset_limit.
         timeout_s: seconds a worker waits for a round and for one collective (``PHALANX_ELASTIC_TIMEOUT_S``).
+        discovery_script: prints ``host:slots`` lines; polled to grow the world up to ``max_np``.
     """
 
     policy: ElasticPolicy
     timeout_s: float = K.DEFAULT_ELASTIC_TIMEOUT_S
+    discovery_script: str | None = None
 
 
 class ElasticLocalLauncher(LocalLauncher):
@@ -75,10 +79,27 @@ class ElasticLocalLauncher(LocalLauncher):
         self._channel: DriverChannel | None = None
         self._round = -1
         self._target = min(spec.np, elastic.policy.max_np)
+        self._first = self._target  # worker ids below this are the first world's
+        self._discovery: HostDiscovery | None = None
+
+    def run(self) -> list[Any]:
+        """Run the job (see :meth:`LocalLauncher.run`), polling the host discovery script if there is one."""
+        try:
+            return super().run()
+        finally:
+            if self._discovery is not None:
+                self._discovery.stop()
 
     def _channel_size(self) -> int:
         # Every worker id ever used: the first world plus one replacement per worker per reset.
-        return worker_id_budget(self._target, self.elastic.policy.reset_limit)
+        most = self.elastic.policy.max_np if self.elastic.discovery_script else self._first
+        return worker_id_budget(most, self.elastic.policy.reset_limit)
+
+    def _on_slots(self, slots: int) -> None:
+        # In the discovery thread: replacements fill up to the discovered slots from now on; the monitor grows.
+        self._target = max(1, min(slots, self.elastic.policy.max_np))
+        assert self._channel is not None
+        self._channel.events.put(HostsUpdated(slots))  # type: ignore[arg-type]
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         return ElasticMonitor(
@@ -95,6 +116,9 @@ class ElasticLocalLauncher(LocalLauncher):
             self._spawn_worker(template)
         self._publish(list(range(self._target)))
         log.debug("started elastic job: %d workers", self._target)
+        if self.elastic.discovery_script:
+            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_slots)
+            self._discovery.start()
 
     def _spawn_worker(self, template: warm.Template | None) -> int:
         assert self._job is not None and self._channel is not None
@@ -119,7 +143,7 @@ class ElasticLocalLauncher(LocalLauncher):
         publish_round(self._store, self._round, world)
 
     def _holds_state(self, worker: int) -> bool:
-        if worker < self._target:  # the first world: the user's initial state (or the durable checkpoint)
+        if worker < self._first:  # the first world: the user's initial state (or the durable checkpoint)
             return True
         assert self._store is not None
         return self._store.check(K.synced_key(self._round, worker))

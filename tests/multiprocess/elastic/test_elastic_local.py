@@ -95,3 +95,48 @@ def test_horovod_runner_on_the_driver_opts_in_with_reset_limit(data: tuple[Any, 
     out = HorovodRunner(np=-2, reset_limit=1, checkpoint_dir=str(tmp_path / "ckpt")).run(job.train, data=data, **kwargs)
     assert (tmp_path / "killed").exists() and out["size"] == 2 and out["executed"] == 20 + 12 - 10
     assert (tmp_path / "ckpt" / "state.pt").exists()
+
+
+def _grows(marker: str, steps: int) -> dict[str, Any]:
+    import time
+
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0, total=0.0)
+    executed = [0]
+
+    @hvd.elastic.run
+    def loop(state: hvd.elastic.ObjectState) -> float:
+        while state.step < steps:
+            state.total += float(hvd.allreduce(torch.ones(1), op=hvd.Sum))  # adds the world's size
+            state.step += 1
+            executed[0] += 1
+            if state.step == 5 and hvd.size() == 2:
+                if hvd.rank() == 0:
+                    Path(marker).write_text("3")  # the discovery script now reports 3 slots
+                give_up = time.monotonic() + 30
+                while time.monotonic() < give_up:
+                    state.commit()  # raises HostsUpdatedInterrupt once the driver published the bigger world
+                    time.sleep(0.1)
+                raise RuntimeError("the driver never grew the world")
+            if state.step % 5 == 0:
+                state.commit()
+        return float(state.total)
+
+    total = loop(state)
+    return {"rank": hvd.rank(), "size": hvd.size(), "total": total, "executed": executed[0]}
+
+
+@pytest.mark.timeout(90)
+def test_host_discovery_grows_the_world_without_losing_work(tmp_path: Path) -> None:
+    slots = tmp_path / "slots"
+    script = tmp_path / "discover.sh"
+    script.write_text(f'#!/bin/sh\necho "localhost:$(cat {slots} 2>/dev/null || echo 2)"\necho "elsewhere:4"\n')
+    script.chmod(0o755)
+    out = phalanx.run(_grows, (str(slots), 10), np=2, max_np=3, host_discovery_script=str(script), env=ENV)
+    assert [r["rank"] for r in out] == [0, 1, 2] and all(r["size"] == 3 for r in out)
+    assert all(r["total"] == 5 * 2 + 5 * 3 for r in out)  # steps 1-5 on 2 ranks, 6-10 on 3, none replayed
+    assert sorted(r["executed"] for r in out) == [5, 10, 10]  # the new worker ran only steps 6-10
