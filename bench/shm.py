@@ -89,15 +89,27 @@ def _ddp_on_shm(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_shm: dict[str, Any]) -> None:
-    print("training, 2 ranks, steps/s per rank; efficiency = 2-rank steps/s / 1 process (plain optimizer)")
+def _bench_1_thread(steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """bench/train.py's 1-process job on one thread: what each of two ranks gets on a 2-core host."""
+    import torch
+
+    torch.set_num_threads(1)
+    return train._bench_1(steps, rounds)
+
+
+def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_shm: dict[str, Any],
+                 one_thread: dict[str, Any]) -> None:  # fmt: skip
+    print("training, 2 ranks, steps/s per rank; efficiency (eff) = 2-rank steps/s per rank / 1 process alone "
+          f"(plain optimizer, all {os.cpu_count()} cores: with one core per rank the ceiling is "
+          f"~{1 / (os.cpu_count() or 1):.2f} on this host); eff1t = the same over 1 process on 1 thread")
     for name in shm:
-        alone = one[name]["plain"]
-        print(f"  {name}: alone {alone:.2f}/s | hvd shm {shm[name]['hvd']:.2f}/s (eff {shm[name]['hvd'] / alone:.2f})"
-              f" | hvd gloo {gloo[name]['hvd']:.2f}/s (eff {gloo[name]['hvd'] / alone:.2f})"
-              f" | DDP gloo {shm[name]['ddp']:.2f}/s (eff {shm[name]['ddp'] / alone:.2f})"
-              f" | DDP phalanx_shm {ddp_shm[name]['ddp']:.2f}/s (eff {ddp_shm[name]['ddp'] / alone:.2f})"
-              f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x")  # fmt: skip
+        alone, alone1 = one[name]["plain"], one_thread[name]["plain"]
+        rows = {"hvd shm": shm[name]["hvd"], "hvd gloo": gloo[name]["hvd"], "DDP gloo": shm[name]["ddp"],
+                "DDP phalanx_shm": ddp_shm[name]["ddp"]}  # fmt: skip
+        cells = " | ".join(f"{k} {v:.2f}/s (eff {v / alone:.2f}, eff1t {v / alone1:.2f})" for k, v in rows.items())
+        print(f"  {name}: alone {alone:.2f}/s, alone 1 thread {alone1:.2f}/s | {cells}"
+              f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x"
+              f" | DDP phalanx_shm / DDP gloo {ddp_shm[name]['ddp'] / shm[name]['ddp']:.2f}x")  # fmt: skip
 
 
 def main() -> None:
@@ -116,7 +128,8 @@ def main() -> None:
     gloo = _train(args.steps, args.train_rounds, {"PHALANX_SHM": "0"})
     one = phalanx.run(train._bench_1, args=(args.steps, args.train_rounds), np=1)[0]
     ddp_shm = phalanx.run(_ddp_on_shm, args=(args.steps, args.train_rounds), np=2)[0]
-    _print_train(shm, gloo, one, ddp_shm)
+    one_thread = phalanx.run(_bench_1_thread, args=(args.steps, args.train_rounds), np=1)[0]
+    _print_train(shm, gloo, one, ddp_shm, one_thread)
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
 
 

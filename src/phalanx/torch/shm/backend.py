@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
@@ -149,12 +150,19 @@ def _channel(store: Any, rank: int, size: int) -> Channel | None:
     seg = seg or _segment.attach(store.get("shm/name").decode(), total)
     timeout = _setup._float_env("PHALANX_SHM_TIMEOUT_S", _setup.DEFAULT_TIMEOUT_S)
     channel = Channel(seg, 0, size, rank, slot, timeout, f"{NAME} group of {size} (pid {os.getpid()})")
+    fifo, wake_r = _segment.make_fifo()
+    store.set(f"shm/fifo/{rank}", fifo)
     store.add("shm/attached", 1)
-    if rank == 0:
-        try:
-            _wait_count(store, "shm/attached", size, timeout)
-        finally:
-            _segment.unlink(seg.name)  # every rank mapped it (or gave up): the name can go
+    try:
+        _wait_count(store, "shm/attached", size, timeout)
+        names = [store.get(f"shm/fifo/{r}").decode() for r in range(size)]
+        channel.set_wakeups(wake_r, [-1 if r == rank else _segment.open_fifo(n) for r, n in enumerate(names)])
+        store.add("shm/woken", 1)
+        _wait_count(store, "shm/woken", size, timeout)
+    finally:  # every rank mapped the segment and opened the FIFOs (or gave up): the names can go
+        _segment.unlink(fifo)
+        if rank == 0:
+            _segment.unlink(seg.name)
     channel.enable_cma(_setup.cma_wanted())
     return channel
 
@@ -163,14 +171,27 @@ def _wait_count(store: Any, key: str, n: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while int(store.add(key, 0)) < n:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{NAME}: only {int(store.add(key, 0))} of {n} ranks mapped the segment within "
+            raise TimeoutError(f"{NAME}: only {int(store.add(key, 0))} of {n} ranks reached {key!r} within "
                                f"{timeout_s:g} s (PHALANX_SHM_TIMEOUT_S)")  # fmt: skip
         time.sleep(0.001)
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
-    return ShmProcessGroup(rank, size, gloo, _channel(store, rank, size))
+    channel = _channel(store, rank, size)
+    pg = ShmProcessGroup(rank, size, gloo, channel)
+    if channel is not None:  # the wake-up FIFOs go with the group
+        weakref.finalize(pg, _close_fds, [channel.wake_r, *channel.wake_w])
+    return pg
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # already closed
 
 
 if NAME not in dist.Backend.backend_list:
