@@ -87,6 +87,7 @@ class _Engine:
     inflight: set[str] = field(default_factory=set)
     counter: itertools.count[int] = field(default_factory=itertools.count)
     predictors: dict[tuple[int, ...], S.Predictor] = field(default_factory=dict)
+    rounds: dict[tuple[int, ...], int] = field(default_factory=dict)  # negotiated control blocks per membership
 
 
 ENGINE = _Engine()
@@ -174,10 +175,17 @@ def _negotiated(entry: _Entry) -> None:
     _trace.end(entry.row, _trace.NEGOTIATE[entry.coll.sig.kind])
     _trace.begin(entry.row, _trace.RUN[entry.coll.sig.kind])
     headers = rows[:, : H.HEADER_WORDS].tolist()
+    ENGINE.rounds[entry.groups.ranks] = ENGINE.rounds.get(entry.groups.ranks, 0) + 1
     if all(h == headers[0] for h in headers[1:]):  # the common case: identical blocks, nothing to compare
         sigs, detail = [H.decode(headers[0])] * n, None
     else:
         sigs = [H.decode(h) for h in headers]
+        if any(s.kind == "join" for s in sigs):  # some ranks have joined, others have not (see _join)
+            from phalanx.torch import _join
+
+            ENGINE.predictors.setdefault(entry.groups.ranks, S.Predictor()).record(None)
+            _join.negotiated(entry, sigs, ranks, rows)
+            return
         detail = H.find_mismatch(sigs, ranks)
     agreed = None if detail is not None else S.key_of(sigs[0])
     ENGINE.predictors.setdefault(entry.groups.ranks, S.Predictor()).record(agreed)

@@ -34,7 +34,8 @@ F_NUMEL, F_OP, F_ROOT, F_PSET, F_PRE, F_POST, F_GHASH, F_COUNT, F_NBYTES = range
 F_NAMELEN = 22
 F_NAME = 23  # .. 23 + NAME_WORDS
 
-KINDS = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall", 5: "reducescatter", 6: "barrier"}
+KINDS = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall", 5: "reducescatter", 6: "barrier", 7: "join",
+         8: "optimizer step"}  # fmt: skip
 DTYPES = [
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
     torch.float64, torch.bfloat16, torch.bool, torch.complex64, torch.complex128,
@@ -49,6 +50,8 @@ _COMPARE: dict[str, tuple[str, ...]] = {
     "alltoall": ("dtype", "trailing shape"),
     "reducescatter": ("dtype", "shape", "op", "prescale_factor", "postscale_factor"),
     "barrier": (),
+    "join": (),
+    "optimizer step": ("optimizer",),  # root: the DistributedOptimizer's layout id (see _join)
 }
 
 
@@ -178,6 +181,7 @@ def _field(sig: Signature, field: str) -> object:
         "trailing shape": sig.shape[1:],
         "op": sig.op,
         "root_rank": sig.root,
+        "optimizer": sig.root,
         "prescale_factor": sig.prescale,
         "postscale_factor": sig.postscale,
         "name": sig.name,

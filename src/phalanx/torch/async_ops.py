@@ -8,7 +8,6 @@ order each rank issues them (as in ``torch.distributed``); ranks that disagree a
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -233,30 +232,36 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     _engine.run(Barrier(_sig("barrier", None, None, process_set)), process_set)
 
 
-class _Join(Barrier):
-    def aux(self) -> list[int]:
-        return [time.time_ns()]
-
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
-        arrivals = [row[0] for row in aux]
-        self.last = arrivals.index(max(arrivals))
-
-    def finish(self) -> Any:
-        return self.last
-
-
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join``; return the global rank that arrived last.
+    """Wait until every rank has called ``join``; return the global rank that joined last.
 
-    Unlike Horovod, a joined rank does not take part in other ranks' collectives meanwhile: every rank
-    must issue the same collectives before joining (see docs/torch.md).
+    As in Horovod, a rank that has joined keeps taking part in the other ranks' single-tensor allreduces on
+    the global process set (contributing zeros, so ``Average`` still divides by the full size) and in their
+    ``DistributedOptimizer`` steps (zero gradients), so ranks may process different numbers of batches.
+    Other collectives issued while a rank is joined raise ``CollectiveMismatchError`` on the live ranks.
 
     Args:
         device: accepted for compatibility (Horovod's GPU id); unused.
 
     Returns:
-        The rank that called ``join`` last (by wall clock).
+        The global rank that called ``join`` last.
     """
     del device
+    from phalanx.torch import _join
+
     ranks = groups_of(global_process_set).ranks
-    return int(ranks[_engine.run(_Join(_sig("barrier", "join", None, global_process_set)), global_process_set)])
+    _engine.flush()  # earlier collectives first: the round count below is then the same on every rank
+    joined_at = _join.rounds(ranks)
+    while True:
+        coll = _join.Join(_sig("join", None, None, global_process_set), joined_at)
+        last = _engine.run(coll, global_process_set)
+        if last is not None:
+            return int(ranks[last])
+
+
+def optimizer_step(layout: int, process_set: ProcessSet) -> None:
+    """The control block a ``DistributedOptimizer`` sends before waiting for its buckets (lets joined ranks
+    serve the step; see ``_join``)."""
+    from phalanx.torch import _join
+
+    _engine.run(_join.OptimizerStep(_sig("optimizer step", None, None, process_set, root=layout)), process_set)

@@ -19,8 +19,9 @@ import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.errors import NotInitializedError
 from phalanx.torch import _buckets as B
+from phalanx.torch import _join, _state, _trace
 from phalanx.torch import _reduce as R
-from phalanx.torch import _state, _trace
+from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 
@@ -136,6 +137,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_sync = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in params] if n > 1 else []
         if n > 1:
+            layout = [(b.buffer.numel(), b.buffer.dtype, b.buffer.device) for b in self._buckets]
+            self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
             self._check_layout()
 
     def _rescale(self, n: int) -> None:
@@ -213,6 +216,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._follow_world()
         if self._hooks:
             self._launch_ready(force=True)
+            if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
+                A.optimizer_step(self._layout, self._ps)
             for i, bucket in enumerate(self._buckets):
                 B.wait(bucket, self._compression, self._postscale)
                 _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
