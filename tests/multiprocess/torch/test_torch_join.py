@@ -25,6 +25,27 @@ def _allreduces(hvd: Any, x: Any) -> dict[str, Any]:
     return {"sum": hvd.synchronize(h), "avg": hvd.allreduce(x), "min": hvd.allreduce(x, op=hvd.Min), "max": inplace}
 
 
+def _step(hvd: Any, n: int, me: int, step: int, tensors: tuple[Any, Any], fail: list[str]) -> None:
+    """One step of a live rank while ranks 0..step have joined."""
+    import torch
+
+    small, big = tensors
+    predicted = hvd.allreduce(big * (me + 1))  # step 0: the speculative payload, zeros from the joined
+    if not torch.allclose(predicted, _expected(n, step, big)["avg"]):
+        fail.append(f"step {step} predicted average: {predicted[:3].tolist()}")
+    for label, base in (("inline", small), ("payload", big)):
+        got = _allreduces(hvd, base * (me + 1))
+        for op, want in _expected(n, step, base).items():
+            if not torch.allclose(got[op], want):
+                fail.append(f"step {step} {label} {op}: {got[op][:3].tolist()} != {want[:3].tolist()}")
+    try:
+        hvd.allgather(small)
+        fail.append(f"step {step}: allgather with a joined rank did not raise")
+    except RuntimeError as e:
+        if "called hvd.join()" not in str(e) or "rank(s) [0" not in str(e):
+            fail.append(f"step {step}: unclear error {e}")
+
+
 def _collectives_job() -> list[str]:
     import torch
 
@@ -37,20 +58,7 @@ def _collectives_job() -> list[str]:
     for _ in range(10):  # every rank: the big allreduce is predicted (speculative payload) from now on
         hvd.allreduce(big)
     for step in range(me):  # rank r runs r steps, then joins
-        predicted = hvd.allreduce(big * (me + 1))  # step 0: the speculative payload, zeros from the joined
-        if not torch.allclose(predicted, _expected(n, step, big)["avg"]):
-            fail.append(f"step {step} predicted average: {predicted[:3].tolist()}")
-        for label, base in (("inline", small), ("payload", big)):
-            got = _allreduces(hvd, base * (me + 1))
-            for op, want in _expected(n, step, base).items():
-                if not torch.allclose(got[op], want):
-                    fail.append(f"step {step} {label} {op}: {got[op][:3].tolist()} != {want[:3].tolist()}")
-        try:
-            hvd.allgather(small)
-            fail.append(f"step {step}: allgather with a joined rank did not raise")
-        except RuntimeError as e:
-            if "called hvd.join()" not in str(e) or "rank(s) [0" not in str(e):
-                fail.append(f"step {step}: unclear error {e}")
+        _step(hvd, n, me, step, (small, big), fail)
     last = hvd.join()
     if last != n - 1:
         fail.append(f"join returned {last}, expected {n - 1}")
