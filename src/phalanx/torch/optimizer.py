@@ -139,6 +139,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if n > 1:
             layout = [(b.buffer.numel(), b.buffer.dtype, b.buffer.device) for b in self._buckets]
             self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
+        # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(),
+        # and a collective only it issues would not match theirs.
+        if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
             self._check_layout()
 
     def _rescale(self, n: int) -> None:

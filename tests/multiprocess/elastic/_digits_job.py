@@ -43,11 +43,13 @@ def _maybe_die(step: int, kill_at: int | None, victim: int, marker: str | None, 
 
 
 def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at: int | None = None, victim: int = 1,
-          marker: str | None = None, seed: int = 0, kill_task: bool = False) -> dict[str, Any]:
+          marker: str | None = None, seed: int = 0, kill_task: bool = False,
+          distributed_optimizer: bool = False) -> dict[str, Any]:
     """Train a tiny MLP on ``data`` (:func:`load_data`), committing every ``commit_every`` steps.
 
     Rank ``victim`` SIGKILLs itself (``kill_task``: its Spark task) at the start of step ``kill_at`` unless
-    ``marker`` exists (once).
+    ``marker`` exists (once). Gradients are averaged with ``hvd.grouped_allreduce``, or by
+    ``hvd.DistributedOptimizer`` with ``distributed_optimizer``.
 
     Returns:
         ``acc`` (test accuracy, %), ``executed`` (steps this process ran, replays included), ``commits``,
@@ -62,6 +64,8 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
     xtr, ytr, xte, yte = _split(data)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if distributed_optimizer:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt, step=0)
     executed = [0]
     resumed_from: list[int] = []
@@ -75,9 +79,10 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
             idx = torch.randint(0, N_TRAIN, (BATCH_PER_RANK * hvd.size(),), generator=gen)[hvd.rank()::hvd.size()]
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            grads = [p.grad for p in model.parameters()]
-            for p, g in zip(model.parameters(), hvd.grouped_allreduce(grads, op=hvd.Average)):
-                p.grad = g
+            if not distributed_optimizer:
+                grads = [p.grad for p in model.parameters()]
+                for p, g in zip(model.parameters(), hvd.grouped_allreduce(grads, op=hvd.Average)):
+                    p.grad = g
             opt.step()
             state.step += 1
             executed[0] += 1

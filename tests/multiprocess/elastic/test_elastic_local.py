@@ -43,6 +43,18 @@ def test_sigkill_at_a_random_step_loses_at_most_one_commit_interval(
     assert abs(out[0]["acc"] - undisturbed[0]["acc"]) <= 1.0, (kill_at, victim, out, undisturbed)
 
 
+@pytest.mark.timeout(120)
+def test_distributed_optimizer_survives_a_kill_mid_step(
+        data: tuple[Any, Any], undisturbed: list[dict[str, Any]], tmp_path: Path) -> None:
+    kill_at = random.Random().randrange(2, STEPS - 2)
+    kwargs = {"steps": STEPS, "commit_every": COMMIT_EVERY, "kill_at": kill_at, "victim": 1,
+              "marker": str(tmp_path / "killed"), "distributed_optimizer": True}
+    out = phalanx.run(job.train, (data,), kwargs, np=2, min_np=1, reset_limit=3, env=ENV)
+    assert (tmp_path / "killed").exists() and all(r["size"] == 2 for r in out)
+    assert 0 <= max(r["executed"] for r in out) - STEPS < COMMIT_EVERY
+    assert abs(out[0]["acc"] - undisturbed[0]["acc"]) <= 1.0, (kill_at, out, undisturbed)
+
+
 @pytest.mark.timeout(90)
 def test_reset_limit_zero_fails_with_the_root_cause(data: tuple[Any, Any], tmp_path: Path) -> None:
     kwargs = {"steps": 20, "kill_at": 3, "victim": 1, "marker": str(tmp_path / "killed")}
