@@ -73,13 +73,18 @@ def fused_allreduce(
     tensors: list[Any], op: int, compression: type[Compressor], name: str, pre: float = 1.0, post: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[tf.Tensor | None]:  # fmt: skip
-    """The fusion behind ``DistributedOptimizer``: concatenate per dtype, reduce once, split back.
+    """The fusion behind ``DistributedOptimizer``: one ``tf.numpy_function`` call, one collective per dtype.
+
+    Compression applies to each tensor (in TF); the concatenation into one buffer per dtype, the reduction
+    and the split happen in numpy/torch inside the call (TF's own concat + split cost more than the
+    allreduce of a 1.2M-parameter CNN on this machine).
 
     Args:
         tensors: tensors (None entries are passed through).
         op: the reduce op code.
-        compression: applied to each dtype's flat buffer.
-        name: the prefix of each buffer's collective name (``name.float32``).
+        compression: applied to each tensor before the fusion.
+        name: the prefix of each buffer's collective name (``name.float32``; a compressed float32 buffer
+            travels as ``name.float16``).
         pre: prescale factor.
         post: postscale factor.
         process_set: the ranks taking part.
@@ -87,21 +92,14 @@ def fused_allreduce(
     Returns:
         The reduced tensors in the input order.
     """
-    dense = [None if t is None else _dense(t) for t in tensors]
-    groups: dict[tf.DType, list[int]] = {}
-    for i, t in enumerate(dense):
-        if t is not None:
-            groups.setdefault(t.dtype, []).append(i)
-    out: list[tf.Tensor | None] = list(dense)
-    for dtype, idx in groups.items():
-        parts: list[Any] = [dense[i] for i in idx]
-        flat = tf.concat([tf.reshape(p, [-1]) for p in parts], axis=0)
-        sent, ctx = compression.compress(flat)
-        reduced = compression.decompress(_bridge.tf_allreduce(sent, f"{name}.{dtype.name}", op, pre, post,
-                                                              process_set), ctx)  # fmt: skip
-        pieces = tf.split(reduced, [int(np.prod(p.shape)) for p in parts])
-        for i, piece, p in zip(idx, pieces, parts):
-            out[i] = tf.reshape(piece, p.shape)
+    present = [i for i, t in enumerate(tensors) if t is not None]
+    out: list[tf.Tensor | None] = [None] * len(tensors)
+    if not present:
+        return out
+    packed = [compression.compress(_dense(tensors[i])) for i in present]
+    reduced = _bridge.tf_fused_allreduce([p[0] for p in packed], name, op, pre, post, process_set)
+    for i, r, (_, ctx) in zip(present, reduced, packed):
+        out[i] = compression.decompress(r, ctx)
     return out
 
 
