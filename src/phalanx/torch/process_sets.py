@@ -144,12 +144,40 @@ def _register(ps: ProcessSet) -> ProcessSet:
     return ps
 
 
+def _agree(requested: list[list[int]], what: str) -> None:
+    """Check, on every rank, that every rank asked for the same sets (``new_group`` with different ranks
+    on different processes would hang or build wrong groups).
+
+    Raises:
+        CollectiveMismatchError: the ranks asked for different sets (raised on every rank).
+    """
+    if dist.get_world_size() == 1:
+        return
+    from phalanx.torch.functions import allgather_object
+
+    seen = allgather_object(requested, name=what, process_set=global_process_set)
+    if any(s != seen[0] for s in seen[1:]):
+        from phalanx.errors import CollectiveMismatchError
+
+        values = ", ".join(f"rank {r}={s}" for r, s in enumerate(seen))
+        raise CollectiveMismatchError(
+            f"ranks disagree on {what}: {values}. Every rank (members or not) must pass the same ranks, in "
+            "the same order of calls; no process set was registered"
+        )
+
+
 def init_process_sets(process_sets: Sequence[ProcessSet] | None) -> None:
-    """Register the global set and the static sets given to ``hvd.init`` (collective on every rank)."""
+    """Register the global set and the static sets given to ``hvd.init`` (collective on every rank).
+
+    Raises:
+        CollectiveMismatchError: ranks passed different static sets.
+    """
     REGISTRY.reset()
     global_process_set.ranks = list(range(dist.get_world_size()))
     global_process_set.process_set_id = None
     _register(global_process_set)
+    if process_sets:
+        _agree([list(ps.ranks) for ps in process_sets], "hvd.init(process_sets=...)")
     for ps in process_sets or ():
         _register(ps)
 
@@ -179,6 +207,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     Raises:
         ValueError: dynamic process sets are not enabled (set ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), or the
             ranks are invalid.
+        CollectiveMismatchError: ranks passed different sets (a ``RuntimeError``, raised on every rank).
     """
     _state.topology()
     if not _dynamic_enabled():
@@ -187,6 +216,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "of every rank (or pass the set to hvd.init(process_sets=[...]))"
         )
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    _agree([list(ps.ranks)], "add_process_set")
     return _register(ps)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -138,3 +139,38 @@ def test_mismatches_raise_on_every_rank_naming_tensor_ranks_and_values() -> None
         assert report["speculation"][:-1] == expected and report["speculation"][-1] in (0, 1)
         assert report["adasum"].startswith("NotImplementedError")
         assert report["not a member"].startswith("ValueError")
+
+
+def _process_set_disagreement_job(where: str) -> dict[str, Any]:
+    import torch
+
+    import phalanx.torch as hvd
+
+    n, me = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    mine = [0, 1] if me == 0 else list(range(1, n))
+    report: dict[str, Any] = {}
+    if where == "init":  # static sets: the failed init leaves phalanx uninitialized on every rank
+        report["error"] = _raises(lambda: hvd.init(process_sets=[hvd.ProcessSet(mine)]), RuntimeError)
+        report["initialized"] = hvd.is_initialized()
+        return report
+    hvd.init()
+    report["error"] = _raises(lambda: hvd.add_process_set(mine), RuntimeError)
+    ps = hvd.add_process_set([0, 1])  # the job carries on: the same set everywhere registers
+    if me in (0, 1):
+        report["after"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=ps).tolist()
+    hvd.barrier()
+    hvd.shutdown()
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("where", ["add_process_set", "init"])
+def test_ranks_passing_different_process_sets_raise_on_every_rank(np: int, where: str) -> None:
+    reports = phalanx.run(_process_set_disagreement_job, args=(where,), np=np,
+                          env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})  # fmt: skip
+    what = "add_process_set" if where == "add_process_set" else "hvd.init(process_sets=...)"
+    for report in reports:
+        assert report["error"].startswith(f"CollectiveMismatchError: ranks disagree on {what}: "), report
+        assert f"rank 0=[[0, 1]], rank 1=[{list(range(1, np))}]" in report["error"], report["error"]
+        assert report.get("after", [2.0, 2.0]) == [2.0, 2.0] and not report.get("initialized", False)
