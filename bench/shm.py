@@ -7,7 +7,11 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
   (``phalanx.torch.shm.all_reduce`` on the payload group), interleaved round by round; medians.
 * training (bench/train.py's CNN and MLP): DistributedOptimizer with shared memory vs DDP on gloo, steps/s
   per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer).
-  A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference.
+  A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference; a third runs
+  DDP on the ``phalanx_shm`` backend; the efficiency is also given over one process on one thread (each
+  of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there).
+* ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
+  (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks).
 """
 
 from __future__ import annotations
@@ -60,6 +64,55 @@ def _allreduce(rounds: int) -> list[dict[str, float]]:
         rows.append({"bytes": nbytes, **{k: statistics.median(v[1:]) for k, v in times.items()}})
     hvd.shutdown()
     return rows
+
+
+HOST_SIZES = [4 << 10, 1 << 20, 16 << 20]
+
+
+def _hosts_allreduce(hosts: list[str], rounds: int) -> dict[str, Any]:
+    """fp32 allreduce medians with ``HOROVOD_HOSTNAME`` faked per rank (ranks on distinct hosts): the
+    payload group through the transport (hierarchical) and through plain gloo, interleaved, and
+    ``hvd.allreduce_``."""
+    import torch
+    import torch.distributed as dist
+
+    import phalanx.torch as hvd
+    from phalanx.torch import shm
+    from phalanx.torch.process_sets import global_process_set, groups_of
+    from phalanx.torch.shm import _dispatch
+
+    os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
+    hvd.init()
+    data = groups_of(global_process_set).data
+    out: dict[str, Any] = {"routed": id(data) in _dispatch._ROUTES}
+    for nbytes in HOST_SIZES:
+        x = torch.ones(nbytes // 4)
+        calls = max(3, min(100, (4 << 20) // nbytes))
+        paths = {"gloo": lambda x=x: dist.all_reduce(x, group=data), "shm": lambda x=x: shm.all_reduce(x, group=data),
+                 "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum)}  # fmt: skip
+        times: dict[str, list[float]] = {k: [] for k in paths}
+        for _ in range(rounds + 1):
+            for key, fn in paths.items():
+                times[key].append(_time(fn, calls))
+        out[nbytes] = {k: statistics.median(v[1:]) for k, v in times.items()}
+    hvd.shutdown()
+    return out
+
+
+def _print_hosts(rounds: int) -> None:
+    print("ranks on distinct (simulated) hosts, fp32 allreduce medians: the payload group through the transport "
+          "(hierarchical) vs plain gloo, interleaved in one job; hvd.allreduce_ with shm on vs PHALANX_SHM=0 "
+          "(two jobs)")  # fmt: skip
+    for hosts in (["A", "B"], ["A", "A", "B", "B"]):
+        on = phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts))[0]
+        off = phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts), env={"PHALANX_SHM": "0"})[0]
+        print(f"  hosts {''.join(hosts)}: transport {'used' if on['routed'] else 'not used (one rank per host)'}")
+        for n in HOST_SIZES:
+            size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+            r = on[n]
+            print(f"    {size:>6}: gloo {r['gloo'] * 1e3:.3f} ms, transport {r['shm'] * 1e3:.3f} ms "
+                  f"(gloo / transport {r['gloo'] / r['shm']:.2f}x) | hvd on {r['hvd'] * 1e3:.3f} ms, "
+                  f"off {off[n]['hvd'] * 1e3:.3f} ms (off / on {off[n]['hvd'] / r['hvd']:.2f}x)")  # fmt: skip
 
 
 def _print_allreduce(rows: list[dict[str, float]]) -> None:
@@ -119,9 +172,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="training steps per interleaved chunk")
     parser.add_argument("--train-rounds", type=int, default=15)
     parser.add_argument("--skip-train", action="store_true")
+    parser.add_argument("--skip-hosts", action="store_true", help="skip the simulated multi-host allreduces")
     args = parser.parse_args()
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
     _print_allreduce(phalanx.run(_allreduce, args=(args.rounds,), np=2)[0])
+    if not args.skip_hosts:
+        _print_hosts(args.rounds)
     if args.skip_train:
         return
     shm = _train(args.steps, args.train_rounds, {})
