@@ -4,7 +4,8 @@
 ``dist.init_process_group("phalanx_shm")`` (or ``backend="cpu:phalanx_shm"``) gives a process group that
 answers allreduce, broadcast and barrier of CPU tensors through shared memory when every rank of the group
 is on this host, and forwards every other call (and everything on a multi-host group) to a gloo process
-group built on the same store. Experimental: see docs/shm.md.
+group built on the same store. Ranks started by phalanx's worker entry get it in place of gloo without
+code changes (``phalanx.worker.dist_backend``; ``PHALANX_SHM=0`` turns that off). See docs/shm.md.
 """
 
 from __future__ import annotations
