@@ -259,9 +259,11 @@ def join(device: int = -1) -> int:
             return int(ranks[last])
 
 
-def optimizer_step(layout: int, process_set: ProcessSet) -> None:
-    """The control block a ``DistributedOptimizer`` sends before waiting for its buckets (lets joined ranks
-    serve the step; see ``_join``)."""
+def optimizer_step_async(layout: int, process_set: ProcessSet) -> int:
+    """Send the control block a ``DistributedOptimizer`` sends before waiting for its buckets (lets joined
+    ranks serve the step; see ``_join``); returns a handle for :func:`synchronize`. Its round trip overlaps
+    the bucket waits: a joined rank needs only the block itself to start serving."""
     from phalanx.torch import _join
 
-    _engine.run(_join.OptimizerStep(_sig("optimizer step", None, None, process_set, root=layout)), process_set)
+    sig = _sig("optimizer step", None, None, process_set, root=layout)
+    return _engine.submit(_join.OptimizerStep(sig), process_set)

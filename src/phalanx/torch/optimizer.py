@@ -219,12 +219,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._follow_world()
         if self._hooks:
             self._launch_ready(force=True)
+            announce = None
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
-                A.optimizer_step(self._layout, self._ps)
+                announce = A.optimizer_step_async(self._layout, self._ps)
             for i, bucket in enumerate(self._buckets):
                 B.wait(bucket, self._compression, self._postscale)
                 _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
                 bucket.reset()
+            if announce is not None:
+                A.synchronize(announce)
             self._next = 0
         self._passes.clear()
         self._synchronized = True
