@@ -198,24 +198,29 @@ def test_ops_dtypes_optimizers_checkpoints(tmp_path: Path) -> None:
     assert r0["loaded iterations"] == 3 and r0["iterations after load"] == 6
 
 
-def _mismatched_steps_job() -> str:
+def _mismatched_steps_job() -> list[str]:
     import keras
 
     import phalanx.tensorflow.keras as hvd
 
     hvd.init()
-    model = _dense_model()
-    try:
-        _fit(hvd, model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), steps=5 - hvd.rank(), epochs=2)
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+    out = []
+    # Different steps per epoch; then (the job carries on after a mismatch) different numbers of epochs.
+    for steps, epochs in ((5 - hvd.rank(), 2), (3, 2 - hvd.rank())):
+        try:
+            _fit(hvd, _dense_model(), hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), steps=steps, epochs=epochs)
+            out.append("no error")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
 
 
 @pytest.mark.timeout(120)
 def test_ranks_with_different_step_counts_fail_on_every_rank_naming_the_cause() -> None:
     res = phalanx.run(_mismatched_steps_job, np=2, env=ENV)
-    for msg in res:
-        assert msg.startswith("CollectiveMismatchError: Ranks ran different numbers of training steps"), msg
-        assert "steps_per_epoch" in msg
-        assert "model.fit end of epoch 1 after 4 steps" in msg, msg
+    for steps_msg, epochs_msg in res:
+        for msg in (steps_msg, epochs_msg):
+            assert msg.startswith("CollectiveMismatchError: Ranks ran different numbers of training steps"), msg
+            assert "steps_per_epoch" in msg
+        assert "model.fit end of epoch 1 after 4 steps" in steps_msg, steps_msg
+        assert "model.fit end of training after 1 epochs" in epochs_msg, epochs_msg
