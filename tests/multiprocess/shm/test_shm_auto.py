@@ -1,5 +1,6 @@
-"""torch-native code under phalanx gets the shared-memory backend without code changes: a plain
-``init_process_group("gloo")`` (DDP, FSDP2, Lightning) on a one-host job becomes ``phalanx_shm``."""
+"""torch-native code under phalanx gets the shared-memory backend without code changes when it opts in
+(``PHALANX_SHM_NATIVE=1``): a plain ``init_process_group("gloo")`` (DDP, FSDP2, Lightning) on a one-host job
+becomes ``phalanx_shm``; by default it stays gloo."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import phalanx
 
 pytestmark = [pytest.mark.multiprocess]
 
+NATIVE = {"PHALANX_SHM_NATIVE": "1"}
 EXAMPLES = str(Path(__file__).resolve().parents[3] / "examples")
 
 
@@ -66,15 +68,16 @@ def _ddp() -> tuple[str, bool, bool]:
 
 @pytest.mark.timeout(90)
 def test_ddp_on_gloo_request_gets_shared_memory() -> None:
-    for backend, used, same in phalanx.run(_ddp, np=2):
+    for backend, used, same in phalanx.run(_ddp, np=2, env=NATIVE):
         assert (backend, used, same) == ("phalanx_shm", True, True)
     assert _leftovers() == []
 
 
 @pytest.mark.timeout(90)
-def test_switch_off_keeps_gloo() -> None:
-    for backend, used, same in phalanx.run(_ddp, np=2, env={"PHALANX_SHM": "0"}):
-        assert (backend, used, same) == ("gloo", False, True)
+def test_default_and_switch_off_keep_gloo() -> None:
+    for env in ({}, {**NATIVE, "PHALANX_SHM": "0"}):
+        for backend, used, same in phalanx.run(_ddp, np=2, env=env):
+            assert (backend, used, same) == ("gloo", False, True)
 
 
 def _example(name: str, fn: str) -> tuple[str, bool, float]:
@@ -87,7 +90,7 @@ def _example(name: str, fn: str) -> tuple[str, bool, float]:
 
 @pytest.mark.timeout(120)
 def test_fsdp2_trains_on_shared_memory() -> None:
-    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp"), np=2)
+    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp"), np=2, env=NATIVE)
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5  # one epoch on digits (chance: 0.1)
     assert _leftovers() == []
@@ -96,7 +99,7 @@ def test_fsdp2_trains_on_shared_memory() -> None:
 @pytest.mark.timeout(150)
 def test_lightning_ddp_trains_on_shared_memory() -> None:
     pytest.importorskip("lightning")
-    results = phalanx.run(_example, args=("lightning_digits", "train_lightning"), np=2)
+    results = phalanx.run(_example, args=("lightning_digits", "train_lightning"), np=2, env=NATIVE)
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5
     assert _leftovers() == []

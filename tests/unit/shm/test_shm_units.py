@@ -115,13 +115,15 @@ def test_cma_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_backend_choice() -> None:
     from phalanx.worker.dist_backend import choose
 
-    one_host = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert choose("gloo", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == "gloo"  # opt-in only
+    one_host = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PHALANX_SHM_NATIVE": "1"}
     assert choose("gloo", one_host) == "phalanx_shm"
     assert choose("GLOO", one_host) == "phalanx_shm"
     assert choose("cpu:gloo,cuda:nccl", one_host) == "cpu:phalanx_shm,cuda:nccl"
     for other in ("nccl", None, "mpi", "cuda:nccl"):
         assert choose(other, one_host) == other
-    assert choose("gloo", {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == "gloo"  # two hosts
-    assert choose("gloo", {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}) == "gloo"
+    assert choose("gloo", {**one_host, "WORLD_SIZE": "4"}) == "gloo"  # two hosts
+    assert choose("gloo", {**one_host, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}) == "gloo"
+    assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "0"}) == "gloo"
     assert choose("gloo", {**one_host, "PHALANX_SHM": "0"}) == "gloo"
-    assert choose("gloo", {"WORLD_SIZE": "x"}) == "gloo"
+    assert choose("gloo", {**one_host, "WORLD_SIZE": "x"}) == "gloo"
