@@ -73,6 +73,9 @@ PHALANX_SHM_NATIVE = "PHALANX_SHM_NATIVE"
 #: "0" leaves glibc's malloc thresholds alone (hvd.init() raises them: large tensors reuse heap memory
 #: instead of fresh page-faulted mmaps; see phalanx/torch/_malloc.py for the memory trade-off).
 PHALANX_MALLOC_TUNE = "PHALANX_MALLOC_TUNE"
+#: seconds a collective may wait before the stall inspector (phalanx/torch/_stall.py) publishes what this
+#: rank waits on and looks for ranks deadlocked on different process sets; "0" turns it off.
+PHALANX_STALL_CHECK_S = "PHALANX_STALL_CHECK_S"
 
 # --- phalanx knobs a user may set on the driver.
 PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"

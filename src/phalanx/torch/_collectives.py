@@ -106,6 +106,9 @@ class Allreduce(Collective):
     def is_done(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
+    def pending(self) -> list[Any]:
+        return list(self.works)
+
     def finish(self) -> Any:
         for work, wire, out in zip(self.works, self.wire, self.outputs):
             work.wait()
@@ -150,6 +153,9 @@ class Allgather(Collective):
     def is_done(self) -> bool:
         return bool(self.work.is_completed())
 
+    def pending(self) -> list[Any]:
+        return [] if self.work is None else [self.work]
+
     def finish(self) -> Any:
         if self.work is None:
             return self.result
@@ -189,6 +195,9 @@ class Broadcast(Collective):
 
     def is_done(self) -> bool:
         return bool(self.work.is_completed())
+
+    def pending(self) -> list[Any]:
+        return [] if self.work is None else [self.work]
 
     def finish(self) -> Any:
         if self.work is not None:
@@ -243,6 +252,9 @@ class Alltoall(Collective):
     def is_done(self) -> bool:
         return bool(self.work.is_completed())
 
+    def pending(self) -> list[Any]:
+        return [] if self.work is None else [self.work]
+
     def finish(self) -> Any:
         if self.work is not None:
             self.work.wait()
@@ -278,6 +290,9 @@ class Reducescatter(Collective):
 
     def is_done(self) -> bool:
         return self.inner.is_done()
+
+    def pending(self) -> list[Any]:
+        return self.inner.pending()
 
     def finish(self) -> Any:
         if self.result is None:

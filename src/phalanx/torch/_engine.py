@@ -24,7 +24,7 @@ import torch
 
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
-from phalanx.torch import _state, _trace, shm
+from phalanx.torch import _stall, _state, _trace, shm
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 
 
@@ -62,6 +62,10 @@ class Collective:
         """Whether the issued payload work has completed."""
         return True
 
+    def pending(self) -> list[Any]:
+        """The issued payload works ``finish`` will wait for (the stall inspector waits for them first)."""
+        return []
+
     def finish(self) -> Any:
         """Wait for the payload and return the result."""
         raise NotImplementedError
@@ -78,6 +82,7 @@ class _Entry:
     name: str = ""
     spec: tuple[S.Key, torch.Tensor, Any] | None = None
     row: str = ""
+    seq: int = 0  # this collective's index among those this rank issued on its membership (stall inspector)
 
 
 @dataclass
@@ -88,6 +93,7 @@ class _Engine:
     counter: itertools.count[int] = field(default_factory=itertools.count)
     predictors: dict[tuple[int, ...], S.Predictor] = field(default_factory=dict)
     rounds: dict[tuple[int, ...], int] = field(default_factory=dict)  # negotiated control blocks per membership
+    issued: dict[tuple[int, ...], int] = field(default_factory=dict)  # submitted control blocks per membership
 
 
 ENGINE = _Engine()
@@ -97,6 +103,12 @@ def reset() -> None:
     """Forget every pending collective (``hvd.shutdown``)."""
     global ENGINE
     ENGINE = _Engine()
+    _stall.stop()
+
+
+def start_inspector() -> None:
+    """Start the stall inspector for a new ``hvd.init()`` (before its first collective)."""
+    _stall.INSPECTOR.start(lambda: (ENGINE.issued, ENGINE.rounds))
 
 
 def _inline_candidate(coll: Collective) -> torch.Tensor | None:
@@ -130,8 +142,12 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     if n == 1:
         _finish_single(entry)
     else:
+        if _stall.INSPECTOR.broken and (error := _stall.broken(groups.ranks)) is not None:
+            raise error
         if ENGINE.queue:
             advance()  # predictions need every earlier control block: common knowledge on every rank
+        entry.seq = ENGINE.issued[groups.ranks] = ENGINE.issued.get(groups.ranks, 0) + 1
+        _stall.WATCH.entry = entry
         entry.spec = _speculate(coll, groups)
         _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
                                                                   "shape": list(coll.sig.shape)})  # fmt: skip
@@ -226,13 +242,27 @@ def advance(until: _Entry | None = None, block: bool = True) -> None:
     queue = ENGINE.queue
     while queue:
         entry = queue[0]
+        if _stall.INSPECTOR.broken and _abandoned(entry):
+            queue.popleft()
+            continue
         if not block and not entry.work.is_completed():
             return
-        entry.work.wait()
+        _stall.WATCH.entry = entry
+        _stall.wait(entry.work)
         queue.popleft()
         _negotiated(entry)
         if entry is until:
             return
+
+
+def _abandoned(entry: _Entry) -> bool:
+    """Fail a queued entry of a membership abandoned in a deadlock (``_stall``); True when it was."""
+    assert entry.groups is not None
+    entry.error = _stall.broken(entry.groups.ranks)
+    if entry.error is None:
+        return False
+    entry.state = "done"
+    return True
 
 
 def flush() -> None:
@@ -275,6 +305,10 @@ def synchronize(handle: int) -> Any:
             advance(until=entry)
         if entry.error is not None:
             raise entry.error
+        if entry.state == "running" and entry.coll.sig.device == 0:
+            _stall.WATCH.entry = entry
+            for work in entry.coll.pending():
+                _stall.wait(work)
         return entry.coll.finish()
     finally:
         if entry.gathered is not None:

@@ -33,6 +33,7 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | None = None) -
     _state.join_process_group()
     _malloc.tune()  # large tensors reuse heap memory instead of fresh page-faulted mmaps (PHALANX_MALLOC_TUNE)
     try:
+        _engine.start_inspector()  # every rank clears its stall record before the first collective
         P.init_process_sets(process_sets)
         timeline.start_from_env()
     except BaseException:

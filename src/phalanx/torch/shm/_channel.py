@@ -48,6 +48,22 @@ CHECK_S = 0.05
 SELECT_S = 0.002
 
 
+class _Hooks:
+    """The stall inspector's callbacks (``phalanx.torch._stall`` installs them; None: off).
+
+    ``stalled(waited)`` is called at every check of a slow wait and returns an error to raise (the channel
+    is then broken) or None; ``resumed()`` once the wait has ended. ``paused`` > 0 skips them (the
+    optimizer's deferred bucket work, which no engine entry describes).
+    """
+
+    stalled: Callable[[float], Exception | None] | None = None
+    resumed: Callable[[], None] | None = None
+    paused = 0
+
+
+HOOKS = _Hooks()
+
+
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
     """(bytes of the control area rounded to a page, total bytes) of a channel of ``n`` ranks."""
     ctl = -(-(4 * n + 1) * LINE // PAGE) * PAGE
@@ -146,6 +162,7 @@ class Channel:
         words = self.words
         start = time.monotonic()
         next_check, nap = start + CHECK_S, 0.00002
+        stalled = False
         while words[k] < g:
             now = time.monotonic()
             if now - start < YIELD_S:
@@ -158,6 +175,20 @@ class Channel:
             if now >= next_check:
                 next_check = now + CHECK_S
                 self._check(j, g, what, now - start)
+                stalled = self._inspect(now - start, g, what) or stalled
+        if stalled and HOOKS.resumed is not None:
+            HOOKS.resumed()
+
+    def _inspect(self, waited: float, g: int, what: str) -> bool:
+        """Consult the stall inspector; True when it was consulted (raises its error, breaking the channel)."""
+        hook = HOOKS.stalled
+        if hook is None or HOOKS.paused:
+            return False
+        error = hook(waited)
+        if error is not None:
+            self.broken = f"shared-memory {what} on {self.label} was abandoned at step {g}: {error}"
+            raise error
+        return True
 
     def _block(self, words: memoryview, k: int, g: int) -> None:
         if words[k] >= g:

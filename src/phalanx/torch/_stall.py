@@ -1,0 +1,343 @@
+"""The stall inspector: ranks blocked on collectives that can never complete raise instead of hanging.
+
+The signature check (``_header``) compares what the ranks of *one* process set issue. Ranks that issue
+collectives on *different* registered sets (rank 0 on ``[0, 1]`` while rank 1 waits on ``[1, 2]`` or on
+the global set) exchange their control blocks on different groups, so no block ever meets the other, and
+each rank waits for a peer that is itself waiting. Nothing of this runs on the fast path: a wait that has
+not completed after ``PHALANX_STALL_CHECK_S`` seconds makes the rank publish, in the job's store (the
+``TCPStore`` of the default process group), what it waits on — the membership and the collective's index
+on it, its kind and tensor name — together with how many collectives it has issued and negotiated on each
+membership. Every blocked rank then polls every rank's record once per ``POLL_S`` and computes the
+deadlocked ranks: the largest set of blocked ranks each of which waits for at least one rank of the set
+(a wait needs *every* member, so none of them can be the first to move). A rank that is merely slow (it
+has not published, or waits for a rank that runs) keeps everyone waiting, up to the transport's timeout.
+
+A deadlock is confirmed when two polls see the same records (each record has a version that changes with
+every new wait), then the confirming rank writes a verdict for every deadlocked rank, and every one of
+them raises the same ``CollectiveMismatchError``. The abandoned collectives leave their process sets out
+of step: the engine refuses further collectives on those memberships (``broken``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from phalanx.env import names as N
+from phalanx.errors import CollectiveMismatchError
+from phalanx.torch.shm import _channel
+
+DEFAULT_CHECK_S = 5.0
+POLL_S = 1.0  # between two reads of the records once a rank has published (at most the check interval)
+PREFIX = "phalanx.stall/"
+ACK_S = 3 * POLL_S  # how long the rank that confirms a deadlock waits for the others to read the verdict
+
+Ranks = tuple[int, ...]
+
+
+@dataclass
+class Record:
+    """What one rank published: its wait (None: running) and its per-membership counters.
+
+    Attributes:
+        rank: the global rank.
+        version: changes with every publication.
+        wait: ``{"ranks", "seq", "phase", "kind", "name", "psid"}`` or None.
+        issued: control blocks submitted per membership.
+        rounds: control blocks negotiated per membership (their payloads are issued).
+    """
+
+    rank: int
+    version: int = 0
+    wait: dict[str, Any] | None = None
+    issued: dict[Ranks, int] = field(default_factory=dict)
+    rounds: dict[Ranks, int] = field(default_factory=dict)
+
+    def dumps(self) -> str:
+        """The record as JSON."""
+        return json.dumps({"rank": self.rank, "v": self.version, "wait": self.wait,
+                           "issued": [[list(k), v] for k, v in self.issued.items()],
+                           "rounds": [[list(k), v] for k, v in self.rounds.items()]})  # fmt: skip
+
+    @classmethod
+    def loads(cls, text: str) -> Record:
+        """Parse :meth:`dumps` output."""
+        d = json.loads(text)
+        wait = d["wait"]
+        if wait is not None:
+            wait["ranks"] = tuple(wait["ranks"])
+        return cls(rank=d["rank"], version=d["v"], wait=wait,
+                   issued={tuple(k): v for k, v in d["issued"]},
+                   rounds={tuple(k): v for k, v in d["rounds"]})  # fmt: skip
+
+
+def awaited(rec: Record, records: dict[int, Record]) -> list[int]:
+    """The *blocked* peers ``rec``'s wait needs and that have not reached its collective yet.
+
+    A control block waits for peers that have not issued the collective; a payload for peers that have not
+    negotiated it (their payload is issued when they do). Running peers are not listed (they may arrive).
+    """
+    w = rec.wait
+    if w is None:
+        return []
+    out = []
+    for p in w["ranks"]:
+        peer = records.get(p)
+        if p == rec.rank or peer is None or peer.wait is None:
+            continue
+        count = (peer.issued if w["phase"] == "control" else peer.rounds).get(w["ranks"], 0)
+        if count < w["seq"]:
+            out.append(p)
+    return out
+
+
+def deadlocked(records: dict[int, Record]) -> set[int]:
+    """The largest set of blocked ranks in which each waits for at least one rank of the set."""
+    needs = {r: set(awaited(rec, records)) for r, rec in records.items() if rec.wait is not None}
+    stuck = set(needs)
+    changed = True
+    while changed:
+        free = {r for r in stuck if not needs[r] & stuck}
+        stuck -= free
+        changed = bool(free)
+    return stuck
+
+
+def describe(stuck: set[int], records: dict[int, Record]) -> str:
+    """The error text: every deadlocked rank's collective and whom it waits for."""
+    lines = []
+    for r in sorted(stuck):
+        rec = records[r]
+        w = rec.wait
+        assert w is not None
+        ranks = w["ranks"]
+        peers = sorted(set(awaited(rec, records)) & stuck)
+        counts = ", ".join(f"rank {p} issued {records[p].issued.get(ranks, 0)}" for p in peers)
+        name = w["name"] or "<unnamed>"
+        lines.append(
+            f"rank {r} waits in {w['kind']} of tensor {name!r} on process set {w['psid']} (ranks "
+            f"{list(ranks)}; its collective #{w['seq']} there) for {counts} there"
+        )
+    return (
+        "ranks are blocked on collectives of different process sets (a deadlock): " + "; ".join(lines) + ". "
+        "Every rank must issue the collectives of every process set it belongs to in the same order; the "
+        "collectives were abandoned and these process sets cannot be used any more (shut down and restart)"
+    )
+
+
+class Inspector:
+    """This rank's side: publish when stalled, poll, confirm, raise. One instance, ``INSPECTOR``."""
+
+    def __init__(self) -> None:
+        self.check_s = 0.0  # 0: off
+        self.check_td = self.poll_td = timedelta(0)
+        self.store: Any = None
+        self.rank, self.size = 0, 1
+        self.counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]] = lambda: ({}, {})
+        self.mine: Record | None = None  # published and not yet cleared
+        self.version = 0
+        self.next_poll = 0.0
+        self.candidate: dict[int, int] | None = None
+        self.broken: dict[Ranks, str] = {}
+
+    def start(self, counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]]) -> None:
+        """Reset for a new ``hvd.init()`` (before its first collective: every rank clears its record)."""
+        self.__init__()  # type: ignore[misc]
+        self.counters = counters
+        self.check_s = check_interval()
+        if self.check_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
+            self.check_s = 0.0
+            return
+        self.check_td = timedelta(seconds=self.check_s)
+        self.poll_td = timedelta(seconds=min(POLL_S, self.check_s))
+        _channel.HOOKS.stalled, _channel.HOOKS.resumed = on_stall, self.resumed
+        self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.store.set(f"rec/{self.rank}", "")
+        self.store.set(f"verdict/{self.rank}", "")
+
+    def stalled(self, wait: dict[str, Any]) -> CollectiveMismatchError | None:
+        """Called while a wait has lasted at least ``check_s``: publish once, then poll every ``POLL_S``.
+
+        Returns:
+            The error to raise when this rank is part of a confirmed deadlock, else None.
+        """
+        now = time.monotonic()
+        if self.mine is None:
+            issued, rounds = self.counters()
+            self.version += 1
+            self.mine = Record(self.rank, self.version, wait, dict(issued), dict(rounds))
+            self.store.set(f"rec/{self.rank}", self.mine.dumps())
+            self.candidate, self.next_poll = None, now
+        if now < self.next_poll:
+            return None
+        self.next_poll = now + min(POLL_S, self.check_s)
+        return self._poll(self.mine)
+
+    def _poll(self, mine: Record) -> CollectiveMismatchError | None:
+        verdict = self.store.get(f"verdict/{self.rank}").decode()
+        if verdict:
+            d = json.loads(verdict)
+            if d["v"] == mine.version:
+                return self._fail(d["msg"], d["sets"])
+        records = self._records(mine)
+        stuck = deadlocked(records)
+        if self.rank not in stuck:
+            self.candidate = None
+            return None
+        seen = {r: records[r].version for r in stuck}
+        if seen != self.candidate:
+            self.candidate = seen  # confirmed when the next poll sees the same records
+            return None
+        msg = describe(stuck, records)
+        sets = sorted({tuple(w["ranks"]) for r in stuck if (w := records[r].wait) is not None})
+        for r in stuck:
+            self.store.set(f"verdict/{r}", json.dumps({"v": seen[r], "msg": msg, "sets": sets}))
+        error = self._fail(msg, sets)
+        self._await_readers(seen)
+        return error
+
+    def _await_readers(self, seen: dict[int, int]) -> None:
+        """Give the other deadlocked ranks up to ``ACK_S`` to read their verdict (they withdraw their record),
+        so that none of them sees this rank exit first and reports a dead peer instead of the deadlock."""
+        deadline = time.monotonic() + ACK_S
+        waiting = {r for r in seen if r != self.rank}
+        while waiting and time.monotonic() < deadline:
+            for r in list(waiting):
+                text = self.store.get(f"rec/{r}").decode()
+                if not text or Record.loads(text).version != seen[r]:
+                    waiting.discard(r)
+            time.sleep(0.02)
+
+    def _records(self, mine: Record) -> dict[int, Record]:
+        records = {self.rank: mine}
+        for r in range(self.size):
+            key = f"rec/{r}"
+            if r != self.rank and self.store.check([key]):
+                text = self.store.get(key).decode()
+                if text:
+                    records[r] = Record.loads(text)
+        return records
+
+    def _fail(self, msg: str, sets: list[Any]) -> CollectiveMismatchError:
+        for ranks in sets:
+            self.broken[tuple(ranks)] = msg
+        self.resumed()
+        return CollectiveMismatchError(msg)
+
+    def resumed(self) -> None:
+        """The wait ended (or raised): withdraw the published record."""
+        if self.mine is not None:
+            self.mine = None
+            self.candidate = None
+            self.store.set(f"rec/{self.rank}", "")
+
+
+INSPECTOR = Inspector()
+
+
+class _Watch:
+    """The engine entry this rank waits for (set by the engine at each wait point; read only on a stall)."""
+
+    entry: Any = None
+
+
+WATCH = _Watch()
+
+
+def stop() -> None:
+    """Turn the inspector off and forget its state (``hvd.shutdown``)."""
+    INSPECTOR.__init__()  # type: ignore[misc]
+    WATCH.entry = None
+    _channel.HOOKS.stalled = _channel.HOOKS.resumed = None
+
+
+def check_interval() -> float:
+    """``PHALANX_STALL_CHECK_S`` (seconds; 0 turns the inspector off).
+
+    Raises:
+        ValueError: the value is not a number.
+    """
+    raw = os.environ.get(N.PHALANX_STALL_CHECK_S, "").strip()
+    if not raw:
+        return DEFAULT_CHECK_S
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"{N.PHALANX_STALL_CHECK_S}={raw!r} is not a number of seconds (0 turns it off)") from e
+
+
+def current_wait() -> dict[str, Any] | None:
+    """What this rank is blocked on, from ``WATCH`` (None when not inside an engine wait)."""
+    entry = WATCH.entry
+    if entry is None or entry.groups is None:
+        return None
+    ranks = entry.groups.ranks
+    _issued, rounds = INSPECTOR.counters()
+    sig = entry.coll.sig
+    phase = "payload" if rounds.get(ranks, 0) >= entry.seq else "control"
+    return {"ranks": ranks, "seq": entry.seq, "phase": phase, "kind": sig.kind, "name": sig.name,
+            "psid": sig.process_set_id}  # fmt: skip
+
+
+def on_stall(waited: float) -> CollectiveMismatchError | None:
+    """A wait has lasted ``waited`` seconds: consult the inspector (the shared-memory channels call this)."""
+    if INSPECTOR.check_s <= 0 or waited < INSPECTOR.check_s:
+        return None
+    wait = current_wait()
+    return None if wait is None else INSPECTOR.stalled(wait)
+
+
+def _wait_for(work: Any, timeout: timedelta) -> bool:
+    """``work.wait(timeout)``; False when it timed out (a failed work re-raises its own error)."""
+    try:
+        work.wait(timeout)
+        return True
+    except RuntimeError:
+        if work.is_completed():
+            work.wait()  # finished after all, or failed: its own error
+            return True
+        return False
+
+
+def wait(work: Any) -> None:
+    """``work.wait()`` of a CPU (gloo or shared-memory) work, with the stall inspector.
+
+    Raises:
+        CollectiveMismatchError: this rank is part of a confirmed deadlock.
+    """
+    inspector = INSPECTOR
+    if inspector.check_s <= 0:
+        work.wait()
+        return
+    if _wait_for(work, inspector.check_td):
+        return
+    try:
+        waited = inspector.check_s
+        while True:
+            error = on_stall(waited)
+            if error is not None:
+                raise error
+            if _wait_for(work, inspector.poll_td):
+                return
+            waited += inspector.poll_td.total_seconds()
+    finally:
+        inspector.resumed()
+
+
+def broken(ranks: Ranks) -> CollectiveMismatchError | None:
+    """The error for a collective on a membership abandoned in a deadlock, else None."""
+    msg = INSPECTOR.broken.get(ranks)
+    if msg is None:
+        return None
+    return CollectiveMismatchError(
+        f"process set ranks {list(ranks)} cannot run collectives any more: an earlier collective on it was "
+        f"abandoned ({msg})"
+    )
