@@ -34,16 +34,17 @@ def _spy() -> dict[str, Any]:
         out = inner(*args, **kwargs)
         pg = dist.distributed_c10d._get_default_group()
         seen["backend"] = str(dist.get_backend())
-        seen["channel"] = getattr(pg, "channel", None)  # not the group: it must die with destroy
+        seen["calls"] = getattr(pg, "shm_calls", None)  # not the group: it must die with destroy
         return out
 
     dist.init_process_group = spy  # type: ignore[assignment]
     return seen
 
 
-def _used_shm(seen: dict[str, Any]) -> bool:
-    ch = seen.get("channel")
-    return ch is not None and ch.gen > 0
+def _used_shm(seen: dict[str, Any], kinds: tuple[str, ...] = ("allreduce",)) -> bool:
+    """Whether gradient collectives (not only DDP's initial broadcast) went through shared memory."""
+    calls = seen.get("calls")
+    return calls is not None and all(calls[k] > 0 for k in kinds)
 
 
 def _ddp() -> tuple[str, bool, bool]:
@@ -80,17 +81,17 @@ def test_default_and_switch_off_keep_gloo() -> None:
             assert (backend, used, same) == ("gloo", False, True)
 
 
-def _example(name: str, fn: str) -> tuple[str, bool, float]:
+def _example(name: str, fn: str, kinds: tuple[str, ...] = ("allreduce",)) -> tuple[str, bool, float]:
     sys.path.insert(0, EXAMPLES)
     module = __import__(name)
     seen = _spy()
     accuracy = float(getattr(module, fn)(epochs=1))
-    return seen["backend"], _used_shm(seen), accuracy
+    return seen["backend"], _used_shm(seen, kinds), accuracy
 
 
 @pytest.mark.timeout(120)
 def test_fsdp2_trains_on_shared_memory() -> None:
-    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp"), np=2, env=NATIVE)
+    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp", ("allgather", "reduce_scatter")), np=2, env=NATIVE)
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5  # one epoch on digits (chance: 0.1)
     assert _leftovers() == []

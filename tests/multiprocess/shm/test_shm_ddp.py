@@ -30,6 +30,7 @@ def _ddp_job() -> list[str]:
     net = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
     model = torch.nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = pg.shm_calls["allreduce"]
     for _ in range(5):
         opt.zero_grad()
         model(torch.randn(8, 100)).sum().backward()
@@ -39,12 +40,21 @@ def _ddp_job() -> list[str]:
     dist.all_gather(gathered, flat)
     if not torch.equal(gathered[0], gathered[1]):
         bad.append("DDP parameters diverged")
-    if not isinstance(pg, backend.ShmProcessGroup) or pg.channel is None or pg.channel.gen == 0:
-        bad.append(f"shared memory not used: {type(pg).__name__}")
+    if not isinstance(pg, backend.ShmProcessGroup) or pg.shm_calls["allreduce"] - before < 5:
+        bad.append(f"DDP's allreduces did not go through shared memory: {getattr(pg, 'shm_calls', None)}")
     out = torch.empty(4, dtype=torch.int64)
     dist.all_gather_into_tensor(out, torch.tensor([r, r], dtype=torch.int64))
     if out.tolist() != [0, 0, 1, 1]:
-        bad.append(f"all_gather_into_tensor forwarded to gloo: {out.tolist()}")
+        bad.append(f"all_gather_into_tensor: {out.tolist()}")
+    part = torch.empty(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(part, torch.arange(6, dtype=torch.float64) * (r + 1))
+    if part.tolist() != [3.0 * v for v in range(3 * r, 3 * r + 3)]:
+        bad.append(f"reduce_scatter_tensor: {part.tolist()}")
+    dist.reduce_scatter_tensor(part, torch.arange(6, dtype=torch.float64) * (r + 1), op=dist.ReduceOp.AVG)
+    if part.tolist() != [1.5 * v for v in range(3 * r, 3 * r + 3)]:
+        bad.append(f"reduce_scatter_tensor AVG: {part.tolist()}")
+    if pg.shm_calls["allgather"] != 1 or pg.shm_calls["reduce_scatter"] != 2:
+        bad.append(f"all-gather / reduce-scatter not through shared memory: {pg.shm_calls}")
     dist.barrier()
     dist.destroy_process_group()
     return bad

@@ -105,6 +105,22 @@ def test_cma_reads_another_process_and_reports_errors() -> None:
     assert info.value.errno == errno.ESRCH
 
 
+def test_reduce_op_objects_are_recognised() -> None:
+    """Process groups get ``AllreduceOptions.reduceOp`` as a ``ReduceOp`` object (DDP's buckets): it must
+    select the same combiner as the ``RedOpType`` (it used to fall back to gloo silently)."""
+    opts = dist.AllreduceOptions()
+    for op, ok in ((dist.ReduceOp.SUM, True), (dist.ReduceOp.MAX, True)):
+        opts.reduceOp = op
+        assert _ops.supports(opts.reduceOp, torch.float32) is ok
+    assert not _ops.supports(dist.ReduceOp.PREMUL_SUM, torch.float32)
+    opts.reduceOp = dist.ReduceOp.AVG  # FSDP2's reduce-scatter: floating types only (sum, then divide)
+    assert _ops.supports(opts.reduceOp, torch.float32) and not _ops.supports(opts.reduceOp, torch.int64)
+    opts.reduceOp = dist.ReduceOp.SUM
+    out = torch.empty(3)
+    _ops._combiner(opts.reduceOp, torch.float32)(torch.ones(3), torch.full((3,), 2.0), out)
+    assert out.tolist() == [3.0, 3.0, 3.0]
+
+
 def test_cma_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PHALANX_SHM_CMA", raising=False)
     assert _setup.cma_wanted()

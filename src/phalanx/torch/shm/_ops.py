@@ -20,8 +20,15 @@ _Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 _COMBINERS: dict[tuple[object, bool], _Combine] = {}
 
 
+def _kind(op: object) -> object:
+    """The ``ReduceOp.RedOpType`` of ``op``: process groups receive ``AllreduceOptions.reduceOp`` as a
+    ``ReduceOp`` object, which compares equal to its type but does not hash-match it in a dict."""
+    return getattr(op, "op", op) if isinstance(op, dist.ReduceOp) else op
+
+
 def _combiner(op: object, dtype: torch.dtype) -> _Combine:
     """``f(a, b, out)`` for a torch.distributed reduce op; bool follows gloo (sum/max = or, product/min = and)."""
+    op = _kind(op)
     key = (op, dtype == torch.bool)
     try:
         return _COMBINERS[key]
@@ -57,7 +64,10 @@ def _make_combiner(op: object, dtype: torch.dtype) -> _Combine:
 
 
 def supports(op: object, dtype: torch.dtype) -> bool:
-    """Whether :func:`allreduce_` can reduce ``dtype`` with ``op``."""
+    """Whether :func:`allreduce_` can reduce ``dtype`` with ``op`` (a ``RedOpType`` or ``ReduceOp``)."""
+    op = _kind(op)
+    if op == dist.ReduceOp.AVG:  # a sum, then a division (FSDP2's reduce-scatter asks for it)
+        return dtype.is_floating_point or dtype.is_complex
     if dtype.is_complex and op != dist.ReduceOp.SUM:
         return False
     try:
@@ -97,6 +107,10 @@ def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
     reduced by one rank only (like gloo's ring: 1/n of the arithmetic per rank), so results agree bitwise.
     """
     if ch.n == 1:
+        return
+    if _kind(op) == dist.ReduceOp.AVG:
+        allreduce_(ch, t, dist.ReduceOp.SUM)
+        t.div_(ch.n)
         return
     combine = _combiner(op, t.dtype)
     step = max(1, ch.slot_bytes // t.element_size())

@@ -10,6 +10,8 @@ code changes (``phalanx.worker.dist_backend``; ``PHALANX_SHM=0`` turns that off)
 
 from __future__ import annotations
 
+import atexit
+import collections
 import os
 import queue
 import threading
@@ -52,12 +54,19 @@ class _Serial:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"{self._label} worker", daemon=True)
             self._thread.start()
+            _LIVE.add(self)
         self._jobs.put((fn, result, fut))
         return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
     def close(self) -> None:
         """Let the thread end once the calls queued before this one are done."""
         self._jobs.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        """Close, and wait up to ``timeout_s`` for the thread to end."""
+        self.close()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -70,13 +79,32 @@ class _Serial:
                 fut.set_result(result)
 
 
+_LIVE: weakref.WeakSet[_Serial] = weakref.WeakSet()
+EXIT_JOIN_S = 5.0
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """End the worker threads before the interpreter finalizes.
+
+    A daemon thread still returning from ``Future.set_result`` (C++, through pybind) when finalization
+    starts is ended by ``pthread_exit``, whose unwinding through a ``noexcept`` C++ frame aborts the
+    process ("terminate called without an active exception", SIGABRT at exit).
+    """
+    for serial in list(_LIVE):
+        serial.join(EXIT_JOIN_S)
+
+
 class ShmProcessGroup(dist.ProcessGroup):
-    """Shared memory for allreduce / broadcast / barrier of CPU tensors; gloo for the rest."""
+    """Shared memory for allreduce / broadcast / barrier / all-gather-into-tensor / reduce-scatter-tensor of
+    contiguous CPU tensors; gloo for the rest."""
 
     def __init__(self, rank: int, size: int, gloo: Any, channel: Channel | None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.gloo, self.channel = gloo, channel
         self.serial = _Serial(f"{NAME} rank {rank}")
+        #: calls carried by shared memory, by name ("allreduce", "broadcast", "barrier"); the rest went to gloo
+        self.shm_calls: collections.Counter[str] = collections.Counter()
 
     def getBackendName(self) -> str:
         return NAME
@@ -102,6 +130,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         if self._fits(tensors) and _ops.supports(op, tensors[0].dtype):
             ch, flat = self.channel, tensors[0].view(-1)
             assert ch is not None
+            self.shm_calls["allreduce"] += 1
             return self.serial.submit(lambda: _ops.allreduce_(ch, flat, op), tensors)
         return self.gloo.allreduce(tensors, opts or dist.AllreduceOptions())
 
@@ -113,12 +142,14 @@ class ShmProcessGroup(dist.ProcessGroup):
             ch, flat, root = self.channel, tensors[0].view(-1), opts.rootRank
             assert ch is not None
             data = flat.view(torch.uint8) if flat.numel() else flat
+            self.shm_calls["broadcast"] += 1
             return self.serial.submit(lambda: _ops.broadcast_(ch, data, root), tensors)
         return self.gloo.broadcast(tensors, opts or dist.BroadcastOptions())
 
     def barrier(self, opts: Any = None) -> Any:
         """Return once every rank arrived."""
         if self.channel is not None:
+            self.shm_calls["barrier"] += 1
             return self.serial.submit(self.channel.barrier, [])
         return self.gloo.barrier(opts or dist.BarrierOptions())
 
@@ -126,17 +157,47 @@ class ShmProcessGroup(dist.ProcessGroup):
         """Forwarded to gloo."""
         return self.gloo.allgather(outputs, inputs, opts or _c10d.AllgatherOptions())
 
+    def _flat_pair(self, output: Any, inp: Any) -> bool:
+        """Both contiguous CPU tensors of one dtype, ``output`` ``size`` times ``inp``, neither empty."""
+        return (self.channel is not None and isinstance(output, torch.Tensor) and isinstance(inp, torch.Tensor)
+                and output.dtype == inp.dtype and self._fits([output]) and self._fits([inp])
+                and inp.numel() > 0 and output.numel() == self.size() * inp.numel())  # fmt: skip
+
     def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
-        """Forwarded to gloo."""
+        """``dist.all_gather_into_tensor`` (FSDP's parameter all-gather): shared memory for CPU tensors."""
+        if self._flat_pair(output, inp):
+            ch, out, src = self.channel, output.view(-1).view(torch.uint8), inp.view(-1).view(torch.uint8)
+            assert ch is not None
+            self.shm_calls["allgather"] += 1
+            return self.serial.submit(lambda: _ops.allgather_(ch, out, src), [output])
         return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
 
     def all_gather_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
-        """Forwarded to gloo (``dist.all_gather_single`` / ``all_gather_into_tensor``)."""
-        return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
+        """Same as :meth:`_allgather_base` (the name newer torch versions call)."""
+        return self._allgather_base(output, inp, opts)
+
+    def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
+        """``dist.reduce_scatter_tensor`` (FSDP's gradient reduce-scatter): for CPU tensors, a shared-memory
+        allreduce of a copy of ``inp``, of which this rank keeps its part (twice a reduce-scatter's traffic,
+        still well below gloo's time); ops the transport does not reduce go to gloo."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if self._flat_pair(inp, output) and _ops.supports(op, inp.dtype):
+            ch, n, r = self.channel, output.numel(), self.rank()
+            assert ch is not None
+            src, dst = inp.view(-1), output.view(-1)
+
+            def run() -> None:
+                tmp = src.clone()
+                _ops.allreduce_(ch, tmp, op)
+                dst.copy_(tmp[r * n : (r + 1) * n])
+
+            self.shm_calls["reduce_scatter"] += 1
+            return self.serial.submit(run, [output])
+        return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
-        """Forwarded to gloo (``dist.reduce_scatter_tensor``)."""
-        return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
+        """Same as :meth:`_reduce_scatter_base` (the name newer torch versions call)."""
+        return self._reduce_scatter_base(output, inp, opts)
 
     def all_to_all_single(self, *args: Any) -> Any:
         """Forwarded to gloo."""
@@ -149,10 +210,6 @@ class ShmProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:  # type: ignore[override]
         """Forwarded to gloo."""
         return self.gloo.reduce_scatter(outputs, inputs, opts or dist.ReduceScatterOptions())
-
-    def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
-        """Forwarded to gloo."""
-        return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
 
     def alltoall_base(self, *args: Any) -> Any:
         """Forwarded to gloo."""
