@@ -91,7 +91,8 @@ def _example(name: str, fn: str, kinds: tuple[str, ...] = ("allreduce",)) -> tup
 
 @pytest.mark.timeout(120)
 def test_fsdp2_trains_on_shared_memory() -> None:
-    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp", ("allgather", "reduce_scatter")), np=2, env=NATIVE)
+    fsdp_calls = ("allgather", "reduce_scatter")
+    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp", fsdp_calls), np=2, env=NATIVE)
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5  # one epoch on digits (chance: 0.1)
     assert _leftovers() == []

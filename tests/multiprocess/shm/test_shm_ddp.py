@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
 import phalanx
 
 pytestmark = [pytest.mark.multiprocess]
+
+
+def _gather_scatter(pg: Any, r: int) -> list[str]:
+    """all_gather_into_tensor and reduce_scatter_tensor (SUM, AVG) through the group's shared memory."""
+    import torch
+    import torch.distributed as dist
+
+    bad = []
+    out = torch.empty(4, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, torch.tensor([r, r], dtype=torch.int64))
+    if out.tolist() != [0, 0, 1, 1]:
+        bad.append(f"all_gather_into_tensor: {out.tolist()}")
+    part = torch.empty(3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(part, torch.arange(6, dtype=torch.float64) * (r + 1))
+    if part.tolist() != [3.0 * v for v in range(3 * r, 3 * r + 3)]:
+        bad.append(f"reduce_scatter_tensor: {part.tolist()}")
+    dist.reduce_scatter_tensor(part, torch.arange(6, dtype=torch.float64) * (r + 1), op=dist.ReduceOp.AVG)
+    if part.tolist() != [1.5 * v for v in range(3 * r, 3 * r + 3)]:
+        bad.append(f"reduce_scatter_tensor AVG: {part.tolist()}")
+    if pg.shm_calls["allgather"] != 1 or pg.shm_calls["reduce_scatter"] != 2:
+        bad.append(f"all-gather / reduce-scatter not through shared memory: {pg.shm_calls}")
+    return bad
 
 
 def _ddp_job() -> list[str]:
@@ -42,19 +65,7 @@ def _ddp_job() -> list[str]:
         bad.append("DDP parameters diverged")
     if not isinstance(pg, backend.ShmProcessGroup) or pg.shm_calls["allreduce"] - before < 5:
         bad.append(f"DDP's allreduces did not go through shared memory: {getattr(pg, 'shm_calls', None)}")
-    out = torch.empty(4, dtype=torch.int64)
-    dist.all_gather_into_tensor(out, torch.tensor([r, r], dtype=torch.int64))
-    if out.tolist() != [0, 0, 1, 1]:
-        bad.append(f"all_gather_into_tensor: {out.tolist()}")
-    part = torch.empty(3, dtype=torch.float64)
-    dist.reduce_scatter_tensor(part, torch.arange(6, dtype=torch.float64) * (r + 1))
-    if part.tolist() != [3.0 * v for v in range(3 * r, 3 * r + 3)]:
-        bad.append(f"reduce_scatter_tensor: {part.tolist()}")
-    dist.reduce_scatter_tensor(part, torch.arange(6, dtype=torch.float64) * (r + 1), op=dist.ReduceOp.AVG)
-    if part.tolist() != [1.5 * v for v in range(3 * r, 3 * r + 3)]:
-        bad.append(f"reduce_scatter_tensor AVG: {part.tolist()}")
-    if pg.shm_calls["allgather"] != 1 or pg.shm_calls["reduce_scatter"] != 2:
-        bad.append(f"all-gather / reduce-scatter not through shared memory: {pg.shm_calls}")
+    bad += _gather_scatter(pg, r)
     dist.barrier()
     dist.destroy_process_group()
     return bad

@@ -113,7 +113,6 @@ def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
         t.div_(ch.n)
         return
     combine = _combiner(op, t.dtype)
-    step = max(1, ch.slot_bytes // t.element_size())
     size = t.element_size()
     raw = t.view(torch.uint8) if t.numel() else t
     if t.numel() * size <= min(SMALL_BYTES, ch.slot_bytes):
@@ -122,6 +121,13 @@ def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
     if ch.cma:
         _allreduce_cma(ch, t, combine)
         return
+    _allreduce_segment(ch, t, raw, combine)
+
+
+def _allreduce_segment(ch: Channel, t: torch.Tensor, raw: torch.Tensor, combine: _Combine) -> None:
+    """The two-phase step per slot-sized chunk (large allreduces without cross-memory attach)."""
+    step = max(1, ch.slot_bytes // t.element_size())
+    size = t.element_size()
     for start in range(0, t.numel(), step):
         out = t[start : start + step]
         parts = _parts(out.numel(), ch.n)
