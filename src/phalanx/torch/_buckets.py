@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch import shm
+from phalanx.torch import _stall, shm
 from phalanx.torch.compression import Compressor
 
 
@@ -125,8 +125,11 @@ def launch(bucket: Bucket, compression: type[Compressor], group: Any) -> None:
 
 def wait(bucket: Bucket, compression: type[Compressor], postscale: float) -> None:
     """Wait for the bucket's allreduce and leave the reduced gradient in ``buffer`` (hence in ``.grad``)."""
-    bucket.work.wait()
     assert bucket.wire is not None
+    if bucket.wire.is_cuda:
+        bucket.work.wait()
+    else:  # a stall is reported as the step's announcement block (the engine entry submitted just before)
+        _stall.wait(bucket.work)
     if bucket.wire.data_ptr() != bucket.buffer.data_ptr():
         bucket.buffer.copy_(compression.decompress(bucket.wire, bucket.ctx))
     if postscale != 1.0:

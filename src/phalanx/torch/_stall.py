@@ -125,10 +125,18 @@ def describe(stuck: set[int], records: dict[int, Record]) -> str:
             f"rank {r} waits in {w['kind']} of tensor {name!r} on process set {w['psid']} (ranks "
             f"{list(ranks)}; its collective #{w['seq']} there) for {counts} there"
         )
+    joined = [r for r in sorted(stuck) if (records[r].wait or {}).get("kind") == "join"]
+    hint = (
+        f" Rank(s) {joined} called hvd.join(), which serves only the global process set (as in Horovod): "
+        "while a rank is joined, the others may not run collectives or DistributedOptimizer steps on other "
+        "process sets that include it."
+        if joined
+        else ""
+    )
     return (
         "ranks are blocked on collectives of different process sets (a deadlock): " + "; ".join(lines) + ". "
         "Every rank must issue the collectives of every process set it belongs to in the same order; the "
-        "collectives were abandoned and these process sets cannot be used any more (shut down and restart)"
+        "collectives were abandoned and these process sets cannot be used any more (shut down and restart)." + hint
     )
 
 
@@ -157,7 +165,7 @@ class Inspector:
             return
         self.check_td = timedelta(seconds=self.check_s)
         self.poll_td = timedelta(seconds=min(POLL_S, self.check_s))
-        _channel.HOOKS.stalled, _channel.HOOKS.resumed = on_stall, self.resumed
+        _channel.HOOKS.stalled, _channel.HOOKS.resumed, _channel.HOOKS.verdict = on_stall, self.resumed, self.verdict
         self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.store.set(f"rec/{self.rank}", "")
@@ -181,12 +189,23 @@ class Inspector:
         self.next_poll = now + min(POLL_S, self.check_s)
         return self._poll(self.mine)
 
+    def verdict(self) -> CollectiveMismatchError | None:
+        """The error of a deadlock another rank confirmed for this rank's current record, else None (also
+        consulted when a transport fails: a deadlocked peer that raised and exited must not be reported as a
+        dead peer)."""
+        mine = self.mine
+        if mine is None:
+            return None
+        text = self.store.get(f"verdict/{self.rank}").decode()
+        d = json.loads(text) if text else None
+        if d is None or d["v"] != mine.version:
+            return None
+        return self._fail(d["msg"], d["sets"])
+
     def _poll(self, mine: Record) -> CollectiveMismatchError | None:
-        verdict = self.store.get(f"verdict/{self.rank}").decode()
-        if verdict:
-            d = json.loads(verdict)
-            if d["v"] == mine.version:
-                return self._fail(d["msg"], d["sets"])
+        error = self.verdict()
+        if error is not None:
+            return error
         records = self._records(mine)
         stuck = deadlocked(records)
         if self.rank not in stuck:
@@ -198,8 +217,8 @@ class Inspector:
             return None
         msg = describe(stuck, records)
         sets = sorted({tuple(w["ranks"]) for r in stuck if (w := records[r].wait) is not None})
-        for r in stuck:
-            self.store.set(f"verdict/{r}", json.dumps({"v": seen[r], "msg": msg, "sets": sets}))
+        verdicts = [json.dumps({"v": seen[r], "msg": msg, "sets": sets}) for r in stuck]
+        self.store.multi_set([f"verdict/{r}" for r in stuck], verdicts)  # all at once: before any rank acts
         error = self._fail(msg, sets)
         self._await_readers(seen)
         return error
@@ -256,7 +275,7 @@ def stop() -> None:
     """Turn the inspector off and forget its state (``hvd.shutdown``)."""
     INSPECTOR.__init__()  # type: ignore[misc]
     WATCH.entry = None
-    _channel.HOOKS.stalled = _channel.HOOKS.resumed = None
+    _channel.HOOKS.stalled = _channel.HOOKS.resumed = _channel.HOOKS.verdict = None
 
 
 def check_interval() -> float:
@@ -301,10 +320,16 @@ def _wait_for(work: Any, timeout: timedelta) -> bool:
         work.wait(timeout)
         return True
     except RuntimeError:
-        if work.is_completed():
-            work.wait()  # finished after all, or failed: its own error
-            return True
-        return False
+        if not work.is_completed():
+            return False
+    try:
+        work.wait()  # finished after all, or failed: its own error
+    except Exception as e:
+        error = INSPECTOR.verdict()  # a deadlocked peer that raised and exited first
+        if error is not None:
+            raise error from e
+        raise
+    return True
 
 
 def wait(work: Any) -> None:

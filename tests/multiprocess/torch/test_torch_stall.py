@@ -71,3 +71,49 @@ def test_ranks_blocked_on_different_process_sets_raise_on_every_rank(shm: str) -
         assert re.search(r"#(\d+) there\) for rank 0 issued (\d+) there", error), error
         assert report["seconds"] < 30, (rank, report["seconds"])  # check 1 s: detected within ~3 s
         assert report["later"].startswith("CollectiveMismatchError: process set ranks [0, 1, 2] cannot"), report
+
+
+def _join_job(case: str) -> dict[str, Any]:
+    import torch
+
+    import phalanx.torch as hvd
+
+    me = int(os.environ["RANK"])
+    ps = hvd.ProcessSet([1, 2])
+    hvd.init(process_sets=[ps])
+    opt = None
+    if me in (1, 2) and case == "optimizer":  # construction is collective on the set
+        model = torch.nn.Linear(4, 1)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), process_set=ps)
+    report: dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        if me in (0, 2):  # rank 2 joins, but a joined rank serves only the global set
+            hvd.join()
+        elif opt is None:
+            hvd.allreduce(torch.ones(4), name="on.p", process_set=ps)
+        else:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        report["error"] = "no error"
+    except RuntimeError as e:
+        report["error"] = f"{type(e).__name__}: {e}"
+    report["seconds"] = time.monotonic() - start
+    hvd.shutdown()
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("case", "shm"), [("allreduce", "1"), ("optimizer", "0")])
+def test_collectives_on_a_process_set_with_a_joined_rank_raise_instead_of_hanging(case: str, shm: str) -> None:
+    reports = phalanx.run(_join_job, args=(case,), np=3, env={"PHALANX_STALL_CHECK_S": "1", "PHALANX_SHM": shm})
+    print("seconds to raise:", [round(r["seconds"], 1) for r in reports])
+    what = "allreduce of tensor 'on.p'" if case == "allreduce" else "optimizer step"
+    for report in reports:
+        error = report["error"]
+        assert error.startswith("CollectiveMismatchError: ranks are blocked on collectives"), error
+        assert f"rank 1 waits in {what}" in error and "(ranks [1, 2]" in error, error
+        assert "rank 2 waits in join" in error and "rank 0 waits in join" in error, error
+        assert "Rank(s) [0, 2] called hvd.join(), which serves only the global process set" in error, error
+        assert report["seconds"] < 30, report["seconds"]

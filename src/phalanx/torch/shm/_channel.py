@@ -52,12 +52,14 @@ class _Hooks:
     """The stall inspector's callbacks (``phalanx.torch._stall`` installs them; None: off).
 
     ``stalled(waited)`` is called at every check of a slow wait and returns an error to raise (the channel
-    is then broken) or None; ``resumed()`` once the wait has ended. ``paused`` > 0 skips them (the
+    is then broken) or None; ``resumed()`` once the wait has ended; ``verdict()`` before a failure is
+    raised (a deadlocked peer that raised and exited is not a dead peer). ``paused`` > 0 skips them (the
     optimizer's deferred bucket work, which no engine entry describes).
     """
 
     stalled: Callable[[float], Exception | None] | None = None
     resumed: Callable[[], None] | None = None
+    verdict: Callable[[], Exception | None] | None = None  # a confirmed deadlock, raised instead of a failure
     paused = 0
 
 
@@ -214,6 +216,10 @@ class Channel:
             )  # fmt: skip
 
     def _fail(self, cause: str, g: int, what: str, signal: bool = True) -> None:
+        error = HOOKS.verdict() if HOOKS.verdict is not None else None
+        if error is not None:
+            self.broken = f"shared-memory {what} on {self.label} was abandoned at step {g}: {error}"
+            raise error
         if signal and not self.words[0]:
             self.words[0] = 1 + self.me
         self.broken = f"shared-memory {what} on {self.label} failed at step {g}: {cause}"
