@@ -67,6 +67,7 @@ PHALANX_SHM = "PHALANX_SHM"
 PHALANX_SHM_TIMEOUT_S = "PHALANX_SHM_TIMEOUT_S"
 PHALANX_SHM_SLOT_BYTES = "PHALANX_SHM_SLOT_BYTES"
 PHALANX_SHM_CMA = "PHALANX_SHM_CMA"
+PHALANX_SHM_GRAD_ASYNC = "PHALANX_SHM_GRAD_ASYNC"
 #: "1": torch-native code in a one-host job (``init_process_group("gloo")`` run by the worker entry) gets
 #: the phalanx_shm backend instead of gloo. Off by default: DDP on it measured 0.80-1.10x of DDP on gloo.
 PHALANX_SHM_NATIVE = "PHALANX_SHM_NATIVE"

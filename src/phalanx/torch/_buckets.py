@@ -116,11 +116,11 @@ def pack(bucket: Bucket, prescale: float) -> None:
         p.grad = seg
 
 
-def launch(bucket: Bucket, compression: type[Compressor], group: Any) -> None:
-    """Start the bucket's asynchronous allreduce (sum) on ``group``."""
+def launch(bucket: Bucket, compression: type[Compressor], group: Any, inline: bool = False) -> None:
+    """Start the bucket's asynchronous allreduce (sum) on ``group`` (``inline``: see ``shm.all_reduce``)."""
     wire, bucket.ctx = compression.compress(bucket.buffer)
     bucket.wire = wire
-    bucket.work = shm.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    bucket.work = shm.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True, inline=inline)
 
 
 def wait(bucket: Bucket, compression: type[Compressor], postscale: float) -> None:

@@ -19,7 +19,7 @@ import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.errors import NotInitializedError
 from phalanx.torch import _buckets as B
-from phalanx.torch import _join, _state, _trace
+from phalanx.torch import _join, _state, _trace, shm
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
@@ -30,6 +30,7 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 MIN_AUTO_BUCKET_BYTES = 1024 * 1024
 AUTO_BUCKETS = 4
+INLINE_TAIL = 1
 
 
 def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
@@ -126,8 +127,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rescale(n)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         total = sum(p.numel() * p.element_size() for p in params)
-        # Shared-memory buckets run in synchronize(), after backward: splitting them buys no overlap.
-        overlap = not (self._phalanx_groups.shm and all(p.device.type == "cpu" for p in params))
+        # Buckets deferred to synchronize() (shared memory across hosts) buy no overlap by splitting.
+        overlap = shm.overlaps(self._phalanx_groups.grad) or not all(p.device.type == "cpu" for p in params)
         threshold = fusion_threshold_bytes(total, overlap)
         self._buckets = B.plan(params, threshold, _split(params, num_groups, groups))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -208,7 +209,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             B.pack(bucket, self._prescale)
             _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
             _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
-            B.launch(bucket, self._compression, groups_of(self._ps).grad)
+            inline = force or self._next >= len(self._buckets) - INLINE_TAIL
+            B.launch(bucket, self._compression, groups_of(self._ps).grad, inline)
             self._next += 1
 
     def synchronize(self) -> None:

@@ -18,6 +18,7 @@ import phalanx
 from phalanx.errors import ShmTransportError, WorkerFailedError
 from phalanx.torch.shm import _ops, _segment
 from phalanx.torch.shm._channel import Channel, layout
+from phalanx.torch.shm._serial import Serial
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -87,6 +88,24 @@ def test_stalled_peer_hits_the_deadline() -> None:
     assert _leftovers() == []
 
 
+@pytest.mark.timeout(60)
+def test_peer_killed_during_a_worker_thread_allreduce_fails_its_waiter() -> None:
+    """The grad worker thread (PHALANX_SHM_GRAD_ASYNC) hands a dead peer's error to the waiting caller."""
+    ch, peer = _pair("kill", timeout_s=60.0)
+    worker = Serial("test grad")
+    pending = worker.call(lambda: _ops.allreduce_(ch, torch.ones(100_000), dist.ReduceOp.SUM))
+    later = worker.call(lambda: _ops.allreduce_(ch, torch.ones(3), dist.ReduceOp.SUM), inline=True)
+    start = time.monotonic()
+    with pytest.raises(ShmTransportError, match=r"has died"):
+        pending.wait()
+    with pytest.raises(ShmTransportError, match="cannot be used after a failure"):
+        later.wait()  # queued behind the failed call: fails at once instead of waiting again
+    assert time.monotonic() - start < 10
+    assert worker.close(timeout_s=5.0)
+    assert peer.wait(10) == -signal.SIGKILL
+    assert _leftovers() == []
+
+
 def test_sweep_removes_segments_of_dead_creators() -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -118,8 +137,11 @@ def _die_mid_training(mode: str) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("mode", ["kill", "raise"])
-def test_no_leak_when_a_rank_dies(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "grad_async"), [("kill", "0"), ("raise", "0"), ("kill", "1")])
+def test_no_leak_when_a_rank_dies(mode: str, grad_async: str) -> None:
+    env = {"PHALANX_SHM_SLOT_BYTES": "65536", "PHALANX_SHM_GRAD_ASYNC": grad_async}
+    if grad_async == "1":  # two buckets: the survivor's worker thread waits in one when its peer is gone
+        env["HOROVOD_FUSION_THRESHOLD"] = "100000"
     with pytest.raises(WorkerFailedError):
-        phalanx.run(_die_mid_training, args=(mode,), np=2, env={"PHALANX_SHM_SLOT_BYTES": "65536"})
+        phalanx.run(_die_mid_training, args=(mode,), np=2, env=env)
     assert _leftovers() == []

@@ -116,9 +116,13 @@ def test_joined_ranks_serve_allreduces_and_refuse_other_collectives(np: int) -> 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("np", "shm"), [(2, "1"), (3, "1"), (2, "0")])
+@pytest.mark.parametrize(("np", "shm"), [(2, "1"), (3, "1"), (2, "0"), (2, "async")])
 def test_distributed_optimizer_with_uneven_batches_and_join(np: int, shm: str) -> None:
-    reports = phalanx.run(_optimizer_job, np=np, env={"PHALANX_SHM": shm})
+    # async: the live ranks' buckets (one per parameter) wait on the worker thread until the joined rank
+    # has seen the step's control block and serves them.
+    env = {"PHALANX_SHM": "1", "PHALANX_SHM_GRAD_ASYNC": "1", "HOROVOD_FUSION_THRESHOLD": "0"} if shm == "async" \
+        else {"PHALANX_SHM": shm}  # fmt: skip
+    reports = phalanx.run(_optimizer_job, np=np, env=env)
     assert [r["last"] for r in reports] == [np - 1] * np
     assert all(r["same as reference"] for r in reports), reports
     assert all(r["final"] == reports[-1]["final"] for r in reports)

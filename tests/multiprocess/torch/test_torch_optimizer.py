@@ -191,10 +191,12 @@ def _optimizer_job() -> list[str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("threshold", ["1024", ""])
-def test_distributed_optimizer_matches_the_single_process_reference(threshold: str) -> None:
+@pytest.mark.parametrize(("threshold", "grad_async"), [("1024", "0"), ("", "0"), ("1024", "1")])
+def test_distributed_optimizer_matches_the_single_process_reference(threshold: str, grad_async: str) -> None:
     # 1 KiB: many buckets (hooks fire in different orders across ranks); "": the 128 MiB default.
-    assert phalanx.run(_optimizer_job, np=2, env={"HOROVOD_FUSION_THRESHOLD": threshold}) == [[], []]
+    # grad_async: the buckets are reduced on the shared-memory worker thread while backward runs.
+    env = {"HOROVOD_FUSION_THRESHOLD": threshold, "PHALANX_SHM_GRAD_ASYNC": grad_async}
+    assert phalanx.run(_optimizer_job, np=2, env=env) == [[], []]
 
 
 @pytest.mark.timeout(120)

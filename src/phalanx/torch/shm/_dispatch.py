@@ -3,9 +3,13 @@
 qualifies (CPU, contiguous, a supported op), by ``torch.distributed`` otherwise.
 
 Shared-memory work runs in the caller's thread and is complete when the call returns, except on a
-``grad`` channel (the ``DistributedOptimizer``'s buckets): there it is *deferred* to ``wait()``, in launch
-order, so that a bucket launched from a gradient hook never blocks backward waiting for a rank that has
-not produced that gradient yet (and is perhaps itself waiting in an explicit collective).
+``grad`` channel (the ``DistributedOptimizer``'s buckets), whose calls never block the caller: a bucket
+launched from a gradient hook must not block backward waiting for a rank that has not produced that
+gradient yet (and is perhaps itself waiting in an explicit collective). On a single-host transport they run
+*asynchronously* on the transport's grad worker thread (``_serial``), in launch order, so a bucket is reduced
+while backward goes on; across hosts they are *deferred* to ``wait()``, in launch order, in the caller's
+thread (the leaders' gloo group is shared with the caller's other collectives, whose order a second thread
+would break).
 """
 
 from __future__ import annotations
@@ -80,15 +84,33 @@ def _route(group: Any, t: torch.Tensor) -> tuple[Transport, str] | None:
     return route
 
 
-def _finish(transport: Transport, kind: str, fn: Callable[[], None]) -> Any:
+def _finish(transport: Transport, kind: str, fn: Callable[[], None], inline: bool = False) -> Any:
     if kind != "grad":
         fn()
         return Done()
+    worker = transport.grad_worker()
+    if worker is not None:
+        return worker.call(fn, inline)
     return _Deferred(_DEFERRED.setdefault(id(transport), deque()), fn)
 
 
-def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
-    """``dist.all_reduce`` (in place), through shared memory when the group has a transport."""
+def overlaps(group: Any) -> bool:
+    """Whether an asynchronous ``all_reduce`` on ``group`` runs while the caller goes on (gloo / NCCL, and a
+    single-host shared-memory ``grad`` channel), rather than deferred to ``wait()``."""
+    route = _ROUTES.get(id(group))
+    if route is None:
+        return True
+    transport, kind = route
+    return kind == "grad" and transport.grad_worker() is not None
+
+
+def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False,
+               inline: bool = False) -> Any:  # fmt: skip
+    """``dist.all_reduce`` (in place), through shared memory when the group has a transport.
+
+    ``inline``: on a grad channel, run it in the thread that waits for it (after the calls issued before it)
+    instead of on the worker thread (see ``_serial``).
+    """
     route = _route(group, t)
     if route is None or not _ops.supports(op, t.dtype):
         return dist.all_reduce(t, op=op, group=group, async_op=async_op)
@@ -105,7 +127,7 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, 
             if ch is not None:
                 _ops.broadcast_(ch, flat.view(torch.uint8) if flat.numel() else flat, 0)
 
-    return _finish(transport, kind, run)
+    return _finish(transport, kind, run, inline)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:

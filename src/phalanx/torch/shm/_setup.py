@@ -26,6 +26,7 @@ import torch.distributed as dist
 from phalanx.env import names as N
 from phalanx.torch.shm import _segment
 from phalanx.torch.shm._channel import Channel, _pid_dead, layout
+from phalanx.torch.shm._serial import Serial
 
 CTRL_SLOT_BYTES = 64 * 1024
 DEFAULT_SLOT_BYTES = 2 * 1024 * 1024
@@ -53,23 +54,38 @@ class Transport:
     seg: _segment.Segment | None
     wake_r: int = -1
     wake_w: list[int] = field(default_factory=list)
+    grad_wake_r: int = -1  # the grad channel's own FIFOs: its waits run on the worker thread
+    grad_wake_w: list[int] = field(default_factory=list)
+    grad_async: bool = False  # PHALANX_SHM_GRAD_ASYNC: grad calls run on a worker thread (see grad_worker)
+    worker: Serial | None = None
 
     @property
     def single_host(self) -> bool:
         """Whether every member is on this host (all kinds go through shared memory)."""
         return self.leaders is None
 
+    def grad_worker(self) -> Serial | None:
+        """The thread that runs the grad channel's calls asynchronously (single-host transports only: across
+        hosts the leaders' gloo group is shared with the caller's thread, whose order must not interleave)."""
+        if self.worker is None and self.grad_async and self.single_host and "grad" in self.channels:
+            self.worker = Serial(f"phalanx shm grad ranks {list(self.local)}")
+        return self.worker
+
     def close(self) -> None:
-        """Drop the channels and the mapping."""
+        """Drop the channels and the mapping (after the grad worker finished its queued calls)."""
+        worker, self.worker = self.worker, None
+        timeout = max((ch.timeout_s for ch in self.channels.values()), default=0.0) + 1.0
+        if worker is not None and not worker.close(timeout):
+            return  # still inside a channel wait: leave the mapping to the process (names are unlinked)
         for ch in self.channels.values():
             ch.close()
         self.channels = {}
         if self.seg is not None:
             self.seg.close()
-        for fd in [self.wake_r, *self.wake_w]:
+        for fd in [self.wake_r, *self.wake_w, self.grad_wake_r, *self.grad_wake_w]:
             if fd >= 0:
                 os.close(fd)
-        self.wake_r, self.wake_w = -1, []
+        self.wake_r, self.wake_w, self.grad_wake_r, self.grad_wake_w = -1, [], -1, []
 
 
 def enabled() -> bool:
@@ -128,17 +144,18 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
     slot = int(_float_env(N.PHALANX_SHM_SLOT_BYTES, DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
     sizes = {"ctrl": CTRL_SLOT_BYTES, "data": slot, "grad": slot}
     total = sum(layout(len(local), s)[1] for s in sizes.values())
-    transport = Transport({}, leaders, me == local[0], ranks, local, None)
-    seg_name, fifo, ok = "", "", True
+    transport = Transport({}, leaders, me == local[0], ranks, local, None, grad_async=grad_async())
+    seg_name, fifo, gfifo, ok = "", "", "", True
     try:
         if len(local) > 1:
             if me == local[0]:
                 transport.seg = _segment.create(total)
                 seg_name = transport.seg.name
             fifo, transport.wake_r = _segment.make_fifo()
+            gfifo, transport.grad_wake_r = _segment.make_fifo()
     except OSError:
         ok = False
-    records = [r.split(";") for r in _exchange(ctrl, ranks, f"{seg_name};{fifo}")]
+    records = [r.split(";") for r in _exchange(ctrl, ranks, f"{seg_name};{fifo};{gfifo}")]
     try:
         if len(local) > 1 and ok:
             if transport.seg is None:
@@ -146,10 +163,11 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
             transport.channels = _channels(transport.seg, local, sizes)
     except OSError:
         ok = False
-    ok = _peers_visible(transport, ok, ctrl) and _wire_wakeups(transport, [records[ranks.index(r)][1] for r in local])
+    peers = [records[ranks.index(r)] for r in local]
+    ok = _peers_visible(transport, ok, ctrl) and _wire_wakeups(transport, peers)
     agreed = torch.tensor([int(ok)], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=ctrl)
-    for name in (seg_name, fifo):
+    for name in (seg_name, fifo, gfifo):
         if name:
             _segment.unlink(name)
     if not int(agreed.item()):
@@ -157,6 +175,11 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
         return None
     _enable_cma(transport)
     return transport
+
+
+def grad_async() -> bool:
+    """Whether the optimizer's buckets run on the grad worker thread (``PHALANX_SHM_GRAD_ASYNC``, default off)."""
+    return os.environ.get(N.PHALANX_SHM_GRAD_ASYNC, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cma_wanted() -> bool:
@@ -174,16 +197,22 @@ def _enable_cma(transport: Transport) -> None:
         ch.cma = ok
 
 
-def _wire_wakeups(transport: Transport, fifos: list[str]) -> bool:
+def _wire_wakeups(transport: Transport, records: list[list[str]]) -> bool:
+    """Open the local peers' FIFOs: one shared by the caller's channels (ctrl, data), one for grad's worker
+    (two threads blocked on one FIFO could take each other's wake-ups)."""
     if not transport.channels:
         return True
     me = transport.local.index(dist.get_rank())
     try:
-        transport.wake_w = [-1 if i == me else _segment.open_fifo(f) for i, f in enumerate(fifos)]
-    except OSError:
+        transport.wake_w = [-1 if i == me else _segment.open_fifo(r[1]) for i, r in enumerate(records)]
+        transport.grad_wake_w = [-1 if i == me else _segment.open_fifo(r[2]) for i, r in enumerate(records)]
+    except (OSError, IndexError):
         return False
-    for ch in transport.channels.values():
-        ch.set_wakeups(transport.wake_r, transport.wake_w)
+    for kind, ch in transport.channels.items():
+        if kind == "grad":
+            ch.set_wakeups(transport.grad_wake_r, transport.grad_wake_w)
+        else:
+            ch.set_wakeups(transport.wake_r, transport.wake_w)
     return True
 
 

@@ -10,14 +10,10 @@ code changes (``phalanx.worker.dist_backend``; ``PHALANX_SHM=0`` turns that off)
 
 from __future__ import annotations
 
-import atexit
 import collections
 import os
-import queue
-import threading
 import time
 import weakref
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,72 +23,9 @@ from torch._C import _distributed_c10d as _c10d
 
 from phalanx.torch.shm import _ops, _segment, _setup
 from phalanx.torch.shm._channel import Channel, layout
+from phalanx.torch.shm._serial import Serial
 
 NAME = "phalanx_shm"
-
-
-_Job = tuple[Callable[[], None], list[torch.Tensor], "torch.futures.Future[list[torch.Tensor]]"]
-
-
-class _Serial:
-    """One daemon thread per group runs its shared-memory calls in issue order and completes their futures.
-
-    Asynchronous like gloo's own worker thread: DDP calls ``allreduce`` from its gradient hooks and keeps
-    computing the backward pass while the bucket is reduced (a synchronous call there blocked backward and
-    measured 0.80-0.93x of gloo). Every rank issues the group's calls in the same order and this one thread
-    is the only user of the channel, so the order holds across ranks.
-    """
-
-    def __init__(self, label: str) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._label = label
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], None], result: list[torch.Tensor]) -> Any:
-        """Queue ``fn``; the returned ``Work`` completes with ``result`` (or ``fn``'s exception)."""
-        fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"{self._label} worker", daemon=True)
-            self._thread.start()
-            _LIVE.add(self)
-        self._jobs.put((fn, result, fut))
-        return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        """Let the thread end once the calls queued before this one are done."""
-        self._jobs.put(None)
-
-    def join(self, timeout_s: float) -> None:
-        """Close, and wait up to ``timeout_s`` for the thread to end."""
-        self.close()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, result, fut = job
-            try:
-                fn()
-            except BaseException as e:  # any: a future left incomplete would hang its waiter
-                fut.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the result
-            else:
-                fut.set_result(result)
-
-
-_LIVE: weakref.WeakSet[_Serial] = weakref.WeakSet()
-EXIT_JOIN_S = 5.0
-
-
-@atexit.register
-def _join_at_exit() -> None:
-    """End the worker threads before the interpreter finalizes.
-
-    A daemon thread still returning from ``Future.set_result`` (C++, through pybind) when finalization
-    starts is ended by ``pthread_exit``, whose unwinding through a ``noexcept`` C++ frame aborts the
-    process ("terminate called without an active exception", SIGABRT at exit).
-    """
-    for serial in list(_LIVE):
-        serial.join(EXIT_JOIN_S)
 
 
 class ShmProcessGroup(dist.ProcessGroup):
@@ -102,7 +35,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int, gloo: Any, channel: Channel | None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.gloo, self.channel = gloo, channel
-        self.serial = _Serial(f"{NAME} rank {rank}")
+        self.serial = Serial(f"{NAME} rank {rank}")
         #: calls carried by shared memory, by name ("allreduce", "broadcast", "barrier"); the rest went to gloo
         self.shm_calls: collections.Counter[str] = collections.Counter()
 
