@@ -106,6 +106,7 @@ class Channel:
         self.gen = 0
         self.words[self._pid(me)] = os.getpid()
         self.broken: str | None = None
+        self.inspected = True  # consult the stall inspector (False: waits run on a worker thread, see _serial)
         self.wake_r = -1  # this rank's wake-up FIFO (read end), and the peers' (write ends; -1 for self)
         self.wake_w: list[int] = []
         self._view_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -184,7 +185,7 @@ class Channel:
     def _inspect(self, waited: float, g: int, what: str) -> bool:
         """Consult the stall inspector; True when it was consulted (raises its error, breaking the channel)."""
         hook = HOOKS.stalled
-        if hook is None or HOOKS.paused:
+        if hook is None or HOOKS.paused or not self.inspected:
             return False
         error = hook(waited)
         if error is not None:

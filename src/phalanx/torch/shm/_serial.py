@@ -17,6 +17,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,13 +46,24 @@ class Pending:
     def wait(self, timeout: Any = None) -> bool:
         """Block until the call ran (its channel waits are bounded by their own time-out).
 
+        Args:
+            timeout: like ``torch.distributed`` work: seconds or a ``timedelta``; None waits until done.
+
         Raises:
+            RuntimeError: not done within ``timeout`` (as gloo's work: the stall inspector polls this way).
             BaseException: the call's own exception (e.g. ``ShmTransportError`` naming the peer that died).
         """
-        self._done.wait()
+        if not self._done.wait(_seconds(timeout)):
+            raise RuntimeError(f"shared-memory work not completed within {timeout} (it goes on)")
         if self.error is not None:
             raise self.error
         return True
+
+
+def _seconds(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
 
 class _Inline(Pending):
@@ -63,8 +75,10 @@ class _Inline(Pending):
         self.reached = threading.Event()  # set by the worker: everything before this call has run
 
     def wait(self, timeout: Any = None) -> bool:
+        """Run the call here once its turn came (see :meth:`Pending.wait`)."""
         if not self.is_completed():
-            self.reached.wait()
+            if not self.reached.wait(_seconds(timeout)):
+                raise RuntimeError(f"shared-memory work not started within {timeout} (earlier calls go on)")
             try:
                 self.fn()
             except BaseException as e:  # any: re-raised below, and the worker must be released

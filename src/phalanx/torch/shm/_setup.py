@@ -69,6 +69,9 @@ class Transport:
         hosts the leaders' gloo group is shared with the caller's thread, whose order must not interleave)."""
         if self.worker is None and self.grad_async and self.single_host and "grad" in self.channels:
             self.worker = Serial(f"phalanx shm grad ranks {list(self.local)}")
+            # The stall inspector describes the caller's engine wait: it runs in the caller's thread, which
+            # waits for the worker's calls with time-outs (``Pending.wait``), not in the worker's.
+            self.channels["grad"].inspected = False
         return self.worker
 
     def close(self) -> None:
