@@ -131,26 +131,52 @@ def tf_broadcast(tensor: tf.Tensor, root_rank: int, name: str | None,
     return out
 
 
+# TensorFlow adopts a numpy_function's output array without copying it when its data is 64-byte aligned
+# (EIGEN_MAX_ALIGN_BYTES); otherwise it copies. Each reduced tensor's slot in the flat buffer starts on
+# such a boundary, so the results go back to TensorFlow as views of the buffer, without a copy.
+ALIGN_BYTES = 64
+
+
+def _slots(arrays: list[np.ndarray], idx: list[int], itemsize: int) -> tuple[list[int], int]:
+    """Each array's start offset (in elements) in an aligned flat buffer, and the buffer's length."""
+    quantum = max(1, ALIGN_BYTES // itemsize)
+    starts, total = [], 0
+    for i in idx:
+        starts.append(total)
+        total += -(-arrays[i].size // quantum) * quantum
+    return starts, total
+
+
+def _aligned_empty(numel: int, dtype: np.dtype) -> np.ndarray:
+    raw = np.empty(numel * dtype.itemsize + ALIGN_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % ALIGN_BYTES
+    return raw[start : start + numel * dtype.itemsize].view(dtype)
+
+
 def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float, post: float,
                        process_set: ProcessSet = global_process_set) -> list[np.ndarray]:  # fmt: skip
     """Allreduce many arrays as one flat buffer per dtype (one collective each, in first-seen dtype order).
 
-    The buffer is filled by ``np.concatenate`` (one copy), reduced in place, and the results are views of it.
+    Each array is copied once into its 64-byte aligned slot of a fresh buffer (the gaps are zeros), the
+    buffer is reduced in place, and the results are views of it (TensorFlow takes aligned views as they are).
     """
     groups: dict[np.dtype, list[int]] = {}
     for i, a in enumerate(arrays):
         groups.setdefault(a.dtype, []).append(i)
     out: list[np.ndarray] = list(arrays)
     for dtype, idx in groups.items():
-        buffer = np.empty(sum(arrays[i].size for i in idx), dtype=dtype)
-        np.concatenate([arrays[i].reshape(-1) for i in idx], out=buffer)
+        starts, total = _slots(arrays, idx, dtype.itemsize)
+        buffer = _aligned_empty(total, dtype)
+        ends = [*starts[1:], total]
+        for i, start, end in zip(idx, starts, ends):
+            size = arrays[i].size
+            np.copyto(buffer[start : start + size], arrays[i].reshape(-1))
+            buffer[start + size : end] = 0
         handle = ptorch.allreduce_async_(to_torch(buffer), name=f"{name}.{dtype.name}", op=op, prescale_factor=pre,
                                          postscale_factor=post, process_set=process_set)  # fmt: skip
         ptorch.synchronize(handle)
-        offset = 0
-        for i in idx:
-            out[i] = buffer[offset : offset + arrays[i].size].reshape(arrays[i].shape)
-            offset += arrays[i].size
+        for i, start in zip(idx, starts):
+            out[i] = buffer[start : start + arrays[i].size].reshape(arrays[i].shape)
     return out
 
 

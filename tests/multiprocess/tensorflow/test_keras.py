@@ -80,6 +80,9 @@ def _training_checks(hvd: Any, me: int, tmp: str) -> dict[str, Any]:
     _fit(hvd, model, hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), compression=hvd.Compression.fp16))
     out["agree fp16 compression"] = _agree(hvd, model)
     model = _dense_model(seed=me)
+    _fit(hvd, model, hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), num_groups=3))
+    out["agree num_groups"] = _agree(hvd, model)
+    model = _dense_model(seed=me)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), backward_passes_per_step=2,
                                    average_aggregated_gradients=True)  # fmt: skip
     _fit(hvd, model, opt, steps=4)
@@ -186,7 +189,7 @@ def test_ops_dtypes_optimizers_checkpoints(tmp_path: Path) -> None:
     assert r0["broadcast"] == r1["broadcast"] == [1.0]
     assert r0["in tf.function"] == [1.0, 2.0]
     agree = [k for k in r0 if k.startswith("agree")]
-    assert len(agree) == 10
+    assert len(agree) == 11
     for key in agree:
         assert r0[key] is True and r1[key] is True, key
     assert r0["applied steps"] == 2  # 4 batches, 2 backward passes per step

@@ -76,7 +76,8 @@ def test_distributed_optimizer_keeps_class_and_config() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"backward_passes_per_step": 0}, "backward_passes_per_step"), ({"op": 99}, "unknown reduce op"),
-     ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor")],
+     ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor"), ({"num_groups": -1}, "num_groups"),
+     ({"groups": 1.5}, "lists of variables"), ({"num_groups": 2, "groups": [[]]}, "not both")],
 )
 def test_bad_arguments_are_named(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -102,6 +103,70 @@ def test_schedule_callbacks_set_the_learning_rate(single: None) -> None:
     model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, epochs=2, verbose=0,
               callbacks=[warm])  # fmt: skip
     assert float(model.optimizer.learning_rate) == pytest.approx(0.3)  # size 1: warmup is flat
+
+
+def test_gradient_groups_are_fused_separately(single: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.tensorflow import _bridge
+
+    seen: list[tuple[str, list[tuple[int, ...]]]] = []
+    real = _bridge.np_fused_allreduce
+
+    def record(arrays: list[np.ndarray], name: str, *args: object, **kwargs: object) -> list[np.ndarray]:
+        seen.append((name, [a.shape for a in arrays]))
+        return real(arrays, name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_bridge, "np_fused_allreduce", record)
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model = _model()  # kernel (3, 2), bias (2,), kernel (2, 1), bias (1,)
+    first, second = model.layers
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[first.kernel, second.bias]]),
+                  loss="mse")  # fmt: skip
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    group = "DistributedOptimizer.gradients.group"
+    assert seen == [(f"{group}0", [(3, 2), (1,)]), (f"{group}1", [(2,)]), (f"{group}2", [(2, 1)])]
+    seen.clear()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), num_groups=2), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert seen == [(f"{group}0", [(3, 2), (2,)]), (f"{group}1", [(2, 1), (1,)])]
+    seen.clear()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert seen == [("DistributedOptimizer.gradients", [(3, 2), (2,), (2, 1), (1,)])]
+    stranger = keras.Variable(np.zeros(2, "float32"), name="stranger")
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[stranger]]), loss="mse")
+    with pytest.raises(InvalidArgumentError, match="stranger.*does not train"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    with pytest.raises(InvalidArgumentError, match="more than one group"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[first.kernel], [first.kernel]])
+
+
+def _weight_after_lr_change(optimizer: keras.optimizers.Optimizer, correct: bool) -> float:
+    """One weight, gradient 1, one step at lr 0.1 then one at lr 0.3 (Horovod: momentum x3 for that step)."""
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(optimizer=hvd.DistributedOptimizer(optimizer), loss=lambda t, p: keras.ops.mean(p))
+    schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=1.0, multiplier=lambda e: (0.1, 0.3)[int(e)],
+                                                          momentum_correction=correct)  # fmt: skip
+    model.fit(np.ones((1, 1), "float32"), np.zeros((1, 1), "float32"), batch_size=1, epochs=2, verbose=0,
+              callbacks=[schedule])  # fmt: skip
+    return float(model.get_weights()[0][0, 0])
+
+
+def test_momentum_correction_matches_horovods_formula(single: None) -> None:
+    # SGD: m1 = -0.1, w1 = -0.1; corrected m2 = 0.5 * 3 * m1 - 0.3 = -0.45 (uncorrected -0.35).
+    assert _weight_after_lr_change(keras.optimizers.SGD(0.1, momentum=0.5), True) == pytest.approx(-0.55)
+    assert _weight_after_lr_change(keras.optimizers.SGD(0.1, momentum=0.5), False) == pytest.approx(-0.45)
+    # Nesterov: w1 = -0.15; corrected w2 = w1 + 1.5 * m2 - 0.3 with m2 = -0.45.
+    nesterov = keras.optimizers.SGD(0.1, momentum=0.5, nesterov=True)
+    assert _weight_after_lr_change(nesterov, True) == pytest.approx(-1.125)
+
+    class Custom(keras.optimizers.Adam):
+        momentum = 0.9
+
+    with pytest.warns(UserWarning, match="momentum_correction is not applied to Custom"):
+        _weight_after_lr_change(Custom(0.1), True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _weight_after_lr_change(keras.optimizers.Adam(0.1), True)  # no momentum: nothing to correct
 
 
 def test_without_tensorflow_the_import_error_says_what_to_install() -> None:

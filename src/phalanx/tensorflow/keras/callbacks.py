@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,58 @@ def _set_lr(model: Any, value: float) -> None:
     model.optimizer.learning_rate = value
 
 
+def _momentum_slots(optimizer: Any) -> list[Any] | None:
+    """The momentum variables of an SGD / RMSprop with momentum ([] without momentum); None: not correctable.
+
+    Both update ``m = momentum * m +/- lr * g`` with ``momentum`` compiled in as a constant, so Horovod's
+    correction (``momentum * new_lr / old_lr`` for the step after a change) is ``m *= new_lr / old_lr`` first.
+    """
+    opt = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's own optimizer
+    if not float(getattr(opt, "momentum", 0.0) or 0.0):
+        return []
+    if isinstance(opt, keras.optimizers.SGD):
+        return list(opt.momentums) if opt.built else []
+    if isinstance(opt, keras.optimizers.RMSprop):
+        return list(opt._momentums) if opt.built else []
+    return None
+
+
+class _MomentumCorrection:
+    """Horovod's momentum correction for one optimizer (exact for SGD, RMSprop and SGD(nesterov=True))."""
+
+    def __init__(self) -> None:
+        self.warned = False
+        self.nesterov_fix: tuple[Any, float] | None = None  # (optimizer, momentum * (ratio - 1)) for one step
+
+    def rescale(self, optimizer: Any, old_lr: float, new_lr: float) -> None:
+        """Before the first step at ``new_lr``: scale the momentum buffers by ``new_lr / old_lr``."""
+        slots = _momentum_slots(optimizer)
+        if slots is None:
+            if not self.warned:
+                warnings.warn(f"momentum_correction is not applied to {type(optimizer).__name__} (phalanx "
+                              "corrects SGD and RMSprop momentum); pass momentum_correction=False to silence "
+                              "this", stacklevel=3)  # fmt: skip
+                self.warned = True
+            return
+        if not slots or old_lr == 0.0 or new_lr == old_lr:
+            return
+        ratio = new_lr / old_lr
+        for m in slots:
+            m.assign(m * ratio)
+        opt = getattr(optimizer, "inner_optimizer", optimizer)
+        if getattr(opt, "nesterov", False):  # its weight update uses momentum once more: fixed after the step
+            self.nesterov_fix = (opt, float(opt.momentum) * (ratio - 1.0))
+
+    def after_step(self) -> None:
+        """SGD(nesterov=True): add the rest of Horovod's corrected update (``(momentum' - momentum) * m``)."""
+        if self.nesterov_fix is None:
+            return
+        opt, extra = self.nesterov_fix
+        self.nesterov_fix = None
+        for v, m in zip(opt._trainable_variables, opt.momentums):
+            v.assign_add(m * extra)
+
+
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Set the learning rate to ``initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``.
 
@@ -84,8 +137,10 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         start_epoch: first epoch the schedule applies to.
         end_epoch: first epoch it no longer applies to (None: until the end).
         staircase: change once per epoch (True) or every batch with a fractional epoch (False).
-        momentum_correction: accepted for Horovod compatibility; Keras 3 compiles momentum into the training
-            function as a constant, so it is not corrected (see docs/tensorflow.md).
+        momentum_correction: when the learning rate changes, rescale the momentum of an SGD or RMSprop
+            optimizer by ``new_lr / old_lr`` for the next step (Horovod's correction, by scaling the momentum
+            buffers: Keras 3 compiles ``momentum`` in as a constant); other optimizers with a ``momentum``
+            get a warning.
         steps_per_epoch: batches per epoch for ``staircase=False`` (default: what ``fit`` reports).
     """
 
@@ -100,6 +155,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = 0
+        self._correction = _MomentumCorrection()
+
+    def _set(self, value: float) -> None:
+        optimizer = self.model.optimizer
+        old = float(optimizer.learning_rate)
+        _set_lr(self.model, value)
+        if self.momentum_correction:
+            self._correction.rescale(optimizer, old, float(optimizer.learning_rate))
 
     def _active(self, epoch: int) -> bool:
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
@@ -115,13 +178,17 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         """Staircase: set the epoch's learning rate."""
         self.current_epoch = epoch
         if self.staircase and self._active(epoch):
-            _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
+            self._set(self.initial_lr * self.multiplier(epoch))
 
     def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
         """Smooth schedule: set the learning rate of a fractional epoch."""
         if not self.staircase and self._active(self.current_epoch):
             epoch = self.current_epoch + batch / self._steps()
-            _set_lr(self.model, self.initial_lr * self.multiplier(epoch))
+            self._set(self.initial_lr * self.multiplier(epoch))
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        """Finish a nesterov momentum correction."""
+        self._correction.after_step()
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -133,7 +200,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     Args:
         initial_lr: the learning rate after warmup (usually ``base_lr * hvd.size()``).
         warmup_epochs: epochs of warmup.
-        momentum_correction: accepted for Horovod compatibility (see LearningRateScheduleCallback).
+        momentum_correction: rescale SGD / RMSprop momentum on each change (see LearningRateScheduleCallback).
         steps_per_epoch: batches per epoch (default: what ``fit`` reports).
         verbose: 1 prints a line when warmup ends.
     """
@@ -152,6 +219,6 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         """At the end of warmup, set exactly ``initial_lr`` (and say so when ``verbose``)."""
         if epoch == self.warmup_epochs - 1:
-            _set_lr(self.model, self.initial_lr)
+            self._set(self.initial_lr)
             if self.verbose and ptorch.rank() == 0:
                 io_utils.print_msg(f"\nEpoch {epoch + 1}: finished learning rate warmup to {self.initial_lr:g}.")

@@ -38,6 +38,7 @@ class Options:
     prescale: float = 1.0
     postscale: float = 1.0
     process_set: ProcessSet = global_process_set
+    groups: int | tuple[tuple[Any, ...], ...] = 0  # Horovod's num_groups / groups (0: one fused group)
 
 
 class _Accumulators:
@@ -64,11 +65,21 @@ class _DistributedMixin:
         grads = list(grads)
         if self._hvd.backward_passes_per_step > 1:
             return self._hvd_accumulate(grads, trainable_variables)
-        return super().apply(self._hvd_reduce(grads), trainable_variables)  # type: ignore[misc]
+        return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)  # type: ignore[misc]
 
-    def _hvd_reduce(self, grads: list[Any]) -> list[Any]:
+    def _hvd_reduce(self, grads: list[Any], variables: Any = None) -> list[Any]:
         o = self._hvd
-        return ops.fused_allreduce(grads, o.op, o.compression, BUFFER_NAME, o.prescale, o.postscale, o.process_set)
+        if not o.groups:
+            return ops.fused_allreduce(grads, o.op, o.compression, BUFFER_NAME, o.prescale, o.postscale,
+                                       o.process_set)  # fmt: skip
+        keys = [self._var_key(v) for v in (variables if variables is not None else self._trainable_variables)]  # type: ignore[attr-defined]
+        out = list(grads)
+        for k, idx in enumerate(partition(keys, o.groups, self._var_key)):  # type: ignore[attr-defined]
+            reduced = ops.fused_allreduce([grads[i] for i in idx], o.op, o.compression, f"{BUFFER_NAME}.group{k}",
+                                          o.prescale, o.postscale, o.process_set)  # fmt: skip
+            for i, r in zip(idx, reduced):
+                out[i] = r
+        return out
 
     def _hvd_accumulate(self, grads: list[Any], trainable_variables: Any) -> Any:
         if not getattr(self, "built", False):
@@ -88,12 +99,39 @@ class _DistributedMixin:
 
         def flush() -> tf.Tensor:
             total = [None if g is None else s.read_value() * tf.cast(scale, s.dtype) for s, g in zip(sums, grads)]
-            base_apply(self._hvd_reduce(total), trainable_variables)
+            base_apply(self._hvd_reduce(total, trainable_variables), trainable_variables)
             for s in sums:
                 s.assign(tf.zeros_like(s))
             return tf.constant(True)
 
         return tf.cond(passes % n == 0, flush, lambda: tf.constant(False))
+
+
+def partition(keys: list[Any], groups: int | tuple[tuple[Any, ...], ...], key: Any) -> list[list[int]]:
+    """Horovod's gradient groups as lists of positions (each group is fused into its own buffers).
+
+    An int splits the gradients, in order, into that many groups of nearly equal counts; lists of variables
+    put each list's variables in one group, and every other variable in a group of its own (Horovod's rule).
+
+    Raises:
+        InvalidArgumentError: a variable of ``groups`` is not one the optimizer applies gradients to.
+    """
+    if isinstance(groups, int):
+        n = max(1, min(groups, len(keys)))
+        bounds = [len(keys) * g // n for g in range(n + 1)]
+        return [list(range(bounds[g], bounds[g + 1])) for g in range(n)]
+    where = {k: i for i, k in enumerate(keys)}
+    out, placed = [], set()
+    for group in groups:
+        idx = []
+        for v in group:
+            if key(v) not in where:
+                raise InvalidArgumentError(f"DistributedOptimizer(groups=...) names variable {_label(v)!r}, "
+                                           "which this optimizer does not train")  # fmt: skip
+            idx.append(where[key(v)])
+        out.append(sorted(idx))
+        placed.update(idx)
+    return out + [[i] for i in range(len(keys)) if i not in placed]
 
 
 _CLASSES: dict[type, type] = {}
@@ -150,6 +188,40 @@ def _check(optimizer: Any, options: Options) -> None:
             "backward_passes_per_step > 1 with a LossScaleOptimizer (mixed precision) is not supported by "
             "phalanx; use backward_passes_per_step=1 or the inner optimizer's gradient_accumulation_steps")
     R.check_op(options.op, torch.float32)
+    _check_groups(options.groups)
+
+
+def _check_groups(groups: Any) -> None:
+    if isinstance(groups, bool) or (isinstance(groups, int) and groups < 0):
+        raise InvalidArgumentError(f"num_groups / groups must be an int >= 0 or lists of variables; got {groups!r}")
+    if isinstance(groups, int):
+        return
+    seen: set[int] = set()
+    for group in groups:
+        for v in group:
+            if id(v) in seen:
+                raise InvalidArgumentError(f"DistributedOptimizer(groups=...) lists variable {_label(v)!r} "
+                                           "in more than one group")  # fmt: skip
+            seen.add(id(v))
+
+
+def _label(variable: Any) -> str:
+    return str(getattr(variable, "path", variable))
+
+
+def _groups_option(num_groups: Any, groups: Any) -> int | tuple[tuple[Any, ...], ...]:
+    """Horovod's two spellings as one value: ``num_groups`` (deprecated there) or ``groups`` (int or lists)."""
+    if num_groups and groups is not None:
+        raise InvalidArgumentError(f"pass num_groups={num_groups!r} or groups=..., not both (num_groups is "
+                                   "Horovod's deprecated spelling of groups=<int>)")  # fmt: skip
+    value = num_groups if groups is None else groups
+    if isinstance(value, int):
+        return value  # checked (bool, negative) by _check_groups
+    try:
+        return tuple(tuple(g) for g in value)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"num_groups / groups must be an int >= 0 or lists of variables; got {value!r}") from None  # fmt: skip
 
 
 def DistributedOptimizer(
@@ -172,8 +244,10 @@ def DistributedOptimizer(
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
         backward_passes_per_step: accumulate this many batches locally, then allreduce and apply once.
         average_aggregated_gradients: divide the accumulated gradients by ``backward_passes_per_step``.
-        num_groups: accepted; gradients always travel as one buffer per dtype.
-        groups: accepted; as ``num_groups``.
+        num_groups: Horovod's deprecated spelling of ``groups=<int>``.
+        groups: 0 / None (default): every gradient in one fused allreduce per dtype (the fastest measured
+            here); an int ``n``: the gradients, in order, in ``n`` groups, each fused and reduced separately;
+            lists of variables: each list one group, every other variable a group of its own.
         process_set: the ranks that average their gradients.
         scale_local_gradients: accepted for Horovod compatibility.
 
@@ -181,14 +255,14 @@ def DistributedOptimizer(
         A new optimizer of the same class and configuration whose ``apply`` reduces gradients first.
 
     Raises:
-        InvalidArgumentError: not a Keras 3 optimizer, a bad ``backward_passes_per_step`` or op.
+        InvalidArgumentError: not a Keras 3 optimizer, a bad ``backward_passes_per_step``, op or groups.
     """
     if gradient_predivide_factor <= 0:
         raise InvalidArgumentError(f"gradient_predivide_factor must be > 0; got {gradient_predivide_factor!r}")
     options = Options(compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
                       average_aggregated_gradients=average_aggregated_gradients,
                       prescale=1.0 / gradient_predivide_factor, postscale=gradient_predivide_factor,
-                      process_set=process_set)  # fmt: skip
+                      process_set=process_set, groups=_groups_option(num_groups, groups))  # fmt: skip
     return with_options(optimizer, options)
 
 
