@@ -134,7 +134,7 @@ def test_gradient_groups_are_fused_separately(single: None, monkeypatch: pytest.
     assert seen == [("DistributedOptimizer.gradients", [(3, 2), (2,), (2, 1), (1,)])]
     stranger = keras.Variable(np.zeros(2, "float32"), name="stranger")
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[stranger]]), loss="mse")
-    with pytest.raises(InvalidArgumentError, match="stranger.*does not train"):
+    with pytest.raises(InvalidArgumentError, match=r"stranger.*does not train"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     with pytest.raises(InvalidArgumentError, match="more than one group"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[first.kernel], [first.kernel]])
