@@ -8,7 +8,8 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
 * training (bench/train.py's CNN and MLP): DistributedOptimizer with shared memory vs DDP on gloo, steps/s
   per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer).
   A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference; a third runs
-  DDP on the ``phalanx_shm`` backend; the efficiency is also given over one process on one thread (each
+  DDP on the gloo default group and DDP on a ``phalanx_shm`` group, interleaved (the A/B of the launchers'
+  automatic backend substitution); the efficiency is also given over one process on one thread (each
   of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there).
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks).
@@ -130,16 +131,36 @@ def _train(steps: int, rounds: int, shm_env: dict[str, str]) -> dict[str, dict[s
     return two
 
 
-def _ddp_on_shm(steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    """bench/train.py's 2-rank job with the default group on the ``phalanx_shm`` backend (DDP uses it)."""
+def _ddp_ab(steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """DDP on the gloo default group vs DDP on a ``phalanx_shm`` group, same job, alternating chunks of steps
+    (bench/train.py's interleaving): the A/B of what the launchers' automatic substitution changes."""
+    import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from phalanx.torch.shm import backend
 
-    dist.init_process_group(backend.NAME)
-    out = train._bench_2(steps, rounds)
+    dist.init_process_group("gloo")  # the job runs with PHALANX_SHM_NATIVE=0: this stays gloo
+    groups = {"gloo": None, "shm": dist.new_group(backend=backend.NAME)}
+    out: dict[str, dict[str, float]] = {}
+    for name, (make, shape) in train.MODELS.items():
+        trainers = {}
+        for key, group in groups.items():
+            model = DDP(make(), process_group=group)
+            trainers[key] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+        out[name] = train._interleaved(trainers, shape, steps, rounds)
     dist.destroy_process_group()
     return out
+
+
+_GLOO_DEFAULT = {"PHALANX_SHM_NATIVE": "0"}  # the A/B job's default group stays gloo
+
+
+def _print_ddp_ab(ddp_ab: dict[str, Any]) -> None:
+    print("DDP, 2 ranks, gloo default group vs a phalanx_shm group, interleaved in one job, steps/s per rank")
+    for name, r in ddp_ab.items():
+        print(f"  {name}: DDP gloo {r['gloo']:.2f}/s  DDP phalanx_shm {r['shm']:.2f}/s  "
+              f"phalanx_shm / gloo {r['shm'] / r['gloo']:.2f}x")  # fmt: skip
 
 
 def _bench_1_thread(steps: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -150,7 +171,7 @@ def _bench_1_thread(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     return train._bench_1(steps, rounds)
 
 
-def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_shm: dict[str, Any],
+def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_ab: dict[str, Any],
                  one_thread: dict[str, Any]) -> None:  # fmt: skip
     print("training, 2 ranks, steps/s per rank; efficiency (eff) = 2-rank steps/s per rank / 1 process alone "
           f"(plain optimizer, all {os.cpu_count()} cores: with one core per rank the ceiling is "
@@ -158,11 +179,12 @@ def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any],
     for name in shm:
         alone, alone1 = one[name]["plain"], one_thread[name]["plain"]
         rows = {"hvd shm": shm[name]["hvd"], "hvd gloo": gloo[name]["hvd"], "DDP gloo": shm[name]["ddp"],
-                "DDP phalanx_shm": ddp_shm[name]["ddp"]}  # fmt: skip
+                "DDP phalanx_shm": ddp_ab[name]["shm"]}  # fmt: skip
         cells = " | ".join(f"{k} {v:.2f}/s (eff {v / alone:.2f}, eff1t {v / alone1:.2f})" for k, v in rows.items())
         print(f"  {name}: alone {alone:.2f}/s, alone 1 thread {alone1:.2f}/s | {cells}"
               f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x"
-              f" | DDP phalanx_shm / DDP gloo {ddp_shm[name]['ddp'] / shm[name]['ddp']:.2f}x")  # fmt: skip
+              f" | DDP phalanx_shm / DDP gloo {ddp_ab[name]['shm'] / ddp_ab[name]['gloo']:.2f}x (interleaved in one"
+              f" job: {ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")  # fmt: skip
 
 
 def main() -> None:
@@ -173,7 +195,12 @@ def main() -> None:
     parser.add_argument("--train-rounds", type=int, default=15)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-hosts", action="store_true", help="skip the simulated multi-host allreduces")
+    parser.add_argument("--ddp-only", action="store_true", help="only the DDP gloo / phalanx_shm A/B")
     args = parser.parse_args()
+    if args.ddp_only:
+        _print_ddp_ab(phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0])
+        print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
+        return
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
     _print_allreduce(phalanx.run(_allreduce, args=(args.rounds,), np=2)[0])
     if not args.skip_hosts:
@@ -183,9 +210,9 @@ def main() -> None:
     shm = _train(args.steps, args.train_rounds, {})
     gloo = _train(args.steps, args.train_rounds, {"PHALANX_SHM": "0"})
     one = phalanx.run(train._bench_1, args=(args.steps, args.train_rounds), np=1)[0]
-    ddp_shm = phalanx.run(_ddp_on_shm, args=(args.steps, args.train_rounds), np=2)[0]
+    ddp_ab = phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0]
     one_thread = phalanx.run(_bench_1_thread, args=(args.steps, args.train_rounds), np=1)[0]
-    _print_train(shm, gloo, one, ddp_shm, one_thread)
+    _print_train(shm, gloo, one, ddp_ab, one_thread)
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
 
 
