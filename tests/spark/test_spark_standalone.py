@@ -25,16 +25,18 @@ def _identity() -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    backend = str(dist.get_backend())
     t = torch.ones(1)
     dist.all_reduce(t)
     dist.destroy_process_group()
-    return {"sum": t.item(), "python": sys.executable, **{k: os.environ.get(k) for k in KEYS}}
+    return {"sum": t.item(), "python": sys.executable, "backend": backend, **{k: os.environ.get(k) for k in KEYS}}
 
 
 @pytest.mark.timeout(180)
 def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
     out = run(_identity, num_proc=4, env={"USER_VAR": "v"})
     assert {o["sum"] for o in out} == {4.0}
+    assert {o["backend"] for o in out} == {"gloo"}  # ranks on two hosts: the gloo request is left alone
     assert {o["python"] for o in out} == {sys.executable}, "executors must run the driver's interpreter"
     assert {o["USER_VAR"] for o in out} == {"v"}
     by_host: dict[str, list[dict[str, Any]]] = {}

@@ -68,8 +68,8 @@ PHALANX_SHM_TIMEOUT_S = "PHALANX_SHM_TIMEOUT_S"
 PHALANX_SHM_SLOT_BYTES = "PHALANX_SHM_SLOT_BYTES"
 PHALANX_SHM_CMA = "PHALANX_SHM_CMA"
 PHALANX_SHM_GRAD_ASYNC = "PHALANX_SHM_GRAD_ASYNC"
-#: "1": torch-native code in a one-host job (``init_process_group("gloo")`` run by the worker entry) gets
-#: the phalanx_shm backend instead of gloo. Off by default: DDP on it measured 0.80-1.10x of DDP on gloo.
+#: "0" keeps gloo for torch-native code in a one-host job (``init_process_group("gloo")`` in a rank started by
+#: the worker entry), which otherwise gets the phalanx_shm backend (on by default; see docs/shm.md).
 PHALANX_SHM_NATIVE = "PHALANX_SHM_NATIVE"
 #: "0" leaves glibc's malloc thresholds alone (hvd.init() raises them: large tensors reuse heap memory
 #: instead of fresh page-faulted mmaps; see phalanx/torch/_malloc.py for the memory trade-off).

@@ -32,7 +32,9 @@ _MAX_MESSAGE_BYTES = 1 << 20
 READY_WAIT_S = 3.0
 #: Seconds the template has to answer a spawn request.
 SPAWN_TIMEOUT_S = 10.0
-_ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime")
+#: phalanx.torch.shm.backend: a one-host job's ``init_process_group("gloo")`` becomes ``phalanx_shm`` (docs/shm.md),
+#: whose module (and phalanx.torch under it) would otherwise be imported by every rank of every job.
+_ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.torch.shm.backend")
 
 
 class RankProcess(Protocol):

@@ -1,10 +1,11 @@
-"""torch-native code under phalanx gets the shared-memory backend without code changes when it opts in
-(``PHALANX_SHM_NATIVE=1``): a plain ``init_process_group("gloo")`` (DDP, FSDP2, Lightning) on a one-host job
-becomes ``phalanx_shm``; by default it stays gloo."""
+"""torch-native code under phalanx gets the shared-memory backend without code changes (on by default): a
+plain ``init_process_group("gloo")`` (DDP, FSDP2, Lightning) on a one-host job becomes ``phalanx_shm``;
+``PHALANX_SHM_NATIVE=0`` / ``PHALANX_SHM=0`` keep gloo, and other backends are left alone."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,11 @@ from typing import Any
 import pytest
 
 import phalanx
+from phalanx.errors import WorkerFailedError
 
 pytestmark = [pytest.mark.multiprocess]
 
-NATIVE = {"PHALANX_SHM_NATIVE": "1"}
+DEFAULT: dict[str, str] = {}  # no variable: the substitution is on by default
 EXAMPLES = str(Path(__file__).resolve().parents[3] / "examples")
 
 
@@ -69,16 +71,67 @@ def _ddp() -> tuple[str, bool, bool]:
 
 @pytest.mark.timeout(90)
 def test_ddp_on_gloo_request_gets_shared_memory() -> None:
-    for backend, used, same in phalanx.run(_ddp, np=2, env=NATIVE):
+    for backend, used, same in phalanx.run(_ddp, np=2, env=DEFAULT):
         assert (backend, used, same) == ("phalanx_shm", True, True)
     assert _leftovers() == []
 
 
 @pytest.mark.timeout(90)
-def test_default_and_switch_off_keep_gloo() -> None:
-    for env in ({}, {**NATIVE, "PHALANX_SHM": "0"}):
+def test_switches_off_keep_gloo() -> None:
+    for env in ({"PHALANX_SHM_NATIVE": "0"}, {"PHALANX_SHM": "0"}):
         for backend, used, same in phalanx.run(_ddp, np=2, env=env):
             assert (backend, used, same) == ("gloo", False, True)
+
+
+def _ddp_two_hosts() -> tuple[str, bool, bool]:
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # as the launchers set it for one rank on each of two hosts
+    return _ddp()
+
+
+@pytest.mark.timeout(90)
+def test_multi_host_request_is_left_alone() -> None:
+    for backend, used, same in phalanx.run(_ddp_two_hosts, np=2):
+        assert (backend, used, same) == ("gloo", False, True)
+
+
+def _die_in_ddp() -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1000, 100))
+    for step in range(20):
+        if step == 3 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        model(torch.randn(4, 1000)).sum().backward()
+
+
+@pytest.mark.timeout(90)
+def test_no_leftovers_when_a_ddp_rank_is_killed() -> None:
+    with pytest.raises(WorkerFailedError, match="SIGKILL"):
+        phalanx.run(_die_in_ddp, np=2, env={"PHALANX_SHM_TIMEOUT_S": "20"})
+    assert _leftovers() == []
+
+
+def _peer_leaves() -> str:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        return "left"  # without the collective rank 0 is waiting in
+    try:
+        dist.all_reduce(torch.ones(1000))
+    except RuntimeError as e:  # ShmTransportError, raised by the Work's wait
+        return f"{type(e).__name__}: {e}"
+    return "all_reduce returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_is_gone_makes_the_collective_raise() -> None:
+    rank0, rank1 = phalanx.run(_peer_leaves, np=2)
+    assert rank1 == "left"
+    assert rank0.startswith("ShmTransportError: shared-memory allreduce") and "has died" in rank0
 
 
 def _example(name: str, fn: str, kinds: tuple[str, ...] = ("allreduce",)) -> tuple[str, bool, float]:
@@ -92,7 +145,7 @@ def _example(name: str, fn: str, kinds: tuple[str, ...] = ("allreduce",)) -> tup
 @pytest.mark.timeout(120)
 def test_fsdp2_trains_on_shared_memory() -> None:
     fsdp_calls = ("allgather", "reduce_scatter")
-    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp", fsdp_calls), np=2, env=NATIVE)
+    results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp", fsdp_calls), np=2, env=DEFAULT)
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5  # one epoch on digits (chance: 0.1)
     assert _leftovers() == []
@@ -101,7 +154,7 @@ def test_fsdp2_trains_on_shared_memory() -> None:
 @pytest.mark.timeout(150)
 def test_lightning_ddp_trains_on_shared_memory() -> None:
     pytest.importorskip("lightning")
-    results = phalanx.run(_example, args=("lightning_digits", "train_lightning"), np=2, env=NATIVE)
+    results = phalanx.run(_example, args=("lightning_digits", "train_lightning"), np=2, env=DEFAULT)
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5
     assert _leftovers() == []

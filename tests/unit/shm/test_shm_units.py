@@ -131,8 +131,8 @@ def test_cma_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_auto_backend_choice() -> None:
     from phalanx.worker.dist_backend import choose
 
-    assert choose("gloo", {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}) == "gloo"  # opt-in only
-    one_host = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PHALANX_SHM_NATIVE": "1"}
+    one_host = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # on by default
+    assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "1"}) == "phalanx_shm"
     assert choose("gloo", one_host) == "phalanx_shm"
     assert choose("GLOO", one_host) == "phalanx_shm"
     assert choose("cpu:gloo,cuda:nccl", one_host) == "cpu:phalanx_shm,cuda:nccl"
@@ -141,5 +141,7 @@ def test_auto_backend_choice() -> None:
     assert choose("gloo", {**one_host, "WORLD_SIZE": "4"}) == "gloo"  # two hosts
     assert choose("gloo", {**one_host, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}) == "gloo"
     assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "0"}) == "gloo"
+    assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "off"}) == "gloo"
     assert choose("gloo", {**one_host, "PHALANX_SHM": "0"}) == "gloo"
+    assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "1", "PHALANX_SHM": "false"}) == "gloo"
     assert choose("gloo", {**one_host, "WORLD_SIZE": "x"}) == "gloo"

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from torch._C import _distributed_c10d as _c10d
+import torch.distributed as dist
 
 GATE_CHECK_S = 0.05  # how often a worker held by an inline call checks whether its Serial was closed
 _Job = tuple[Callable[[], None], Callable[[BaseException | None], None]]
@@ -88,6 +88,28 @@ class _Inline(Pending):
         return super().wait()
 
 
+class _Work(dist.Work):
+    """The torch ``Work`` of one queued call: ``wait`` raises the call's error (``_create_work_from_future``'s
+    ``wait`` returns True even when its future failed, so ``dist.all_reduce`` missed a dead peer)."""
+
+    def __init__(self, fut: torch.futures.Future[list[torch.Tensor]]) -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until the call ran; raise its error if it failed."""
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """The future DDP chains its bucket callbacks on."""
+        return self._fut
+
+    def is_completed(self) -> bool:
+        """Whether the call ran (successfully or not)."""
+        return self._fut.done()
+
+
 class Serial:
     """One daemon thread that runs queued calls in order (started on first use)."""
 
@@ -130,7 +152,7 @@ class Serial:
                 fut.set_result(result)
 
         self._put(fn, settle)
-        return _c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+        return _Work(fut)
 
     def _put(self, fn: Callable[[], None], settle: Callable[[BaseException | None], None]) -> None:
         if self._thread is None:
