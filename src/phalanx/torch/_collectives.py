@@ -6,6 +6,7 @@ Non-arithmetic collectives move raw bytes (uint8 views), so every dtype works, b
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -55,7 +56,18 @@ class Allreduce(Collective):
         self.buffers = [R.prescale(t, prescale).reshape(-1) for t in inputs]
         self.works: list[Any] = []
         self.wire: list[torch.Tensor] = []
+        self.scaled: list[bool] = []  # per wire: the final scaling was folded into the copy onto the wire
         self.pooled: torch.Tensor | None = None
+        self.fold = _foldable(op, postscale, n, inputs[0].dtype if inputs else torch.uint8)
+        self.spec_scaled = False
+
+    def _copy_to_wire(self, buf: torch.Tensor, wire: torch.Tensor) -> bool:
+        """Copy ``buf`` onto the wire; True when the final scaling was folded into the copy (one pass less)."""
+        if self.fold is None or buf.dtype != wire.dtype:
+            wire.copy_(buf)
+            return False
+        torch.mul(buf, self.fold, out=wire)
+        return True
 
     def payload_bytes(self) -> torch.Tensor:
         parts = [as_bytes(b) for b in self.buffers]
@@ -81,25 +93,26 @@ class Allreduce(Collective):
             return buf
         if out.is_contiguous():
             wire = out.view(-1)
-            wire.copy_(buf)
+            self.spec_scaled = self._copy_to_wire(buf, wire)
             return wire
         self.pooled = S.acquire(buf.numel(), buf.dtype)
         return self.pooled.copy_(buf)
 
     def adopt(self, buffer: torch.Tensor, work: Any) -> None:
-        self.wire, self.works = [buffer], [work]
+        self.wire, self.works, self.scaled = [buffer], [work], [self.spec_scaled]
 
     def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
         for buf, out in zip(self.buffers, self.outputs):
-            wire_dt = R.wire_dtype(buf.dtype)
+            wire_dt, scaled = R.wire_dtype(buf.dtype), False
             if wire_dt != buf.dtype:
                 wire = buf.to(wire_dt)
             elif out.is_contiguous() and buf.data_ptr() != out.data_ptr() and out.numel() == buf.numel():
                 wire = out.view(-1)
-                wire.copy_(buf)
+                scaled = self._copy_to_wire(buf, wire)
             else:
                 wire = buf if buf.data_ptr() == out.data_ptr() else buf.clone()
             self.wire.append(wire)
+            self.scaled.append(scaled)
             op = R.dist_op(self.op, buf.dtype)
             self.works.append(shm.all_reduce(wire, op=op, group=groups.data, async_op=True))
 
@@ -110,15 +123,27 @@ class Allreduce(Collective):
         return list(self.works)
 
     def finish(self) -> Any:
-        for work, wire, out in zip(self.works, self.wire, self.outputs):
+        for work, wire, out, scaled in zip(self.works, self.wire, self.outputs, self.scaled):
             work.wait()
             result = wire.to(out.dtype) if wire.dtype != out.dtype else wire
-            R.finish_scale(result, self.op, self.n, self.post)
+            if not scaled:
+                R.finish_scale(result, self.op, self.n, self.post)
             if result.data_ptr() != out.data_ptr():
                 out.copy_(result.reshape(out.shape))
         if self.pooled is not None:
             S.release(self.pooled)
         return self.outputs[0] if self.sig.count == 1 and self.sig.group_hash == 0 else self.outputs
+
+
+def _foldable(op: int, postscale: float, n: int, dtype: torch.dtype) -> float | None:
+    """The factor ``finish_scale`` would multiply a result by, when it may be applied to each rank's
+    contribution instead (bit-identical: floating point and a power of two, so the scaling is exact and
+    commutes with the sum), else None."""
+    factor = postscale / (n if op == R.Average else 1)
+    if not dtype.is_floating_point or factor == 1.0 or op not in (R.Average, R.Sum):
+        return None
+    mantissa, _ = math.frexp(factor)
+    return factor if abs(mantissa) == 0.5 else None
 
 
 class Allgather(Collective):

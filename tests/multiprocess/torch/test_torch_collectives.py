@@ -233,3 +233,27 @@ def _collectives_job() -> list[str]:
 def test_every_collective_over_dtypes_and_dims(np: int) -> None:
     results = phalanx.run(_collectives_job, np=np)
     assert results == [[]] * np
+
+
+def _exact_scaling_job() -> list[str]:
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    fail: list[str] = []
+    for i in range(12):  # repeated: the later calls take the speculative (predicted) path
+        x = torch.randn(30_000, generator=torch.Generator().manual_seed(100 * i + hvd.rank()))
+        total = hvd.allgather(x.unsqueeze(0)).sum(0)
+        got = {"Average": hvd.allreduce(x), "Sum*4": hvd.allreduce(x, op=hvd.Sum, postscale_factor=4.0)}
+        want = {"Average": total * (1.0 / hvd.size()), "Sum*4": total * 4.0}
+        fail += [f"{k} call {i}" for k in got if not torch.equal(got[k], want[k])]
+    hvd.shutdown()
+    return fail
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_new_tensor_average_is_bit_identical_to_sum_then_scale(shm: str) -> None:
+    # A power-of-two size folds the scaling into the copy onto the wire; it must not change a bit.
+    assert phalanx.run(_exact_scaling_job, np=2, env={"PHALANX_SHM": shm}) == [[], []]
