@@ -30,7 +30,7 @@ DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
 MIN_AUTO_BUCKET_BYTES = 1024 * 1024
 AUTO_BUCKETS = 4
-INLINE_TAIL = 1
+INLINE_TAIL = 1  # last buckets run in the thread that waits for them (with a shm grad worker: no hand-over)
 
 
 def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
@@ -40,7 +40,7 @@ def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
     128 MiB and, when ``overlap``, the gradients are split into about ``AUTO_BUCKETS`` buckets of at least
     1 MiB, so that the first buckets' allreduce overlaps the rest of the backward pass (what Horovod's
     cycle-time fusion achieves dynamically). Without overlap (buckets that travel through shared memory
-    run in ``synchronize()``, after backward) every extra bucket only adds a round of latency, so they are
+    run in ``synchronize()``, after backward, unless ``PHALANX_SHM_GRAD_ASYNC=1``) every extra bucket only adds a round of latency, so they are
     fused up to the maximum.
 
     Args:
@@ -127,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._rescale(n)
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         total = sum(p.numel() * p.element_size() for p in params)
-        # Buckets deferred to synchronize() (shared memory across hosts) buy no overlap by splitting.
+        # Buckets deferred to synchronize() (shared memory, unless PHALANX_SHM_GRAD_ASYNC) gain nothing by splitting.
         overlap = shm.overlaps(self._phalanx_groups.grad) or not all(p.device.type == "cpu" for p in params)
         threshold = fusion_threshold_bytes(total, overlap)
         self._buckets = B.plan(params, threshold, _split(params, num_groups, groups))
