@@ -40,8 +40,8 @@ def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
     128 MiB and, when ``overlap``, the gradients are split into about ``AUTO_BUCKETS`` buckets of at least
     1 MiB, so that the first buckets' allreduce overlaps the rest of the backward pass (what Horovod's
     cycle-time fusion achieves dynamically). Without overlap (buckets that travel through shared memory
-    run in ``synchronize()``, after backward, unless ``PHALANX_SHM_GRAD_ASYNC=1``) every extra bucket only adds a round of latency, so they are
-    fused up to the maximum.
+    run in ``synchronize()``, after backward, unless ``PHALANX_SHM_GRAD_ASYNC=1``) every extra bucket only
+    adds a round of latency, so they are fused up to the maximum.
 
     Args:
         total_bytes: the size of all gradients (for the default split).
