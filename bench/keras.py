@@ -2,20 +2,24 @@
 
 Run: ``.venv/bin/python bench/keras.py [--steps 60] [--rounds 3]``. Models: Horovod's classic Keras MNIST CNN
 (1.2M parameters, 28x28x1 inputs) and the digits CNN of the examples (40k parameters, 8x8x1); batch 32 per
-rank, Adam, ``model.fit`` with ``steps_per_epoch``. Every process gets one intra-op thread (the share a rank
-gets on this 2-core machine), so 1 rank and 2 ranks compute with the same resources.
+rank, Adam, ``model.fit`` with ``steps_per_epoch``. Every process (the single one and each rank) gets the
+same TF thread counts: one intra-op thread (the share a rank gets on this 2-core machine), two inter-op.
 
-In each job, a plain model (``compile(optimizer=Adam)``) and a distributed one (``DistributedOptimizer``)
-alternate in chunks of ``--steps`` steps, the ranks starting each chunk together (so machine noise hits
-both alike, and the plain chunks of the 2 ranks overlap as the distributed ones do); a step's time is the median
-gap between consecutive ``on_train_batch_end`` calls (per-``fit`` set-up excluded). The 2-rank job also
-times one allreduce of a float32 tensor of the model's size (``phalanx.torch``, the collective the bridge
-uses, and raw ``torch.distributed.all_reduce`` on gloo for reference).
+In each job, three variants alternate in chunks of ``--steps`` steps, the ranks starting each chunk together
+(so machine noise hits all alike): ``plain`` (``compile(optimizer=Adam)``: each rank trains alone, no
+communication), ``lockstep`` (plain plus a 1-element allreduce after every batch: the ranks wait for each
+other every step but exchange no gradients) and ``hvd`` (``DistributedOptimizer``). A step's time is the
+median gap between consecutive ``on_train_batch_end`` calls (per-``fit`` set-up excluded). The 2-rank job
+also times one allreduce of a float32 tensor of the model's size (``phalanx.torch``, the collective the
+bridge uses, and raw ``torch.distributed.all_reduce`` on gloo for reference).
 
-Overhead = 2-rank distributed step - 1-rank plain step; target: at most the allreduce + 1 ms. On a 2-core
-machine that overhead includes the slowdown of two processes computing at once (2-rank plain - 1-rank
-plain), so the bridge's own cost (2-rank distributed - 2-rank plain: the collective, waiting for the slower
-rank, the numpy_function copies) is printed too, with its ratio to the same target.
+Columns: *distributed overhead* = 2-rank hvd - 2-rank plain: the cost of training distributed, measured
+against the same single-process training run with the same threads while the other core is as busy (the
+fair baseline on a 2-core machine), split into *lockstep* (2-rank lockstep - 2-rank plain: waiting for the
+slower rank every step) and *gradient exchange* (2-rank hvd - 2-rank lockstep: the bridge and the
+allreduce). *vs 1 rank alone* = 2-rank hvd - 1-rank plain also includes what two processes computing at
+once cost on this machine without any communication (2-rank plain - 1-rank plain: plain Keras, two
+processes at once, no phalanx, measured 28 -> 42-44 ms per MNIST CNN step). Target: at most the allreduce + 1 ms.
 """
 
 from __future__ import annotations
@@ -82,6 +86,24 @@ class _Gaps:
         self.callback = keras.callbacks.LambdaCallback(on_train_begin=begin, on_train_batch_end=end)
 
 
+class _Lockstep:
+    """A 1-element allreduce after every batch: the ranks wait for each other, no gradients move."""
+
+    def __init__(self) -> None:
+        import keras
+        import numpy as np
+
+        from phalanx.tensorflow import _bridge
+        from phalanx.torch import _reduce as R
+
+        one = np.zeros(1, dtype=np.float32)
+        self.callback = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs=None: _bridge.np_allreduce(one, "lockstep", R.Sum, 1.0, 1.0))
+
+
+VARIANTS = ("plain", "lockstep", "hvd")
+
+
 def _compiled(hvd: Any, make: Any, distributed: bool) -> Any:
     import keras
 
@@ -128,15 +150,17 @@ def _job(model_name: str, steps: int, rounds: int) -> dict[str, Any]:
     x = rng.random((32 * 8, side, side, 1), dtype=np.float32)
     y = rng.integers(0, 10, size=len(x))
     data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32)
-    models = {"plain": _compiled(hvd, make, False), "hvd": _compiled(hvd, make, True)}
-    gaps: dict[str, list[float]] = {"plain": [], "hvd": []}
-    for model in models.values():
-        model.fit(data, steps_per_epoch=5, epochs=1, verbose=0)  # trace and warm up
+    variants = VARIANTS if hvd.size() > 1 else ("plain", "hvd")
+    models = {name: _compiled(hvd, make, name == "hvd") for name in variants}
+    extra = {name: [_Lockstep().callback] if name == "lockstep" else [] for name in variants}
+    gaps: dict[str, list[float]] = {name: [] for name in variants}
+    for name, model in models.items():
+        model.fit(data, steps_per_epoch=5, epochs=1, verbose=0, callbacks=extra[name])  # trace and warm up
     for _ in range(rounds):
         for name, model in models.items():
             hvd.allreduce(tf.zeros(1), name=f"start {name}")  # both ranks run the same variant at once
             rec = _Gaps()
-            model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[rec.callback])
+            model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[rec.callback, *extra[name]])
             gaps[name].extend(rec.gaps)
     result = {name: statistics.median(g) * 1e3 for name, g in gaps.items()}
     result["params"] = int(sum(np.prod(w.shape) for w in models["hvd"].trainable_weights))
@@ -151,20 +175,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="chunks per variant")
     parser.add_argument("--models", default="mnist_cnn,digits_cnn")
     args = parser.parse_args(argv)
-    print("model | params | 1 rank plain ms/step | 2 ranks plain | 2 ranks DistributedOptimizer | overhead ms "
-          "(2-rank hvd - 1-rank plain) | allreduce ms (phalanx / raw gloo) | target = allreduce + 1 ms | "
-          "overhead / target | bridge ms (2-rank hvd - 2-rank plain) | bridge / target")  # fmt: skip
+    print("model | params | ms/step: 1 rank plain | 2 ranks plain | 2 ranks lockstep | 2 ranks hvd | "
+          "allreduce ms (phalanx / raw gloo) | target = allreduce + 1 ms | distributed overhead ms (2-rank hvd - "
+          "2-rank plain) | overhead / target | of which lockstep | of which gradient exchange | vs 1 rank alone "
+          "ms (2-rank hvd - 1-rank plain) | vs 1 rank / target")  # fmt: skip
     for name in args.models.split(","):
         one = phalanx.run(_job, args=(name, args.steps, args.rounds), np=1, env=ENV)[0]
         two = phalanx.run(_job, args=(name, args.steps, args.rounds), np=2, env=ENV)
-        hvd_ms = max(r["hvd"] for r in two)
-        plain2 = max(r["plain"] for r in two)
-        overhead = hvd_ms - one["plain"]
+        ms = {v: max(r[v] for r in two) for v in VARIANTS}  # the slower rank's median
         target = two[0]["allreduce_ms"] + 1.0
-        print(f"{name} | {one['params']:,} | {one['plain']:.2f} | {plain2:.2f} | {hvd_ms:.2f} | {overhead:.2f} | "
-              f"{two[0]['allreduce_ms']:.2f} / {two[0]['raw_allreduce_ms']:.2f} | {target:.2f} | "
-              f"{overhead / target:.2f} | {hvd_ms - plain2:.2f} | {(hvd_ms - plain2) / target:.2f}",
-              flush=True)  # fmt: skip
+        overhead, alone = ms["hvd"] - ms["plain"], ms["hvd"] - one["plain"]
+        print(f"{name} | {one['params']:,} | {one['plain']:.2f} | {ms['plain']:.2f} | {ms['lockstep']:.2f} | "
+              f"{ms['hvd']:.2f} | {two[0]['allreduce_ms']:.2f} / {two[0]['raw_allreduce_ms']:.2f} | {target:.2f} | "
+              f"{overhead:.2f} | {overhead / target:.2f} | {ms['lockstep'] - ms['plain']:.2f} | "
+              f"{ms['hvd'] - ms['lockstep']:.2f} | {alone:.2f} | {alone / target:.2f}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
