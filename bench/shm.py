@@ -8,8 +8,8 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
 * training (bench/train.py's CNN and MLP): DistributedOptimizer with shared memory vs DDP on gloo, steps/s
   per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer).
   A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference; a third runs
-  DDP on the gloo default group and DDP on a ``phalanx_shm`` group, interleaved (the A/B of the launchers'
-  automatic backend substitution); the efficiency is also given over one process on one thread (each
+  DDP and FSDP2 on the gloo default group and on a ``phalanx_shm`` group, interleaved (the A/B of the
+  launchers' automatic backend substitution); the efficiency is also given over one process on one thread (each
   of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there).
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks).
@@ -131,9 +131,22 @@ def _train(steps: int, rounds: int, shm_env: dict[str, str]) -> dict[str, dict[s
     return two
 
 
+def _fsdp(make: Any, group: Any) -> Any:
+    """``make()`` sharded with FSDP2 over ``group`` (one unit per layer with parameters, and the root)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh, model = DeviceMesh.from_group(group, "cpu"), make()
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _ddp_ab(steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    """DDP on the gloo default group vs DDP on a ``phalanx_shm`` group, same job, alternating chunks of steps
-    (bench/train.py's interleaving): the A/B of what the launchers' automatic substitution changes."""
+    """DDP and FSDP2, each on the gloo default group and on a ``phalanx_shm`` group, same job, alternating
+    chunks of steps (bench/train.py's interleaving): the A/B of what the launchers' automatic substitution
+    changes. Keys per model: ``gloo`` / ``shm`` (DDP), ``fsdp gloo`` / ``fsdp shm``."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -141,13 +154,13 @@ def _ddp_ab(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     from phalanx.torch.shm import backend
 
     dist.init_process_group("gloo")  # the job runs with PHALANX_SHM_NATIVE=0: this stays gloo
-    groups = {"gloo": None, "shm": dist.new_group(backend=backend.NAME)}
+    groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend=backend.NAME)}
     out: dict[str, dict[str, float]] = {}
     for name, (make, shape) in train.MODELS.items():
         trainers = {}
         for key, group in groups.items():
-            model = DDP(make(), process_group=group)
-            trainers[key] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+            for label, model in ((key, DDP(make(), process_group=group)), (f"fsdp {key}", _fsdp(make, group))):
+                trainers[label] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
         out[name] = train._interleaved(trainers, shape, steps, rounds)
     dist.destroy_process_group()
     return out
@@ -157,10 +170,12 @@ _GLOO_DEFAULT = {"PHALANX_SHM_NATIVE": "0"}  # the A/B job's default group stays
 
 
 def _print_ddp_ab(ddp_ab: dict[str, Any]) -> None:
-    print("DDP, 2 ranks, gloo default group vs a phalanx_shm group, interleaved in one job, steps/s per rank")
+    print("DDP and FSDP2, 2 ranks, on the gloo default group vs on a phalanx_shm group, interleaved in one job, "
+          "steps/s per rank")  # fmt: skip
     for name, r in ddp_ab.items():
         print(f"  {name}: DDP gloo {r['gloo']:.2f}/s  DDP phalanx_shm {r['shm']:.2f}/s  "
-              f"phalanx_shm / gloo {r['shm'] / r['gloo']:.2f}x")  # fmt: skip
+              f"ratio {r['shm'] / r['gloo']:.2f}x | FSDP2 gloo {r['fsdp gloo']:.2f}/s  "
+              f"FSDP2 phalanx_shm {r['fsdp shm']:.2f}/s  ratio {r['fsdp shm'] / r['fsdp gloo']:.2f}x")  # fmt: skip
 
 
 def _bench_1_thread(steps: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -195,7 +210,7 @@ def main() -> None:
     parser.add_argument("--train-rounds", type=int, default=15)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-hosts", action="store_true", help="skip the simulated multi-host allreduces")
-    parser.add_argument("--ddp-only", action="store_true", help="only the DDP gloo / phalanx_shm A/B")
+    parser.add_argument("--ddp-only", action="store_true", help="only the DDP / FSDP2 gloo vs phalanx_shm A/B")
     args = parser.parse_args()
     if args.ddp_only:
         _print_ddp_ab(phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0])
@@ -213,6 +228,7 @@ def main() -> None:
     ddp_ab = phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0]
     one_thread = phalanx.run(_bench_1_thread, args=(args.steps, args.train_rounds), np=1)[0]
     _print_train(shm, gloo, one, ddp_ab, one_thread)
+    _print_ddp_ab(ddp_ab)
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
 
 

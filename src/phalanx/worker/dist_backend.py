@@ -8,7 +8,8 @@ job whose ranks all share this host, becomes a request for ``phalanx_shm``
 reduce-scatter-tensor of CPU tensors go through shared memory and everything else through the gloo group it
 wraps. ``"gloo"`` becomes ``"phalanx_shm"`` and ``"cpu:gloo,cuda:nccl"`` becomes
 ``"cpu:phalanx_shm,cuda:nccl"``; any other backend (nccl, the default ``None``, mpi) and multi-host jobs
-are left alone. On by default (DDP on it measured 1.02x / 1.25x DDP on gloo, CNN / MLP, bench/shm.py);
+are left alone. On by default (DDP on it measured 1.01-1.04x / 1.25-1.29x DDP on gloo, CNN / MLP, FSDP2
+1.17x / 1.68x; bench/shm.py);
 ``PHALANX_SHM_NATIVE=0`` or ``PHALANX_SHM=0`` turns it off.
 
 This module imports nothing heavy: the backend module (torch) is imported by name only when a call is
