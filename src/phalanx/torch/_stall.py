@@ -7,7 +7,9 @@ each rank waits for a peer that is itself waiting. Nothing of this runs on the f
 not completed after ``PHALANX_STALL_CHECK_S`` seconds makes the rank publish, in the job's store (the
 ``TCPStore`` of the default process group), what it waits on — the membership and the collective's index
 on it, its kind and tensor name — together with how many collectives it has issued and negotiated on each
-membership. Every blocked rank then polls every rank's record once per ``POLL_S`` and computes the
+membership. Every blocked rank then reads every rank's record (one ``multi_get``) once per ``POLL_S``,
+backing off to ``POLL_MAX_S`` while nothing looks deadlocked (a long legitimate wait of many ranks must
+not flood the store), and computes the
 deadlocked ranks: the largest set of blocked ranks each of which waits for at least one rank of the set
 (a wait needs *every* member, so none of them can be the first to move). A rank that is merely slow (it
 has not published, or waits for a rank that runs) keeps everyone waiting, up to the transport's timeout.
@@ -36,6 +38,7 @@ from phalanx.torch.shm import _channel
 
 DEFAULT_CHECK_S = 5.0
 POLL_S = 1.0  # between two reads of the records once a rank has published (at most the check interval)
+POLL_MAX_S = 10.0  # the back-off's limit
 PREFIX = "phalanx.stall/"
 ACK_S = 3 * POLL_S  # how long the rank that confirms a deadlock waits for the others to read the verdict
 
@@ -152,6 +155,8 @@ class Inspector:
         self.mine: Record | None = None  # published and not yet cleared
         self.version = 0
         self.next_poll = 0.0
+        self.interval = POLL_S
+        self.next_verdict = 0.0  # verdicts are looked for every POLL_S, without back-off
         self.candidate: dict[int, int] | None = None
         self.broken: dict[Ranks, str] = {}
 
@@ -183,11 +188,18 @@ class Inspector:
             self.version += 1
             self.mine = Record(self.rank, self.version, wait, dict(issued), dict(rounds))
             self.store.set(f"rec/{self.rank}", self.mine.dumps())
-            self.candidate, self.next_poll = None, now
+            self.candidate, self.next_poll, self.interval = None, now, min(POLL_S, self.check_s)
         if now < self.next_poll:
-            return None
-        self.next_poll = now + min(POLL_S, self.check_s)
-        return self._poll(self.mine)
+            if now < self.next_verdict:
+                return None
+            self.next_verdict = now + POLL_S
+            return self.verdict()
+        self.next_verdict = now + POLL_S
+        error = self._poll(self.mine)
+        # a candidate deadlock is confirmed at the next poll; otherwise back off
+        self.interval = self.interval if self.candidate is not None else min(self.interval * 1.5, POLL_MAX_S)
+        self.next_poll = now + self.interval
+        return error
 
     def verdict(self) -> CollectiveMismatchError | None:
         """The error of a deadlock another rank confirmed for this rank's current record, else None (also
@@ -236,13 +248,14 @@ class Inspector:
             time.sleep(0.02)
 
     def _records(self, mine: Record) -> dict[int, Record]:
-        records = {self.rank: mine}
-        for r in range(self.size):
-            key = f"rec/{r}"
-            if r != self.rank and self.store.check([key]):
-                text = self.store.get(key).decode()
-                if text:
-                    records[r] = Record.loads(text)
+        # Every rank wrote its key in start(), before the collective that created the process sets; check
+        # anyway (a missing key would make multi_get block until the store's timeout).
+        keys = [f"rec/{r}" for r in range(self.size)]
+        if not self.store.check(keys):
+            return {self.rank: mine}
+        texts = self.store.multi_get(keys)
+        records = {r: Record.loads(t.decode()) for r, t in enumerate(texts) if t and r != self.rank}
+        records[self.rank] = mine
         return records
 
     def _fail(self, msg: str, sets: list[Any]) -> CollectiveMismatchError:
