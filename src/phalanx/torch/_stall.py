@@ -208,7 +208,10 @@ class Inspector:
         mine = self.mine
         if mine is None:
             return None
-        text = self.store.get(f"verdict/{self.rank}").decode()
+        try:
+            text = self.store.get(f"verdict/{self.rank}").decode()
+        except (RuntimeError, OSError):
+            return None
         d = json.loads(text) if text else None
         if d is None or d["v"] != mine.version:
             return None
@@ -269,7 +272,10 @@ class Inspector:
         if self.mine is not None:
             self.mine = None
             self.candidate = None
-            self.store.set(f"rec/{self.rank}", "")
+            try:
+                self.store.set(f"rec/{self.rank}", "")
+            except (RuntimeError, OSError):
+                self.check_s = 0.0  # the store is gone: stop inspecting
 
 
 INSPECTOR = Inspector()
@@ -320,11 +326,21 @@ def current_wait() -> dict[str, Any] | None:
 
 
 def on_stall(waited: float) -> CollectiveMismatchError | None:
-    """A wait has lasted ``waited`` seconds: consult the inspector (the shared-memory channels call this)."""
+    """A wait has lasted ``waited`` seconds: consult the inspector (the shared-memory channels call this).
+
+    A store that fails (its host is gone, as when an elastic job loses ranks) turns the inspector off: the
+    wait goes on and the transport reports the failure, as without the inspector.
+    """
     if INSPECTOR.check_s <= 0 or waited < INSPECTOR.check_s:
         return None
     wait = current_wait()
-    return None if wait is None else INSPECTOR.stalled(wait)
+    if wait is None:
+        return None
+    try:
+        return INSPECTOR.stalled(wait)
+    except (RuntimeError, OSError):
+        INSPECTOR.check_s, INSPECTOR.mine = 0.0, None
+        return None
 
 
 def _wait_for(work: Any, timeout: timedelta) -> bool:
