@@ -217,7 +217,7 @@ class Channel:
             )  # fmt: skip
 
     def _fail(self, cause: str, g: int, what: str, signal: bool = True) -> None:
-        error = HOOKS.verdict() if HOOKS.verdict is not None else None
+        error = HOOKS.verdict() if HOOKS.verdict is not None and self.inspected else None
         if error is not None:
             self.broken = f"shared-memory {what} on {self.label} was abandoned at step {g}: {error}"
             raise error
