@@ -1,6 +1,9 @@
 """torch-native code in a phalanx rank gets the shared-memory backend without code changes.
 
-The worker entry calls :func:`install` before the user's function runs. It wraps
+The worker entry calls :func:`install` before the user's function runs; in command ranks (``phalanxrun
+python train.py``, a script given to a Spark launcher), which exec the user's program instead, the start-up
+hook ``phalanx-shm-native.pth`` that the wheel installs does the same in every interpreter started with the
+job's ``PHALANX_RUN_ID`` in its environment. It wraps
 ``torch.distributed.init_process_group`` (now if torch is already imported, else right after
 ``torch.distributed`` is first imported, through a one-shot import hook) so that a request for gloo, on a
 job whose ranks all share this host, becomes a request for ``phalanx_shm``
@@ -85,6 +88,27 @@ def _patch() -> None:
             module.init_process_group = _wrap(fn)
 
 
+def patched_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:
+    """``fullname``'s spec, with a loader that runs :func:`_patch` right after executing the module.
+
+    Used by :class:`_AfterImport` and by the start-up hook ``phalanx-shm-native.pth`` (command ranks: the
+    user's own ``python train.py`` started by ``phalanxrun`` or a Spark task, which never runs the worker
+    entry).
+    """
+    spec = importlib.util.find_spec(fullname)
+    loader = spec.loader if spec is not None else None
+    if loader is None or not hasattr(loader, "exec_module"):
+        return spec
+    run = loader.exec_module
+
+    def exec_module(module: Any) -> None:
+        run(module)
+        _patch()
+
+    loader.exec_module = exec_module  # type: ignore[method-assign]
+    return spec
+
+
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Runs :func:`_patch` right after ``torch.distributed`` is first imported, then steps aside."""
 
@@ -93,18 +117,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return None
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            _patch()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+        return patched_spec(fullname)
 
 
 def install() -> None:

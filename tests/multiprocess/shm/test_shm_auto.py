@@ -158,3 +158,34 @@ def test_lightning_ddp_trains_on_shared_memory() -> None:
     assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
     assert results[0][2] > 0.5
     assert _leftovers() == []
+
+
+SCRIPT = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+pg = dist.distributed_c10d._get_default_group()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(40, 3))
+model(torch.randn(8, 40)).sum().backward()
+calls = getattr(pg, "shm_calls", None) or {}
+print("backend", dist.get_backend(), "allreduce", calls.get("allreduce", 0), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, expected", [({}, "backend phalanx_shm allreduce 1"),
+                                           ({"PHALANX_SHM_NATIVE": "0"}, "backend gloo allreduce 0")])
+def test_phalanxrun_script_ranks_get_it_too(tmp_path: Path, env: dict[str, str], expected: str) -> None:
+    """A command rank (``phalanxrun python train.py``) execs the user's program: the wheel's start-up hook
+    ``phalanx-shm-native.pth`` substitutes the backend there."""
+    import subprocess
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "-np", "2", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=100, env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines()) == [expected] * 2, out.stdout
+    assert _leftovers() == []
