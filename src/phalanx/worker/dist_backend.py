@@ -29,6 +29,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 from phalanx.env import names as N
@@ -79,13 +80,37 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     return init_process_group
 
 
+def _monitored(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``monitored_barrier`` that also serves ``phalanx_shm`` groups (torch refuses every backend but gloo).
+
+    The group's CPU backend is the gloo group it wraps (``ShmProcessGroup``), which does the real work.
+    """
+
+    @functools.wraps(original)
+    def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        c10d: Any = sys.modules[f"{_TARGET}.distributed_c10d"]
+        if c10d._rank_not_in_group(group) or c10d.get_backend(group) != SHM_BACKEND:
+            return original(group, timeout, wait_all_ranks)
+        if timeout is None:
+            timeout = c10d.default_pg_timeout
+        elif isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        pg = c10d._get_default_group() if group is None else group
+        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    setattr(monitored_barrier, _MARK, True)
+    return monitored_barrier
+
+
 def _patch() -> None:
-    """Wrap ``init_process_group`` in the loaded ``torch.distributed`` (and its ``distributed_c10d``)."""
+    """Wrap ``init_process_group`` and ``monitored_barrier`` in the loaded ``torch.distributed`` (and its
+    ``distributed_c10d``)."""
     for name in (_TARGET, f"{_TARGET}.distributed_c10d"):
         module: Any = sys.modules.get(name)
-        fn = getattr(module, "init_process_group", None)
-        if fn is not None and not getattr(fn, _MARK, False):
-            module.init_process_group = _wrap(fn)
+        for attr, wrap in (("init_process_group", _wrap), ("monitored_barrier", _monitored)):
+            fn = getattr(module, attr, None)
+            if fn is not None and not getattr(fn, _MARK, False):
+                setattr(module, attr, wrap(fn))
 
 
 def patched_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:

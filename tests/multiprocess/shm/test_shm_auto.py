@@ -189,3 +189,44 @@ def test_phalanxrun_script_ranks_get_it_too(tmp_path: Path, env: dict[str, str],
     assert out.returncode == 0, out.stderr
     assert sorted(line.split(":", 1)[1] for line in out.stdout.splitlines()) == [expected] * 2, out.stdout
     assert _leftovers() == []
+
+
+def _other_calls() -> dict[str, Any]:
+    """The calls a Python process group cannot override or forwards to gloo, on the substituted backend."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    r = dist.get_rank()
+    out: dict[str, Any] = {"backend": dist.get_backend()}
+    t = torch.full((3,), float(r + 1))
+    dist.reduce(t, dst=0)
+    out["reduce"] = t.tolist() if r == 0 else None
+    gathered = [torch.empty(2) for _ in range(2)] if r == 0 else None
+    dist.gather(torch.full((2,), float(r)), gathered, dst=0)
+    out["gather"] = [g.tolist() for g in gathered] if gathered else None
+    got = torch.empty(2)
+    dist.scatter(got, [torch.full((2,), float(i)) for i in range(2)] if r == 0 else None, src=0)
+    out["scatter"] = got.tolist()
+    a2a = torch.empty(2)
+    dist.all_to_all_single(a2a, torch.tensor([10.0 * r, 10.0 * r + 1]))
+    out["all_to_all"] = a2a.tolist()
+    dist.monitored_barrier(timeout=timedelta(seconds=30))
+    dist.monitored_barrier()  # the default timeout
+    sub = dist.new_group([0, 1])
+    s = torch.ones(2) * r
+    dist.all_reduce(s, group=sub)
+    out["subgroup"] = s.tolist()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_calls_beyond_the_shared_memory_ones_still_work() -> None:
+    rank0, rank1 = phalanx.run(_other_calls, np=2, env=DEFAULT)
+    assert rank0 == {"backend": "phalanx_shm", "reduce": [3.0] * 3, "gather": [[0.0, 0.0], [1.0, 1.0]],
+                     "scatter": [0.0, 0.0], "all_to_all": [0.0, 10.0], "subgroup": [1.0, 1.0]}
+    assert rank1 == {**rank0, "reduce": None, "gather": None, "scatter": [1.0, 1.0], "all_to_all": [1.0, 11.0]}
+    assert _leftovers() == []

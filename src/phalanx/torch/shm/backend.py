@@ -35,6 +35,9 @@ class ShmProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int, gloo: Any, channel: Channel | None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         self.gloo, self.channel = gloo, channel
+        # Calls a Python group cannot override (``dist.reduce``, ``monitored_barrier``, the dispatcher's ops)
+        # look up the group's backend for the tensor's device: gloo answers them.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
         self.serial = Serial(f"{NAME} rank {rank}")
         #: calls carried by shared memory, by name ("allreduce", "broadcast", "barrier"); the rest went to gloo
         self.shm_calls: collections.Counter[str] = collections.Counter()
