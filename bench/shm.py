@@ -10,7 +10,8 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
   A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference; a third runs
   DDP and FSDP2 on the gloo default group and on a ``phalanx_shm`` group, interleaved (the A/B of the
   launchers' automatic backend substitution); the efficiency is also given over one process on one thread (each
-  of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there).
+  of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there), and over two
+  processes training at once without any communication (what the shared host allows at best).
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks).
 """
@@ -186,17 +187,40 @@ def _bench_1_thread(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     return train._bench_1(steps, rounds)
 
 
+def _independent(steps: int, rounds: int) -> dict[str, float]:
+    """Both ranks train the plain optimizer at the same time with no communication at all (one start barrier):
+    steps/s per rank of two processes sharing this host. What distributed training could reach at best here;
+    the gap to one process alone is the host's (shared memory bandwidth and caches), not distribution's."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")  # only for the start barriers
+    out: dict[str, float] = {}
+    for name, (make, shape) in train.MODELS.items():
+        model = make()  # train._seconds: two warm-up steps, a barrier, then the timed steps (no collective)
+        seconds = train._seconds(model, torch.optim.SGD(model.parameters(), lr=0.01), shape, steps * rounds)
+        out[name] = steps * rounds / seconds
+    dist.destroy_process_group()
+    return out
+
+
 def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_ab: dict[str, Any],
-                 one_thread: dict[str, Any]) -> None:  # fmt: skip
-    print("training, 2 ranks, steps/s per rank; efficiency (eff) = 2-rank steps/s per rank / 1 process alone "
-          f"(plain optimizer, all {os.cpu_count()} cores: with one core per rank the ceiling is "
-          f"~{1 / (os.cpu_count() or 1):.2f} on this host); eff1t = the same over 1 process on 1 thread")
+                 one_thread: dict[str, Any], alone2: list[dict[str, float]]) -> None:  # fmt: skip
+    print(
+        "training, 2 ranks, steps/s per rank; efficiency (eff) = 2-rank steps/s per rank / 1 process alone "
+        f"(plain optimizer, all {os.cpu_count()} cores: with one core per rank the ceiling is "
+        f"~{1 / (os.cpu_count() or 1):.2f} on this host); eff1t = the same over 1 process on 1 thread"
+    )
+    print("  effpair = the same over 2 processes training at once with no communication (the host's ceiling)")
     for name in shm:
         alone, alone1 = one[name]["plain"], one_thread[name]["plain"]
+        pair = statistics.mean(r[name] for r in alone2)
         rows = {"hvd shm": shm[name]["hvd"], "hvd gloo": gloo[name]["hvd"], "DDP gloo": shm[name]["ddp"],
                 "DDP phalanx_shm": ddp_ab[name]["shm"]}  # fmt: skip
-        cells = " | ".join(f"{k} {v:.2f}/s (eff {v / alone:.2f}, eff1t {v / alone1:.2f})" for k, v in rows.items())
-        print(f"  {name}: alone {alone:.2f}/s, alone 1 thread {alone1:.2f}/s | {cells}"
+        cells = " | ".join(f"{k} {v:.2f}/s (eff {v / alone:.2f}, eff1t {v / alone1:.2f}, effpair {v / pair:.2f})"
+                           for k, v in rows.items())  # fmt: skip
+        print(f"  {name}: alone {alone:.2f}/s, alone 1 thread {alone1:.2f}/s, 2 at once {pair:.2f}/s per rank"
+              f" (eff1t {pair / alone1:.2f}) | {cells}"
               f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x"
               f" | DDP phalanx_shm / DDP gloo {ddp_ab[name]['shm'] / ddp_ab[name]['gloo']:.2f}x (interleaved in one"
               f" job: {ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")  # fmt: skip
@@ -227,7 +251,8 @@ def main() -> None:
     one = phalanx.run(train._bench_1, args=(args.steps, args.train_rounds), np=1)[0]
     ddp_ab = phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0]
     one_thread = phalanx.run(_bench_1_thread, args=(args.steps, args.train_rounds), np=1)[0]
-    _print_train(shm, gloo, one, ddp_ab, one_thread)
+    alone2 = phalanx.run(_independent, args=(args.steps, args.train_rounds), np=2)
+    _print_train(shm, gloo, one, ddp_ab, one_thread, alone2)
     _print_ddp_ab(ddp_ab)
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
 
