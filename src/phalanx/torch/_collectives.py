@@ -79,9 +79,12 @@ class Allreduce(Collective):
             nbytes = buf.numel() * buf.element_size()
             rows = [p[offset : offset + nbytes].view(buf.dtype) for p in payloads]
             offset += nbytes
-            red = rows[0].clone() if len(rows) == 1 else R.reduce_stack(torch.stack(rows), self.op)
+            direct = out.is_contiguous() and out.dtype == buf.dtype and out.numel() == buf.numel()
+            red = out.view(-1) if direct else torch.empty_like(buf)  # the rows are never views of ``out``
+            _reduce_rows(rows, self.op, red)
             R.finish_scale(red, self.op, self.n, self.post)
-            out.copy_(red.reshape(out.shape))
+            if not direct:
+                out.copy_(red.reshape(out.shape))
 
     def speculative_buffer(self, key: tuple[Any, ...]) -> torch.Tensor:
         # ``buffers[0]`` is contiguous by construction (``reshape(-1)`` copies what is not).
@@ -133,6 +136,19 @@ class Allreduce(Collective):
         if self.pooled is not None:
             S.release(self.pooled)
         return self.outputs[0] if self.sig.count == 1 and self.sig.group_hash == 0 else self.outputs
+
+
+def _reduce_rows(rows: list[torch.Tensor], op: int, out: torch.Tensor) -> None:
+    """Reduce every rank's row into ``out`` (flat, contiguous, the rows' dtype) in rank order: the same
+    arithmetic as ``R.reduce_stack``, without stacking the rows first (sums, the common case)."""
+    if len(rows) == 1:
+        out.copy_(rows[0])
+    elif op in (R.Average, R.Sum) and out.dtype != torch.bool:
+        torch.add(rows[0], rows[1], out=out)
+        for row in rows[2:]:
+            out.add_(row)
+    else:
+        out.copy_(R.reduce_stack(torch.stack(rows), op))
 
 
 def _foldable(op: int, postscale: float, n: int, dtype: torch.dtype) -> float | None:

@@ -149,8 +149,9 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         entry.seq = ENGINE.issued[groups.ranks] = ENGINE.issued.get(groups.ranks, 0) + 1
         _stall.WATCH.entry = entry
         entry.spec = _speculate(coll, groups)
-        _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
-                                                                  "shape": list(coll.sig.shape)})  # fmt: skip
+        if _trace.recording():
+            _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
+                                                                      "shape": list(coll.sig.shape)})  # fmt: skip
         if entry.spec is None:
             block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
         else:  # the payload is already on its way: a header-only block (every rank knows the prediction)
@@ -165,12 +166,19 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
 
 
 def _speculate(coll: Collective, groups: _Groups) -> tuple[S.Key, torch.Tensor, Any] | None:
-    key = ENGINE.predictors.setdefault(groups.ranks, S.Predictor()).predict()
+    key = _predictor(groups.ranks).predict()
     if key is None:
         return None
     mine = coll.speculative_buffer(key) if S.key_of(coll.sig) == key else None
     buffer = mine if mine is not None else S.garbage(key)
     return key, buffer, S.launch(buffer, key, groups.data)
+
+
+def _predictor(ranks: tuple[int, ...]) -> S.Predictor:
+    predictor = ENGINE.predictors.get(ranks)
+    if predictor is None:
+        predictor = ENGINE.predictors[ranks] = S.Predictor()
+    return predictor
 
 
 def _finish_single(entry: _Entry) -> None:
@@ -199,12 +207,12 @@ def _negotiated(entry: _Entry) -> None:
         if any(s.kind == "join" for s in sigs):  # some ranks have joined, others have not (see _join)
             from phalanx.torch import _join
 
-            ENGINE.predictors.setdefault(entry.groups.ranks, S.Predictor()).record(None)
+            _predictor(entry.groups.ranks).record(None)
             _join.negotiated(entry, sigs, ranks, rows)
             return
         detail = H.find_mismatch(sigs, ranks)
     agreed = None if detail is not None else S.key_of(sigs[0])
-    ENGINE.predictors.setdefault(entry.groups.ranks, S.Predictor()).record(agreed)
+    _predictor(entry.groups.ranks).record(agreed)
     if entry.spec is not None:
         key, buffer, work = entry.spec
         entry.spec = None

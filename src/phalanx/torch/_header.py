@@ -102,9 +102,24 @@ def _bitsf(x: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", int(x)))[0])
 
 
+_CACHE_LIMIT = 512  # distinct signatures remembered by the encode / decode caches (a training loop has few)
+_BLOCKS: dict[tuple[object, ...], torch.Tensor] = {}
+_SIGS: dict[tuple[int, ...], Signature] = {}
+_KIND_CODE = {v: k for k, v in KINDS.items()}
+
+
+def _sig_key(sig: Signature) -> tuple[object, ...]:
+    return (sig.kind, sig.name, sig.dtype, sig.device, sig.shape, sig.op, sig.root, sig.process_set_id,
+            sig.prescale, sig.postscale, sig.group_hash, sig.count)  # fmt: skip
+
+
 def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: int,
            inline_words: int = INLINE_WORDS) -> torch.Tensor:  # fmt: skip
     """Build this rank's control block.
+
+    The block of a signature without aux words and inline payload is cached (training loops repeat the
+    same collectives): every call returns that same tensor, which callers must treat as read-only.
+    Otherwise the cached block is cloned and the aux words and the payload are written into the copy.
 
     Args:
         sig: the signature.
@@ -117,9 +132,29 @@ def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: i
     Returns:
         An int64 tensor of ``HEADER_WORDS + n_aux + inline_words`` words.
     """
+    nbytes = -1 if inline is None else int(inline.numel())
+    key = (_sig_key(sig), nbytes, n_aux, inline_words)
+    template = _BLOCKS.get(key)
+    if template is None:
+        if len(_BLOCKS) >= _CACHE_LIMIT:
+            _BLOCKS.clear()
+        template = _BLOCKS[key] = _template(sig, nbytes, n_aux, inline_words)
+    if not aux and nbytes <= 0:
+        return template
+    block = template.clone()
+    if aux:
+        block[HEADER_WORDS : HEADER_WORDS + len(aux)] = torch.tensor(aux, dtype=torch.int64)
+    if inline is not None and nbytes > 0:
+        start = (HEADER_WORDS + n_aux) * 8
+        block.view(torch.uint8)[start : start + nbytes].copy_(inline)
+    return block
+
+
+def _template(sig: Signature, nbytes: int, n_aux: int, inline_words: int) -> torch.Tensor:
+    """The block of ``sig`` with zero aux words and a zero inline area (``nbytes`` in its header)."""
     words = [0] * HEADER_WORDS
     words[F_MAGIC], words[F_DEVICE], words[F_OP], words[F_ROOT] = MAGIC, sig.device, sig.op, sig.root
-    words[F_KIND] = next(k for k, v in KINDS.items() if v == sig.kind)
+    words[F_KIND] = _KIND_CODE[sig.kind]
     words[F_DTYPE] = DTYPE_CODE.get(sig.dtype, 99)
     words[F_NDIM] = len(sig.shape)
     for i, d in enumerate(sig.shape[:MAX_DIMS]):
@@ -127,17 +162,13 @@ def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: i
     words[F_NUMEL] = _numel(sig.shape)
     words[F_PSET], words[F_GHASH], words[F_COUNT] = sig.process_set_id, sig.group_hash, sig.count
     words[F_PRE], words[F_POST] = _fbits(sig.prescale), _fbits(sig.postscale)
-    words[F_NBYTES] = -1 if inline is None else int(inline.numel())
+    words[F_NBYTES] = nbytes
     raw = sig.name.encode()[: NAME_WORDS * 8]
     words[F_NAMELEN] = len(raw)
     padded = raw.ljust(NAME_WORDS * 8, b"\0")
     words[F_NAME : F_NAME + NAME_WORDS] = list(struct.unpack(f"<{NAME_WORDS}q", padded))
     block = torch.zeros(HEADER_WORDS + n_aux + inline_words, dtype=torch.int64)
     block[:HEADER_WORDS] = torch.tensor(words, dtype=torch.int64)
-    if aux:
-        block[HEADER_WORDS : HEADER_WORDS + len(aux)] = torch.tensor(aux, dtype=torch.int64)
-    if inline is not None:
-        block[HEADER_WORDS + n_aux :].view(torch.uint8)[: inline.numel()].copy_(inline)
     return block
 
 
@@ -149,7 +180,20 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def decode(words: list[int]) -> Signature:
-    """Read a signature back from a header's words (the inverse of :func:`encode`, name truncated)."""
+    """Read a signature back from a header's words (the inverse of :func:`encode`, name truncated).
+
+    Repeated headers return the same (cached) ``Signature`` object: callers must not modify it.
+    """
+    key = tuple(words)
+    sig = _SIGS.get(key)
+    if sig is None:
+        if len(_SIGS) >= _CACHE_LIMIT:
+            _SIGS.clear()
+        sig = _SIGS[key] = _decode(words)
+    return sig
+
+
+def _decode(words: list[int]) -> Signature:
     ndim = words[F_NDIM]
     shape = tuple(words[F_SHAPE : F_SHAPE + min(ndim, MAX_DIMS)])
     raw = struct.pack(f"<{NAME_WORDS}q", *words[F_NAME : F_NAME + NAME_WORDS])[: words[F_NAMELEN]]

@@ -53,10 +53,12 @@ class Predictor:
     """The agreed history of one membership's collectives and the period-based guess of the next."""
 
     history: deque[Key | None] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    since_worth: int = HISTORY  # entries recorded since the last one worth speculating on
 
     def record(self, key: Key | None) -> None:
         """Append an agreed signature (None: the ranks disagreed)."""
         self.history.append(key)
+        self.since_worth = 0 if _worth(key) else self.since_worth + 1
 
     def predict(self) -> Key | None:
         """The next collective's key when the recent history is periodic, if it is an allreduce worth
@@ -65,6 +67,8 @@ class Predictor:
         The smallest period ``p <= MAX_PERIOD`` that explains the last ``max(2p, CONFIRM)`` entries wins, so
         an A A B B pattern is read as period 4, not as "A again" after two As.
         """
+        if self.since_worth >= MAX_PERIOD or len(self.history) < CONFIRM:
+            return None  # the guess is one of the last MAX_PERIOD entries: none is worth speculating on
         hist = list(self.history)
         for p in range(1, MAX_PERIOD + 1):
             window = max(2 * p, CONFIRM)
@@ -77,8 +81,22 @@ class Predictor:
         return None
 
 
+_WORTH: dict[Key, bool] = {}
+
+
 def _worth(key: Key | None) -> bool:
-    if key is None or key[0] != "allreduce" or key[7] != 1 or key[8] != 0 or key[2] != 0:
+    if key is None:
+        return False
+    worth = _WORTH.get(key)
+    if worth is None:
+        if len(_WORTH) >= 512:
+            _WORTH.clear()
+        worth = _WORTH[key] = _worth_uncached(key)
+    return worth
+
+
+def _worth_uncached(key: Key) -> bool:
+    if key[0] != "allreduce" or key[7] != 1 or key[8] != 0 or key[2] != 0:
         return False
     return R.wire_dtype(key[1]) == key[1] and _nbytes(key) > H.INLINE_BYTES
 

@@ -17,6 +17,11 @@ RUN = {
 }  # fmt: skip
 
 
+def recording() -> bool:
+    """Whether a timeline is recording (callers skip building event arguments when not)."""
+    return timeline.current() is not None
+
+
 def begin(name: str, activity: str, args: dict[str, object] | None = None) -> None:
     """Start ``activity`` on the row ``name`` when a timeline is recording."""
     tl = timeline.current()

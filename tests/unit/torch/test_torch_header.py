@@ -30,6 +30,35 @@ def test_encode_decode_round_trip_with_inline_payload_and_aux() -> None:
     assert torch.equal(got, torch.arange(24, dtype=torch.float32))
 
 
+def test_cached_blocks_are_never_written_and_repeat_bit_for_bit() -> None:
+    sig = _sig(shape=(2,))
+    header_only = H.encode(sig, [], None, 2, inline_words=0)
+    assert H.encode(_sig(shape=(2,)), [], None, 2, inline_words=0) is header_only  # cached, read-only
+    first = H.encode(sig, [], torch.tensor([1.0, 2.0]).view(torch.uint8), 2)
+    second = H.encode(sig, [3], torch.tensor([5.0, 6.0]).view(torch.uint8), 2)
+    third = H.encode(sig, [], torch.tensor([1.0, 2.0]).view(torch.uint8), 2)
+    assert torch.equal(first, third) and not torch.equal(first, second)  # payloads never leak between calls
+    assert first[H.HEADER_WORDS : H.HEADER_WORDS + 2].tolist() == [0, 0]
+    assert second[H.HEADER_WORDS : H.HEADER_WORDS + 2].tolist() == [3, 0]
+    assert H.decode(first[: H.HEADER_WORDS].tolist()) == sig
+    other = _sig(shape=(2,), op=R.Sum)  # any field of the signature changes the block
+    assert H.decode(H.encode(other, [], None, 2)[: H.HEADER_WORDS].tolist()) == other
+
+
+@pytest.mark.parametrize("op", [R.Sum, R.Average, R.Min, R.Max, R.Product])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int16, torch.bool])
+def test_inline_reduction_matches_the_stacked_reduction_bitwise(op: int, dtype: torch.dtype) -> None:
+    from phalanx.torch._collectives import _reduce_rows
+
+    if dtype == torch.bool and op == R.Average:
+        return
+    gen = torch.Generator().manual_seed(op)
+    rows = [(torch.randn(257, generator=gen) * 100).to(dtype) for _ in range(3)]
+    out = torch.empty(257, dtype=dtype)
+    _reduce_rows(rows, op, out)
+    assert torch.equal(out, R.reduce_stack(torch.stack(rows), op))
+
+
 def test_long_names_are_truncated_not_rejected() -> None:
     sig = _sig(name="x" * 500)
     assert H.decode(H.encode(sig, [], None, 2)[: H.HEADER_WORDS].tolist()).name == "x" * (H.NAME_WORDS * 8)
@@ -132,6 +161,11 @@ def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> N
     for _ in range(S.CONFIRM):
         pred.record(small)
     assert pred.predict() is None  # inline-sized collectives are never speculated on
+    for k in [big_a] * S.CONFIRM + [small] * (S.MAX_PERIOD - 1):
+        pred.record(k)  # period MAX_PERIOD: big_a is the next guess as long as it is in the last MAX_PERIOD
+    assert pred.since_worth == S.MAX_PERIOD - 1
+    pred.record(small)
+    assert pred.predict() is None
 
 
 def test_default_fusion_threshold_splits_only_when_buckets_can_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
