@@ -6,14 +6,14 @@ hook ``phalanx-shm-native.pth`` that the wheel installs does the same in every i
 job's ``PHALANX_RUN_ID`` in its environment. It wraps
 ``torch.distributed.init_process_group`` (now if torch is already imported, else right after
 ``torch.distributed`` is first imported, through a one-shot import hook) so that a request for gloo, on a
-job whose ranks all share this host, becomes a request for ``phalanx_shm``
+job where some host runs two or more ranks, becomes a request for ``phalanx_shm``
 (:mod:`phalanx.torch.shm.backend`): allreduce, broadcast, barrier, all-gather-into-tensor and
-reduce-scatter-tensor of CPU tensors go through shared memory and everything else through the gloo group it
-wraps. ``"gloo"`` becomes ``"phalanx_shm"`` and ``"cpu:gloo,cuda:nccl"`` becomes
-``"cpu:phalanx_shm,cuda:nccl"``; any other backend (nccl, the default ``None``, mpi) and multi-host jobs
-are left alone. On by default (DDP on it measured 1.01-1.04x / 1.25-1.29x DDP on gloo, CNN / MLP, FSDP2
-1.17x / 1.68x; bench/shm.py);
-``PHALANX_SHM_NATIVE=0`` or ``PHALANX_SHM=0`` turns it off.
+reduce-scatter-tensor of CPU tensors go through shared memory among each host's ranks (across hosts,
+hierarchically: gloo among the hosts' first ranks) and everything else through the gloo group it wraps.
+``"gloo"`` becomes ``"phalanx_shm"`` and ``"cpu:gloo,cuda:nccl"`` becomes ``"cpu:phalanx_shm,cuda:nccl"``;
+any other backend (nccl, the default ``None``, mpi) and jobs with one rank per host are left alone. On by
+default (one host: DDP on it measured 1.01-1.04x / 1.25-1.29x DDP on gloo, CNN / MLP, FSDP2 1.17x / 1.68x;
+bench/shm.py); ``PHALANX_SHM_NATIVE=0`` or ``PHALANX_SHM=0`` turns it off.
 
 This module imports nothing heavy: the backend module (torch) is imported by name only when a call is
 substituted, once torch is fully initialised.
@@ -40,12 +40,16 @@ _TARGET = "torch.distributed"
 _MARK = "__phalanx_shm_wrapped__"
 
 
-def _same_host(environ: Mapping[str, str]) -> bool:
+def _shares_a_host(environ: Mapping[str, str]) -> bool:
+    """Whether some host runs two ranks of the job (the same answer on every rank): all ranks on this host
+    (``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE``), or fewer hosts than ranks (``GROUP_WORLD_SIZE``, the launchers'
+    host count). A job with one rank per host keeps gloo: shared memory would carry nothing."""
     try:
         world, local = int(environ.get(N.WORLD_SIZE, "1")), int(environ.get(N.LOCAL_WORLD_SIZE, "0"))
+        hosts = int(environ.get(N.GROUP_WORLD_SIZE, "0"))
     except ValueError:
         return False
-    return world >= 2 and local == world
+    return world >= 2 and (local == world or 0 < hosts < world)
 
 
 def _on(environ: Mapping[str, str], name: str, default: str) -> bool:
@@ -54,7 +58,7 @@ def _on(environ: Mapping[str, str], name: str, default: str) -> bool:
 
 def choose(backend: Any, environ: Mapping[str, str]) -> Any:
     """The backend to really use for ``init_process_group(backend)`` in a rank with ``environ``."""
-    if not isinstance(backend, str) or not _same_host(environ):
+    if not isinstance(backend, str) or not _shares_a_host(environ):
         return backend
     if not _on(environ, N.PHALANX_SHM_NATIVE, "1") or not _on(environ, N.PHALANX_SHM, "1"):
         return backend

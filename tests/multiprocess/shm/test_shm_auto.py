@@ -1,6 +1,7 @@
 """torch-native code under phalanx gets the shared-memory backend without code changes (on by default): a
 plain ``init_process_group("gloo")`` (DDP, FSDP2, Lightning) on a one-host job becomes ``phalanx_shm``;
-``PHALANX_SHM_NATIVE=0`` / ``PHALANX_SHM=0`` keep gloo, and other backends are left alone."""
+``PHALANX_SHM_NATIVE=0`` / ``PHALANX_SHM=0`` keep gloo, and other backends are left alone. Multi-host jobs:
+test_shm_hosts.py."""
 
 from __future__ import annotations
 
@@ -81,17 +82,6 @@ def test_switches_off_keep_gloo() -> None:
     for env in ({"PHALANX_SHM_NATIVE": "0"}, {"PHALANX_SHM": "0"}):
         for backend, used, same in phalanx.run(_ddp, np=2, env=env):
             assert (backend, used, same) == ("gloo", False, True)
-
-
-def _ddp_two_hosts() -> tuple[str, bool, bool]:
-    os.environ["LOCAL_WORLD_SIZE"] = "1"  # as the launchers set it for one rank on each of two hosts
-    return _ddp()
-
-
-@pytest.mark.timeout(90)
-def test_multi_host_request_is_left_alone() -> None:
-    for backend, used, same in phalanx.run(_ddp_two_hosts, np=2):
-        assert (backend, used, same) == ("gloo", False, True)
 
 
 def _die_in_ddp() -> None:

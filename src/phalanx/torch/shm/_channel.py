@@ -229,6 +229,13 @@ class Channel:
             "set PHALANX_SHM=0 to use gloo instead"
         )
 
+    def abort(self, cause: str) -> None:
+        """Break the channel because this rank failed outside it (e.g. its leaders' gloo step): the peers
+        waiting on it fail at their next check instead of waiting out the time-out."""
+        if not self.words[0]:
+            self.words[0] = 1 + self.me
+        self.broken = f"shared-memory channel {self.label} was abandoned: {cause}"
+
     def _begin(self) -> int:
         if self.broken is not None:
             raise ShmTransportError(f"{self.broken}; the channel cannot be used after a failure")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.torch.shm import _channel, _ops
+from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._setup import Transport
 
 # id(torch group) -> (transport, channel kind); filled by ``register``, emptied by ``clear``.
@@ -118,14 +119,9 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, 
     flat = t.view(-1) if t.dim() else t.reshape(1)
 
     def run() -> None:
-        ch = transport.channels.get(kind)
-        if ch is not None:
-            _ops.allreduce_(ch, flat, op)
-        if transport.leaders is not None:
-            if transport.leader:
-                dist.all_reduce(flat, op=op, group=transport.leaders)
-            if ch is not None:
-                _ops.broadcast_(ch, flat.view(torch.uint8) if flat.numel() else flat, 0)
+        multi = transport.leaders is not None
+        leaders = transport.leaders if multi and transport.leader else None
+        Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks)).allreduce_(flat, op)
 
     return _finish(transport, kind, run, inline)
 

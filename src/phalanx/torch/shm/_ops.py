@@ -70,6 +70,8 @@ def supports(op: object, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point or dtype.is_complex
     if dtype.is_complex and op != dist.ReduceOp.SUM:
         return False
+    if op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR) and dtype.is_floating_point:
+        return False  # gloo refuses it too (every rank alike, rather than some mid-way)
     try:
         _combiner(op, dtype)
     except (ValueError, TypeError):

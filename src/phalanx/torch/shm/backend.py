@@ -2,9 +2,11 @@
 
 ``import phalanx.torch.shm.backend`` registers it; then
 ``dist.init_process_group("phalanx_shm")`` (or ``backend="cpu:phalanx_shm"``) gives a process group that
-answers allreduce, broadcast and barrier of CPU tensors through shared memory when every rank of the group
-is on this host, and forwards every other call (and everything on a multi-host group) to a gloo process
-group built on the same store. Ranks started by phalanx's worker entry get it in place of gloo without
+answers allreduce, broadcast, barrier, all-gather-into-tensor and reduce-scatter-tensor of CPU tensors
+through shared memory among the ranks of each host, and forwards every other call to a gloo process group
+built on the same store. When the group spans hosts these calls are hierarchical (``_hier``): within the
+host through shared memory, across hosts through a gloo group of each host's first rank (its leader), then
+within the host again. Ranks started by phalanx's worker entry get it in place of gloo without
 code changes (``phalanx.worker.dist_backend``; ``PHALANX_SHM=0`` turns that off). See docs/shm.md.
 """
 
@@ -21,8 +23,10 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
+from phalanx.env import names as N
 from phalanx.torch.shm import _ops, _segment, _setup
 from phalanx.torch.shm._channel import Channel, layout
+from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._serial import Serial
 
 NAME = "phalanx_shm"
@@ -32,9 +36,11 @@ class ShmProcessGroup(dist.ProcessGroup):
     """Shared memory for allreduce / broadcast / barrier / all-gather-into-tensor / reduce-scatter-tensor of
     contiguous CPU tensors; gloo for the rest."""
 
-    def __init__(self, rank: int, size: int, gloo: Any, channel: Channel | None) -> None:
+    def __init__(self, rank: int, size: int, gloo: Any, hier: Hierarchy | None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
-        self.gloo, self.channel = gloo, channel
+        #: the wrapped gloo group (every other call) and the layout of the group's ranks on hosts (None: no
+        #: host has two ranks of the group, or the transport is off: everything goes to gloo)
+        self.gloo, self.hier = gloo, hier
         # Calls a Python group cannot override (``dist.reduce``, ``monitored_barrier``, the dispatcher's ops)
         # look up the group's backend for the tensor's device: gloo answers them.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
@@ -55,7 +61,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         return getattr(self, "_phalanx_name", "")
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
-        return self.channel is not None and len(tensors) == 1 and tensors[0].device.type == "cpu" and (
+        return self.hier is not None and len(tensors) == 1 and tensors[0].device.type == "cpu" and (
             tensors[0].is_contiguous())  # fmt: skip
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
@@ -64,10 +70,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         if not isinstance(tensors, list):
             tensors = [tensors]
         if self._fits(tensors) and _ops.supports(op, tensors[0].dtype):
-            ch, flat = self.channel, tensors[0].view(-1)
-            assert ch is not None
+            hier, flat = self.hier, tensors[0].view(-1)
+            assert hier is not None
             self.shm_calls["allreduce"] += 1
-            return self.serial.submit(lambda: _ops.allreduce_(ch, flat, op), tensors)
+            return self.serial.submit(lambda: hier.allreduce_(flat, op), tensors)
         return self.gloo.allreduce(tensors, opts or dist.AllreduceOptions())
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
@@ -75,18 +81,18 @@ class ShmProcessGroup(dist.ProcessGroup):
         if not isinstance(tensors, list):
             tensors = [tensors]
         if self._fits(tensors) and opts is not None:
-            ch, flat, root = self.channel, tensors[0].view(-1), opts.rootRank
-            assert ch is not None
+            hier, flat, root = self.hier, tensors[0].view(-1), opts.rootRank
+            assert hier is not None
             data = flat.view(torch.uint8) if flat.numel() else flat
             self.shm_calls["broadcast"] += 1
-            return self.serial.submit(lambda: _ops.broadcast_(ch, data, root), tensors)
+            return self.serial.submit(lambda: hier.broadcast_(data, root), tensors)
         return self.gloo.broadcast(tensors, opts or dist.BroadcastOptions())
 
     def barrier(self, opts: Any = None) -> Any:
         """Return once every rank arrived."""
-        if self.channel is not None:
+        if self.hier is not None:
             self.shm_calls["barrier"] += 1
-            return self.serial.submit(self.channel.barrier, [])
+            return self.serial.submit(self.hier.barrier, [])
         return self.gloo.barrier(opts or dist.BarrierOptions())
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
@@ -95,17 +101,17 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _flat_pair(self, output: Any, inp: Any) -> bool:
         """Both contiguous CPU tensors of one dtype, ``output`` ``size`` times ``inp``, neither empty."""
-        return (self.channel is not None and isinstance(output, torch.Tensor) and isinstance(inp, torch.Tensor)
+        return (self.hier is not None and isinstance(output, torch.Tensor) and isinstance(inp, torch.Tensor)
                 and output.dtype == inp.dtype and self._fits([output]) and self._fits([inp])
                 and inp.numel() > 0 and output.numel() == self.size() * inp.numel())  # fmt: skip
 
     def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor`` (FSDP's parameter all-gather): shared memory for CPU tensors."""
         if self._flat_pair(output, inp):
-            ch, out, src = self.channel, output.view(-1).view(torch.uint8), inp.view(-1).view(torch.uint8)
-            assert ch is not None
+            hier, out, src = self.hier, output.view(-1).view(torch.uint8), inp.view(-1).view(torch.uint8)
+            assert hier is not None
             self.shm_calls["allgather"] += 1
-            return self.serial.submit(lambda: _ops.allgather_(ch, out, src), [output])
+            return self.serial.submit(lambda: hier.allgather_(out, src), [output])
         return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
 
     def all_gather_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
@@ -114,17 +120,17 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor`` (FSDP's gradient reduce-scatter): for CPU tensors, a shared-memory
-        allreduce of a copy of ``inp``, of which this rank keeps its part (twice a reduce-scatter's traffic,
-        still well below gloo's time); ops the transport does not reduce go to gloo."""
+        (hierarchical across hosts) allreduce of a copy of ``inp``, of which this rank keeps its part (twice a
+        reduce-scatter's traffic, still well below gloo's time); ops the transport does not reduce go to gloo."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if self._flat_pair(inp, output) and _ops.supports(op, inp.dtype):
-            ch, n, r = self.channel, output.numel(), self.rank()
-            assert ch is not None
+            hier, n, r = self.hier, output.numel(), self.rank()
+            assert hier is not None
             src, dst = inp.view(-1), output.view(-1)
 
             def run() -> None:
                 tmp = src.clone()
-                _ops.allreduce_(ch, tmp, op)
+                hier.allreduce_(tmp, op)
                 dst.copy_(tmp[r * n : (r + 1) * n])
 
             self.shm_calls["reduce_scatter"] += 1
@@ -168,32 +174,49 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self.gloo.recv(*args)
 
 
-def _channel(store: Any, rank: int, size: int) -> Channel | None:
-    """Every rank on this host and the transport enabled everywhere: map one segment (names via the store)."""
+def _hierarchy(store: Any, rank: int, size: int, timeout: timedelta) -> Hierarchy | None:
+    """The group's layout on hosts (host keys via the store), with this host's channel and, on a leader of a
+    multi-host group, the leaders' gloo group. None when the transport is off on any rank or no host has
+    two ranks of the group (nothing to share: gloo carries everything)."""
     store.set(f"shm/host/{rank}", f"{_setup._host_key()}:{int(_setup.enabled())}")
-    hosts = {store.get(f"shm/host/{r}").decode() for r in range(size)}
-    if size < 2 or len(hosts) != 1 or hosts.pop().endswith(":0"):
+    rows = [store.get(f"shm/host/{r}").decode().rsplit(":", 1) for r in range(size)]
+    by_host: dict[str, list[int]] = {}
+    for r, (host, _on) in enumerate(rows):
+        by_host.setdefault(host, []).append(r)
+    hosts = tuple(tuple(v) for v in by_host.values())  # ordered by first rank
+    if size < 2 or any(on == "0" for _h, on in rows) or all(len(h) == 1 for h in hosts):
         return None
-    slot = int(_setup._float_env("PHALANX_SHM_SLOT_BYTES", _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
-    total = layout(size, slot)[1]
-    seg = _segment.create(total) if rank == 0 else None
+    mine = next(i for i, h in enumerate(hosts) if rank in h)
+    local = hosts[mine]
+    ch = _channel(store, f"shm/{mine}/", local.index(rank), len(local)) if len(local) > 1 else None
+    leaders = None
+    if len(hosts) > 1 and rank == local[0]:
+        leaders = dist.ProcessGroupGloo(dist.PrefixStore("shm/leaders", store), mine, len(hosts), timeout)
+    return Hierarchy(ch, leaders, len(hosts) > 1, size, rank, hosts)
+
+
+def _channel(store: Any, prefix: str, me: int, n: int) -> Channel:
+    """Map one segment for the ``n`` ranks of this host (keys under ``prefix``; ``me``: index among them)."""
+    slot = int(_setup._float_env(N.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    total = layout(n, slot)[1]
+    seg = _segment.create(total) if me == 0 else None
     if seg is not None:
-        store.set("shm/name", seg.name)
-    seg = seg or _segment.attach(store.get("shm/name").decode(), total)
-    timeout = _setup._float_env("PHALANX_SHM_TIMEOUT_S", _setup.DEFAULT_TIMEOUT_S)
-    channel = Channel(seg, 0, size, rank, slot, timeout, f"{NAME} group of {size} (pid {os.getpid()})")
+        store.set(f"{prefix}name", seg.name)
+    seg = seg or _segment.attach(store.get(f"{prefix}name").decode(), total)
+    timeout = _setup._float_env(N.PHALANX_SHM_TIMEOUT_S, _setup.DEFAULT_TIMEOUT_S)
+    channel = Channel(seg, 0, n, me, slot, timeout, f"{NAME} group, {n} ranks of this host (pid {os.getpid()})")
     fifo, wake_r = _segment.make_fifo()
-    store.set(f"shm/fifo/{rank}", fifo)
-    store.add("shm/attached", 1)
+    store.set(f"{prefix}fifo/{me}", fifo)
+    store.add(f"{prefix}attached", 1)
     try:
-        _wait_count(store, "shm/attached", size, timeout)
-        names = [store.get(f"shm/fifo/{r}").decode() for r in range(size)]
-        channel.set_wakeups(wake_r, [-1 if r == rank else _segment.open_fifo(n) for r, n in enumerate(names)])
-        store.add("shm/woken", 1)
-        _wait_count(store, "shm/woken", size, timeout)
+        _wait_count(store, f"{prefix}attached", n, timeout)
+        names = [store.get(f"{prefix}fifo/{i}").decode() for i in range(n)]
+        channel.set_wakeups(wake_r, [-1 if i == me else _segment.open_fifo(name) for i, name in enumerate(names)])
+        store.add(f"{prefix}woken", 1)
+        _wait_count(store, f"{prefix}woken", n, timeout)
     finally:  # every rank mapped the segment and opened the FIFOs (or gave up): the names can go
         _segment.unlink(fifo)
-        if rank == 0:
+        if me == 0:
             _segment.unlink(seg.name)
     channel.enable_cma(_setup.cma_wanted())
     return channel
@@ -210,11 +233,11 @@ def _wait_count(store: Any, key: str, n: int, timeout_s: float) -> None:
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
-    channel = _channel(store, rank, size)
-    pg = ShmProcessGroup(rank, size, gloo, channel)
+    hier = _hierarchy(store, rank, size, timeout)
+    pg = ShmProcessGroup(rank, size, gloo, hier)
     weakref.finalize(pg, pg.serial.close)
-    if channel is not None:  # the wake-up FIFOs go with the group
-        weakref.finalize(pg, _close_fds, [channel.wake_r, *channel.wake_w])
+    if hier is not None and hier.ch is not None:  # the wake-up FIFOs go with the group
+        weakref.finalize(pg, _close_fds, [hier.ch.wake_r, *hier.ch.wake_w])
     return pg
 
 

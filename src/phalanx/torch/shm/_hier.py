@@ -1,0 +1,145 @@
+"""Collectives of a group whose ranks may span hosts: shared memory within each host, gloo among the hosts'
+leaders (Horovod's hierarchical allreduce).
+
+The ranks of the group on one host share a :class:`~phalanx.torch.shm._channel.Channel` (None when the host
+has only one of them); the first of them is the host's *leader*, the only one that talks to other hosts,
+through ``leaders``: a gloo process group of every host's leader, ranked by host (None on the other ranks and
+on a single-host group). Used by phalanx.torch's payload collectives (``_dispatch``) and by the
+``phalanx_shm`` torch backend (``backend``). Functions take flat contiguous CPU tensors and return when done.
+
+A failure of a leader's gloo step breaks its host's channel (``Channel.abort``): the leader's peers, waiting
+for it to share the result, fail at their next check with an error naming it instead of waiting out the
+time-out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import ShmTransportError
+from phalanx.torch.shm import _ops
+from phalanx.torch.shm._channel import Channel
+
+R = dist.ReduceOp
+
+
+@dataclass
+class Hierarchy:
+    """One rank's view of its group's layout.
+
+    Attributes:
+        ch: the channel of this host's ranks of the group (None: this rank is alone on its host).
+        leaders: the leaders' gloo group on a leader of a multi-host group, else None.
+        multi: whether the group spans hosts.
+        size: ranks in the group.
+        rank: this rank's index in the group.
+        hosts: the group ranks of each host, hosts ordered by their first rank (the leaders' ranks); needed
+            by :meth:`broadcast_` and :meth:`allgather_` only.
+    """
+
+    ch: Channel | None
+    leaders: Any
+    multi: bool
+    size: int
+    rank: int = 0
+    hosts: tuple[tuple[int, ...], ...] = ()
+
+    def _host(self, rank: int) -> int:
+        return next(i for i, h in enumerate(self.hosts) if rank in h)
+
+    def _cross(self, what: str, call: Callable[[], Any]) -> None:
+        """Run a leaders' gloo call to its end; on failure break this host's channel and raise naming it."""
+        try:
+            call()
+        except Exception as e:
+            cause = f"the {what} across hosts (gloo among the hosts' leaders) failed: {e}"
+            if self.ch is not None:
+                self.ch.abort(cause)
+            raise ShmTransportError(f"hierarchical {cause}; set PHALANX_SHM=0 to use gloo alone") from e
+
+    def allreduce_(self, t: torch.Tensor, op: Any) -> None:
+        """Reduce ``t`` in place: within the host, among the leaders, then shared within the host.
+        ``AVG`` is a sum divided by the group size."""
+        if _ops._kind(op) == R.AVG:
+            self.allreduce_(t, R.SUM)
+            (torch.view_as_real(t) if t.is_complex() else t).div_(self.size)  # per component, as gloo
+            return
+        if not self.multi:
+            if self.ch is not None:
+                _ops.allreduce_(self.ch, t, op)
+            return
+        if t.numel() == 0:
+            return
+        if self.ch is not None:
+            _ops.allreduce_(self.ch, t, op)
+        if self.leaders is not None:
+            self._cross("allreduce", lambda: _leaders_allreduce(self.leaders, t, op))
+        if self.ch is not None:
+            _ops.broadcast_(self.ch, t.view(torch.uint8), 0)
+
+    def broadcast_(self, t: torch.Tensor, root: int) -> None:
+        """Copy group rank ``root``'s ``t`` (flat uint8) to every rank: within the root's host, among the
+        leaders, within the other hosts."""
+        if not self.multi:
+            if self.ch is not None:
+                _ops.broadcast_(self.ch, t, self.hosts[0].index(root) if self.hosts else root)
+            return
+        if t.numel() == 0:
+            return
+        root_host, mine = self._host(root), self._host(self.rank)
+        if self.ch is not None and mine == root_host:
+            _ops.broadcast_(self.ch, t, self.hosts[mine].index(root))
+        if self.leaders is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root_host
+            self._cross("broadcast", lambda: self.leaders.broadcast([t], opts).wait())
+        if self.ch is not None and mine != root_host:
+            _ops.broadcast_(self.ch, t, 0)
+
+    def barrier(self) -> None:
+        """Return once every rank of the group arrived."""
+        if self.ch is not None:
+            self.ch.barrier()
+        if self.leaders is not None:
+            self._cross("barrier", lambda: self.leaders.barrier(dist.BarrierOptions()).wait())
+        if self.multi and self.ch is not None:
+            self.ch.barrier()
+
+    def allgather_(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """Gather every rank's ``inp`` (flat uint8, equal sizes) into ``out`` in group rank order. Across
+        hosts: ``out`` zeroed but for this rank's part, then a bitwise-or allreduce (exact for any bytes,
+        any layout of ranks on hosts)."""
+        if not self.multi:
+            if self.ch is not None:
+                _ops.allgather_(self.ch, out, inp)
+            return
+        m = inp.numel()
+        out.zero_()
+        out[self.rank * m : (self.rank + 1) * m].copy_(inp)
+        self.allreduce_(out, R.BOR)
+
+
+# gloo has no bool reductions: bools cross as bytes 0 / 1 (or = max, and = min), as the channel reduces them
+_BOOL_OPS = {R.SUM: R.MAX, R.MAX: R.MAX, R.BOR: R.MAX, R.PRODUCT: R.MIN, R.MIN: R.MIN, R.BAND: R.MIN,
+             R.BXOR: R.BXOR}  # fmt: skip
+
+
+def _leaders_allreduce(leaders: Any, t: torch.Tensor, op: Any) -> None:
+    kind: Any = _ops._kind(op)
+    wire = t
+    if t.dtype == torch.bool:
+        wire, kind = t.view(torch.uint8), _BOOL_OPS[kind]
+    elif t.is_complex():  # as dist.all_reduce hands complex tensors to gloo (sums only)
+        wire = torch.view_as_real(t)
+    elif t.dtype == torch.int16:  # gloo has no int16: widened (wrap-around sums / products agree mod 2**16)
+        wire = t.to(torch.int32)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = kind
+    leaders.allreduce([wire], opts).wait()
+    if wire.data_ptr() != t.data_ptr():  # widened: a copy
+        t.copy_(wire)
