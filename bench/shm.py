@@ -13,7 +13,9 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
   of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there), and over two
   processes training at once without any communication (what the shared host allows at best).
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
-  (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks).
+  (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks); then
+  torch-native code on AABB: ``dist.all_reduce`` and DDP (CNN, MLP) on the gloo default group vs a
+  ``phalanx_shm`` group (hierarchical), interleaved in one job (``--hosts-ddp-only`` runs just that).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def _print_hosts(rounds: int) -> None:
     print("ranks on distinct (simulated) hosts, fp32 allreduce medians: the payload group through the transport "
           "(hierarchical) vs plain gloo, interleaved in one job; hvd.allreduce_ with shm on vs PHALANX_SHM=0 "
           "(two jobs)")  # fmt: skip
-    for hosts in (["A", "B"], ["A", "A", "B", "B"]):
+    for hosts in (["A", "B"], AABB):
         on = phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts))[0]
         off = phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts), env={"PHALANX_SHM": "0"})[0]
         print(f"  hosts {''.join(hosts)}: transport {'used' if on['routed'] else 'not used (one rank per host)'}")
@@ -144,30 +146,76 @@ def _fsdp(make: Any, group: Any) -> Any:
     return fully_shard(model, mesh=mesh)
 
 
-def _ddp_ab(steps: int, rounds: int) -> dict[str, dict[str, float]]:
+def _ddp_ab(steps: int, rounds: int, hosts: list[str] | None = None) -> dict[str, Any]:
     """DDP and FSDP2, each on the gloo default group and on a ``phalanx_shm`` group, same job, alternating
     chunks of steps (bench/train.py's interleaving): the A/B of what the launchers' automatic substitution
-    changes. Keys per model: ``gloo`` / ``shm`` (DDP), ``fsdp gloo`` / ``fsdp shm``."""
+    changes. Keys per model: ``gloo`` / ``shm`` (DDP), ``fsdp gloo`` / ``fsdp shm``. With ``hosts``
+    (``HOROVOD_HOSTNAME`` faked per rank: the ``phalanx_shm`` group is hierarchical), DDP only, and the
+    groups' fp32 ``dist.all_reduce`` medians under ``"allreduce"`` first."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from phalanx.torch.shm import backend
 
+    if hosts is not None:
+        os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
     dist.init_process_group("gloo")  # the job runs with PHALANX_SHM_NATIVE=0: this stays gloo
     groups = {"gloo": dist.group.WORLD, "shm": dist.new_group(backend=backend.NAME)}
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, Any] = {}
+    if hosts is not None:
+        out["allreduce"] = _groups_allreduce(groups, rounds)
     for name, (make, shape) in train.MODELS.items():
         trainers = {}
         for key, group in groups.items():
-            for label, model in ((key, DDP(make(), process_group=group)), (f"fsdp {key}", _fsdp(make, group))):
-                trainers[label] = (model, torch.optim.SGD(model.parameters(), lr=0.01))
+            ddp = DDP(make(), process_group=group)
+            trainers[key] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
+            if hosts is None:
+                fsdp = _fsdp(make, group)
+                trainers[f"fsdp {key}"] = (fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.01))
         out[name] = train._interleaved(trainers, shape, steps, rounds)
     dist.destroy_process_group()
     return out
 
 
+def _groups_allreduce(groups: dict[str, Any], rounds: int) -> dict[int, dict[str, float]]:
+    """fp32 ``dist.all_reduce`` median per call on each group, interleaved round by round."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    for nbytes in HOST_SIZES:
+        x = torch.ones(nbytes // 4)
+        calls = max(3, min(100, (4 << 20) // nbytes))
+        times: dict[str, list[float]] = {k: [] for k in groups}
+        for _ in range(rounds + 1):
+            for key, group in groups.items():
+                times[key].append(_time(lambda x=x, group=group: dist.all_reduce(x, group=group), calls))
+        out[nbytes] = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return out
+
+
+AABB = ["A", "A", "B", "B"]
+
+
+def _print_hosts_ddp(r: dict[str, Any]) -> None:
+    print("torch-native code on hosts AABB (4 ranks, simulated): the gloo default group vs a phalanx_shm group "
+          "(hierarchical: shm in host, gloo between the hosts' first ranks), interleaved in one job")  # fmt: skip
+    for n, t in r["allreduce"].items():
+        size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+        print(f"  dist.all_reduce fp32 {size:>6}: gloo {t['gloo'] * 1e3:.3f} ms, phalanx_shm {t['shm'] * 1e3:.3f} ms "
+              f"(gloo / phalanx_shm {t['gloo'] / t['shm']:.2f}x)")  # fmt: skip
+    for name in train.MODELS:
+        m = r[name]
+        print(f"  DDP {name}: gloo {m['gloo']:.2f}/s  phalanx_shm {m['shm']:.2f}/s  ratio {m['shm'] / m['gloo']:.2f}x "
+              "(steps/s per rank)")  # fmt: skip
+
+
 _GLOO_DEFAULT = {"PHALANX_SHM_NATIVE": "0"}  # the A/B job's default group stays gloo
+
+
+def _hosts_ddp(steps: int, rounds: int) -> dict[str, Any]:
+    return phalanx.run(_ddp_ab, args=(steps, rounds, AABB), np=len(AABB), env=_GLOO_DEFAULT)[0]
 
 
 def _print_ddp_ab(ddp_ab: dict[str, Any]) -> None:
@@ -235,7 +283,12 @@ def main() -> None:
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-hosts", action="store_true", help="skip the simulated multi-host allreduces")
     parser.add_argument("--ddp-only", action="store_true", help="only the DDP / FSDP2 gloo vs phalanx_shm A/B")
+    parser.add_argument("--hosts-ddp-only", action="store_true", help="only DDP gloo vs phalanx_shm on hosts AABB")
     args = parser.parse_args()
+    if args.hosts_ddp_only:
+        _print_hosts_ddp(_hosts_ddp(args.steps, args.train_rounds))
+        print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
+        return
     if args.ddp_only:
         _print_ddp_ab(phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0])
         print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
@@ -244,6 +297,7 @@ def main() -> None:
     _print_allreduce(phalanx.run(_allreduce, args=(args.rounds,), np=2)[0])
     if not args.skip_hosts:
         _print_hosts(args.rounds)
+        _print_hosts_ddp(_hosts_ddp(args.steps, args.train_rounds))
     if args.skip_train:
         return
     shm = _train(args.steps, args.train_rounds, {})

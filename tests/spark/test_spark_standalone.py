@@ -26,17 +26,22 @@ def _identity() -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     backend = str(dist.get_backend())
+    pg = dist.distributed_c10d._get_default_group()
     t = torch.ones(1)
     dist.all_reduce(t)
+    shm = dict(getattr(pg, "shm_calls", {}))
     dist.destroy_process_group()
-    return {"sum": t.item(), "python": sys.executable, "backend": backend, **{k: os.environ.get(k) for k in KEYS}}
+    return {"sum": t.item(), "python": sys.executable, "backend": backend, "shm": shm,
+            **{k: os.environ.get(k) for k in KEYS}}  # fmt: skip
 
 
 @pytest.mark.timeout(180)
 def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
     out = run(_identity, num_proc=4, env={"USER_VAR": "v"})
     assert {o["sum"] for o in out} == {4.0}
-    assert {o["backend"] for o in out} == {"gloo"}  # ranks on two hosts: the gloo request is left alone
+    # two hosts, two ranks each: the gloo request gets the hierarchical phalanx_shm group (shm within a host)
+    assert {o["backend"] for o in out} == {"phalanx_shm"}
+    assert all(o["shm"].get("allreduce") == 1 for o in out), [o["shm"] for o in out]
     assert {o["python"] for o in out} == {sys.executable}, "executors must run the driver's interpreter"
     assert {o["USER_VAR"] for o in out} == {"v"}
     by_host: dict[str, list[dict[str, Any]]] = {}

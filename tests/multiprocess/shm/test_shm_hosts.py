@@ -136,6 +136,8 @@ def _ops_job(hosts: list[str]) -> list[str]:
     pg = dist.distributed_c10d._get_default_group()
     gloo = dist.new_group(backend="gloo")
     bad = [] if pg.hier is not None and pg.hier.multi else [f"not hierarchical: {pg.hier}"]
+    if (pg.hier.cross is not None) != (hosts == AABB):  # part-wise across hosts when hosts are alike
+        bad.append(f"cross group {pg.hier.cross} for hosts {hosts}")
     bad += _allreduce_checks(gloo) + _other_checks()
     kinds = ("allreduce", "broadcast", "barrier", "allgather", "reduce_scatter")
     if any(pg.shm_calls[k] == 0 for k in kinds):
@@ -201,7 +203,7 @@ def test_gloo_is_kept(hosts: list[str], env: dict[str, str]) -> None:
         assert (backend, used, agree, diff) == ("gloo", False, True, 0.0)
 
 
-def _peer_leaves(hosts: list[str]) -> str:
+def _peer_leaves(hosts: list[str], n: int) -> str:
     import torch
     import torch.distributed as dist
 
@@ -213,21 +215,25 @@ def _peer_leaves(hosts: list[str]) -> str:
     if dist.get_rank() == 3:
         return "left"  # host B's second rank, without the collective the others are waiting in
     try:
-        dist.all_reduce(torch.ones(5000))
+        dist.all_reduce(torch.ones(n))
     except RuntimeError as e:  # ShmTransportError, raised by the Work's wait
         return f"{type(e).__name__}: {e}"
     return "all_reduce returned"
 
 
 @pytest.mark.timeout(90)
-def test_a_rank_that_is_gone_makes_every_other_raise() -> None:
+@pytest.mark.parametrize("n", [5000, 100_000], ids=["through-leaders", "part-wise"])
+def test_a_rank_that_is_gone_makes_every_other_raise(n: int) -> None:
     """Host B's leader sees its peer die; host A's leader sees B's leader go (gloo); A's other rank sees
-    its leader give up."""
-    a0, a1, b0, b1 = phalanx.run(_peer_leaves, args=(AABB,), np=4, env={"PHALANX_SHM_TIMEOUT_S": "60"})
+    its leader give up (20 KB: only the leaders cross hosts) or its own part's peer on B go (400 KB)."""
+    a0, a1, b0, b1 = phalanx.run(_peer_leaves, args=(AABB, n), np=4, env={"PHALANX_SHM_TIMEOUT_S": "60"})
     assert b1 == "left"
     assert b0.startswith("ShmTransportError: shared-memory allreduce") and "has died" in b0
     assert a0.startswith("ShmTransportError: hierarchical the allreduce across hosts"), a0
-    assert a1.startswith("ShmTransportError: shared-memory") and "gave up" in a1, a1
+    if n == 5000:
+        assert a1.startswith("ShmTransportError: shared-memory") and "gave up" in a1, a1
+    else:
+        assert a1.startswith("ShmTransportError: hierarchical the allreduce across hosts"), a1
     assert _leftovers() == []
 
 

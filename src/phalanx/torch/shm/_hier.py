@@ -40,6 +40,11 @@ class Hierarchy:
         rank: this rank's index in the group.
         hosts: the group ranks of each host, hosts ordered by their first rank (the leaders' ranks); needed
             by :meth:`broadcast_` and :meth:`allgather_` only.
+        cross: when every host has as many ranks of the group, the gloo group of the ranks with this rank's
+            index on their host (ranked by host; the leaders' group on a leader), else None. Large
+            allreduces then cross hosts part by part, every rank carrying its own part in parallel (a
+            reduce-scatter in the host, an allreduce of each part among the hosts, an allgather in the
+            host: Horovod's hierarchical allreduce) instead of all of it through the leaders.
     """
 
     ch: Channel | None
@@ -48,6 +53,7 @@ class Hierarchy:
     size: int
     rank: int = 0
     hosts: tuple[tuple[int, ...], ...] = ()
+    cross: Any = None
 
     def _host(self, rank: int) -> int:
         return next(i for i, h in enumerate(self.hosts) if rank in h)
@@ -74,6 +80,11 @@ class Hierarchy:
                 _ops.allreduce_(self.ch, t, op)
             return
         if t.numel() == 0:
+            return
+        if self.cross is not None and self.ch is not None and _ops.uses_cma(self.ch, t):
+            cross = self.cross
+            _ops.allreduce_cma_(self.ch, t, op, lambda part: self._cross("allreduce",
+                                                                         lambda: _leaders_allreduce(cross, part, op)))
             return
         if self.ch is not None:
             _ops.allreduce_(self.ch, t, op)

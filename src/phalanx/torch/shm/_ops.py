@@ -157,7 +157,20 @@ def _allreduce_segment(ch: Channel, t: torch.Tensor, raw: torch.Tensor, combine:
 CMA_CHUNK = 1 << 20  # bytes read from a peer per cross-memory copy before reducing them (stays in L2)
 
 
-def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine) -> None:
+def uses_cma(ch: Channel, t: torch.Tensor) -> bool:
+    """Whether :func:`allreduce_` of ``t`` takes the cross-memory path (:func:`allreduce_cma_` applies)."""
+    return ch.cma and ch.n > 1 and t.numel() * t.element_size() > min(SMALL_BYTES, ch.slot_bytes)
+
+
+def allreduce_cma_(ch: Channel, t: torch.Tensor, op: object, between: Callable[[torch.Tensor], None]) -> None:
+    """:func:`allreduce_`'s cross-memory path (when :func:`uses_cma`), calling ``between`` with this rank's
+    part once it is reduced and before the peers read it: a reduce-scatter, ``between``, an allgather
+    (the hierarchical allreduce across hosts, ``_hier``, allreduces each part among the hosts there)."""
+    _allreduce_cma(ch, t, _combiner(op, t.dtype), between)
+
+
+def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine,
+                   between: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
     """Allreduce without the segment: rank ``i`` reads part ``i`` of every peer's tensor (cross-memory
     attach, chunk by chunk into a cached scratch buffer) and reduces it into its own tensor in rank order;
     after a barrier every rank reads every other part, reduced, straight from its owner's tensor."""
@@ -178,6 +191,8 @@ def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine) -> None:
                 _cma.read(pid, scratch[j].data_ptr(), addr + s * size, nb)
                 views.append(scratch[j][:nb].view(t.dtype))
             _reduce_into(views, t[s:e], scratch[ch.me][:nb].view(t.dtype), combine)
+        if between is not None:
+            between(t[a:b])
 
     def second(peers: list[tuple[int, int]]) -> None:
         for j, (pid, addr) in enumerate(peers):

@@ -189,10 +189,12 @@ def _hierarchy(store: Any, rank: int, size: int, timeout: timedelta) -> Hierarch
     mine = next(i for i, h in enumerate(hosts) if rank in h)
     local = hosts[mine]
     ch = _channel(store, f"shm/{mine}/", local.index(rank), len(local)) if len(local) > 1 else None
-    leaders = None
-    if len(hosts) > 1 and rank == local[0]:
-        leaders = dist.ProcessGroupGloo(dist.PrefixStore("shm/leaders", store), mine, len(hosts), timeout)
-    return Hierarchy(ch, leaders, len(hosts) > 1, size, rank, hosts)
+    even, index = len({len(h) for h in hosts}) == 1, local.index(rank)
+    cross = None  # this rank's gloo group across hosts: of its local index (hosts alike), else the leaders'
+    if len(hosts) > 1 and (even or index == 0):
+        cross = dist.ProcessGroupGloo(dist.PrefixStore(f"shm/cross/{index}", store), mine, len(hosts), timeout)
+    leaders = cross if index == 0 else None
+    return Hierarchy(ch, leaders, len(hosts) > 1, size, rank, hosts, cross if even else None)
 
 
 def _channel(store: Any, prefix: str, me: int, n: int) -> Channel:
