@@ -13,6 +13,7 @@ XLA cannot compile it, so functions that call it must run with ``jit_compile=Fal
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 import phalanx.torch as ptorch
 from phalanx.errors import CollectiveMismatchError
+from phalanx.torch import _reduce as R
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 # Marks the errors a collective raised inside a graph, so model.fit's wrapper can re-raise them cleanly.
@@ -137,14 +139,46 @@ def tf_broadcast(tensor: tf.Tensor, root_rank: int, name: str | None,
 ALIGN_BYTES = 64
 
 
-def _slots(arrays: list[np.ndarray], idx: list[int], itemsize: int) -> tuple[list[int], int]:
-    """Each array's start offset (in elements) in an aligned flat buffer, and the buffer's length."""
-    quantum = max(1, ALIGN_BYTES // itemsize)
-    starts, total = [], 0
-    for i in idx:
-        starts.append(total)
-        total += -(-arrays[i].size // quantum) * quantum
-    return starts, total
+@dataclass(frozen=True)
+class _Group:
+    """One dtype's flat buffer: which arrays go in it, where, and the collective's name."""
+
+    dtype: np.dtype
+    idx: tuple[int, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]  # each slot's end (the next slot's start): the gap after an array is zeroed
+    total: int
+    name: str
+
+
+_LAYOUTS: dict[tuple[object, ...], tuple[_Group, ...]] = {}
+
+
+def _layout(arrays: list[np.ndarray], name: str) -> tuple[_Group, ...]:
+    """The flat buffers of ``arrays`` (one per dtype, in first-seen order), cached per (name, dtypes, shapes):
+    a training step passes the same gradients every time."""
+    key = (name, *((a.dtype, a.shape) for a in arrays))
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[key] = _make_layout(arrays, name)
+    return layout
+
+
+def _make_layout(arrays: list[np.ndarray], name: str) -> tuple[_Group, ...]:
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, a in enumerate(arrays):
+        by_dtype.setdefault(a.dtype, []).append(i)
+    groups = []
+    for dtype, idx in by_dtype.items():
+        quantum = max(1, ALIGN_BYTES // dtype.itemsize)
+        starts, total = [], 0
+        for i in idx:
+            starts.append(total)
+            total += -(-arrays[i].size // quantum) * quantum
+        groups.append(_Group(dtype, tuple(idx), tuple(starts), (*starts[1:], total), total, f"{name}.{dtype.name}"))
+    return tuple(groups)
 
 
 def _aligned_empty(numel: int, dtype: np.dtype) -> np.ndarray:
@@ -153,29 +187,43 @@ def _aligned_empty(numel: int, dtype: np.dtype) -> np.ndarray:
     return raw[start : start + numel * dtype.itemsize].view(dtype)
 
 
+def _folded_scale(op: int, pre: float, n: int, dtype: np.dtype) -> float | None:
+    """``1/n`` when an Average's division can be applied while copying into the buffer: a numpy float dtype
+    and ``n`` a power of two (the scaling is exact, so each rank's scaled contribution sums to the same
+    bits as the scaled sum), and no prescale factor. Else None (the engine scales the result)."""
+    if op != R.Average or pre != 1.0 or dtype.kind != "f" or n & (n - 1):
+        return None
+    return 1.0 / n
+
+
 def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float, post: float,
                        process_set: ProcessSet = global_process_set) -> list[np.ndarray]:  # fmt: skip
     """Allreduce many arrays as one flat buffer per dtype (one collective each, in first-seen dtype order).
 
     Each array is copied once into its 64-byte aligned slot of a fresh buffer (the gaps are zeros), the
     buffer is reduced in place, and the results are views of it (TensorFlow takes aligned views as they are).
+    An Average over a power-of-two number of ranks is divided while copying (one pass over the gradients
+    less); the collective still says Average (with the division folded into its postscale factor), so ranks
+    that disagree on the op still fail the signature check.
     """
-    groups: dict[np.dtype, list[int]] = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(a.dtype, []).append(i)
     out: list[np.ndarray] = list(arrays)
-    for dtype, idx in groups.items():
-        starts, total = _slots(arrays, idx, dtype.itemsize)
-        buffer = _aligned_empty(total, dtype)
-        ends = [*starts[1:], total]
-        for i, start, end in zip(idx, starts, ends):
-            size = arrays[i].size
-            np.copyto(buffer[start : start + size], arrays[i].reshape(-1))
-            buffer[start + size : end] = 0
-        handle = ptorch.allreduce_async_(to_torch(buffer), name=f"{name}.{dtype.name}", op=op, prescale_factor=pre,
-                                         postscale_factor=post, process_set=process_set)  # fmt: skip
+    n = process_set.size() if op == R.Average else 1
+    for group in _layout(arrays, name):
+        buffer = _aligned_empty(group.total, group.dtype)
+        scale = _folded_scale(op, pre, n, group.dtype)
+        for i, start, end in zip(group.idx, group.starts, group.ends):
+            stop = start + arrays[i].size
+            if scale is None:
+                np.copyto(buffer[start:stop], arrays[i].reshape(-1))
+            else:
+                np.multiply(arrays[i].reshape(-1), scale, out=buffer[start:stop])
+            if stop < end:
+                buffer[stop:end] = 0
+        handle = ptorch.allreduce_async_(to_torch(buffer), name=group.name, op=op, prescale_factor=pre,
+                                         postscale_factor=post if scale is None else post * n,
+                                         process_set=process_set)  # fmt: skip
         ptorch.synchronize(handle)
-        for i, start in zip(idx, starts):
+        for i, start in zip(group.idx, group.starts):
             out[i] = buffer[start : start + arrays[i].size].reshape(arrays[i].shape)
     return out
 
