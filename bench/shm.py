@@ -14,7 +14,7 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
   processes training at once without any communication (what the shared host allows at best).
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks); then
-  torch-native code on AABB: ``dist.all_reduce`` and DDP (CNN, MLP) on the gloo default group vs a
+  torch-native code on AABB: ``dist.all_reduce``, DDP and FSDP2 (CNN, MLP) on the gloo default group vs a
   ``phalanx_shm`` group (hierarchical), interleaved in one job (``--hosts-ddp-only`` runs just that).
 """
 
@@ -150,8 +150,8 @@ def _ddp_ab(steps: int, rounds: int, hosts: list[str] | None = None) -> dict[str
     """DDP and FSDP2, each on the gloo default group and on a ``phalanx_shm`` group, same job, alternating
     chunks of steps (bench/train.py's interleaving): the A/B of what the launchers' automatic substitution
     changes. Keys per model: ``gloo`` / ``shm`` (DDP), ``fsdp gloo`` / ``fsdp shm``. With ``hosts``
-    (``HOROVOD_HOSTNAME`` faked per rank: the ``phalanx_shm`` group is hierarchical), DDP only, and the
-    groups' fp32 ``dist.all_reduce`` medians under ``"allreduce"`` first."""
+    (``HOROVOD_HOSTNAME`` faked per rank: the ``phalanx_shm`` group is hierarchical), also the groups' fp32
+    ``dist.all_reduce`` medians under ``"allreduce"`` first."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -170,9 +170,8 @@ def _ddp_ab(steps: int, rounds: int, hosts: list[str] | None = None) -> dict[str
         for key, group in groups.items():
             ddp = DDP(make(), process_group=group)
             trainers[key] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.01))
-            if hosts is None:
-                fsdp = _fsdp(make, group)
-                trainers[f"fsdp {key}"] = (fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.01))
+            fsdp = _fsdp(make, group)
+            trainers[f"fsdp {key}"] = (fsdp, torch.optim.SGD(fsdp.parameters(), lr=0.01))
         out[name] = train._interleaved(trainers, shape, steps, rounds)
     dist.destroy_process_group()
     return out
@@ -207,8 +206,9 @@ def _print_hosts_ddp(r: dict[str, Any]) -> None:
               f"(gloo / phalanx_shm {t['gloo'] / t['shm']:.2f}x)")  # fmt: skip
     for name in train.MODELS:
         m = r[name]
-        print(f"  DDP {name}: gloo {m['gloo']:.2f}/s  phalanx_shm {m['shm']:.2f}/s  ratio {m['shm'] / m['gloo']:.2f}x "
-              "(steps/s per rank)")  # fmt: skip
+        print(f"  {name}: DDP gloo {m['gloo']:.2f}/s  DDP phalanx_shm {m['shm']:.2f}/s  ratio "
+              f"{m['shm'] / m['gloo']:.2f}x | FSDP2 gloo {m['fsdp gloo']:.2f}/s  FSDP2 phalanx_shm "
+              f"{m['fsdp shm']:.2f}/s  ratio {m['fsdp shm'] / m['fsdp gloo']:.2f}x (steps/s per rank)")  # fmt: skip
 
 
 _GLOO_DEFAULT = {"PHALANX_SHM_NATIVE": "0"}  # the A/B job's default group stays gloo
@@ -283,7 +283,7 @@ def main() -> None:
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-hosts", action="store_true", help="skip the simulated multi-host allreduces")
     parser.add_argument("--ddp-only", action="store_true", help="only the DDP / FSDP2 gloo vs phalanx_shm A/B")
-    parser.add_argument("--hosts-ddp-only", action="store_true", help="only DDP gloo vs phalanx_shm on hosts AABB")
+    parser.add_argument("--hosts-ddp-only", action="store_true", help="only DDP / FSDP2 gloo vs phalanx_shm on AABB")
     args = parser.parse_args()
     if args.hosts_ddp_only:
         _print_hosts_ddp(_hosts_ddp(args.steps, args.train_rounds))
