@@ -5,8 +5,13 @@ the last layers' gradients are ready first). Bucket ``i`` is launched only after
 the allreduce order on the data group is identical on every rank whatever order the gradient hooks fire
 in; a bucket whose parameter got no gradient on some rank is launched by ``synchronize`` (with zeros).
 
-Each parameter's ``.grad`` becomes a view into its bucket's flat buffer after the first launch, so the
-reduced gradient needs no copy back; the Average division is folded into the copy in (``mul(out=)``).
+When the gradient group is a single-host shared-memory channel with cross-memory attach, a bucket is
+reduced *directly*: straight from the gradient tensors autograd produced and into them (``shm.all_reduce_many``),
+with no fusion buffer and no copy; the Average division is applied by each part's owner after the sum.
+Otherwise (or when a gradient is sparse or not contiguous on this rank) each parameter's ``.grad`` becomes a
+view into its bucket's flat buffer, so the reduced gradient needs no copy back; the Average division is folded
+into the copy in (``mul(out=)``). Both paths speak the same protocol on the grad channel, so ranks that took
+different paths still meet.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.torch import _stall, shm
-from phalanx.torch.compression import Compressor
+from phalanx.torch.compression import Compression, Compressor
 
 
 @dataclass
@@ -39,11 +44,12 @@ class Bucket:
     work: Any = None
     wire: torch.Tensor | None = None
     ctx: Any = None
+    direct: list[torch.Tensor] | None = None  # the gradients reduced in place (see ``launch_direct``)
 
     def reset(self) -> None:
         """Mark every parameter pending (start of a step)."""
         self.pending = {id(p) for p in self.params}
-        self.work, self.wire, self.ctx = None, None, None
+        self.work, self.wire, self.ctx, self.direct = None, None, None, None
 
     def view(self, i: int) -> torch.Tensor:
         """The slice of ``buffer`` that holds parameter ``i``'s gradient, shaped like it."""
@@ -116,6 +122,44 @@ def pack(bucket: Bucket, prescale: float) -> None:
         p.grad = seg
 
 
+DIRECT_DTYPES = (torch.float32, torch.float64)  # the owner scales after the sum: no predivide numerics needed
+
+
+def _direct_grads(bucket: Bucket) -> list[torch.Tensor] | None:
+    """Every parameter's gradient as a flat contiguous tensor (zeros for a parameter without one), or None
+    when one cannot be reduced in place (sparse, strided, another dtype or device)."""
+    dtype = bucket.buffer.dtype
+    if dtype not in DIRECT_DTYPES or bucket.buffer.device.type != "cpu":
+        return None
+    grads = []
+    for p in bucket.params:
+        g = p.grad
+        if g is None:
+            g = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if g.is_sparse or g.dtype != dtype or g.device.type != "cpu" or not g.is_contiguous():
+            return None
+        grads.append(g.view(-1))
+    return grads
+
+
+def launch_direct(bucket: Bucket, compression: type[Compressor], group: Any, prescale: float, inline: bool) -> bool:
+    """Start the bucket's allreduce straight from its gradients when the group allows it (see the module).
+
+    Returns:
+        False when it did not start (then :func:`pack` and :func:`launch` it).
+    """
+    if compression is not Compression.none:
+        return False
+    grads = _direct_grads(bucket)
+    if grads is None:
+        return False
+    work = shm.all_reduce_many(grads, group, prescale, inline)
+    if work is None:
+        return False
+    bucket.work, bucket.direct = work, grads
+    return True
+
+
 def launch(bucket: Bucket, compression: type[Compressor], group: Any, inline: bool = False) -> None:
     """Start the bucket's asynchronous allreduce (sum) on ``group`` (``inline``: see ``shm.all_reduce``)."""
     wire, bucket.ctx = compression.compress(bucket.buffer)
@@ -124,7 +168,14 @@ def launch(bucket: Bucket, compression: type[Compressor], group: Any, inline: bo
 
 
 def wait(bucket: Bucket, compression: type[Compressor], postscale: float) -> None:
-    """Wait for the bucket's allreduce and leave the reduced gradient in ``buffer`` (hence in ``.grad``)."""
+    """Wait for the bucket's allreduce and leave the reduced gradient in ``buffer`` (hence in ``.grad``), or
+    in the gradients themselves when it was launched directly."""
+    if bucket.direct is not None:
+        _stall.wait(bucket.work)
+        if postscale != 1.0:
+            for g in bucket.direct:
+                g.mul_(postscale)
+        return
     assert bucket.wire is not None
     if bucket.wire.is_cuda:
         bucket.work.wait()

@@ -203,15 +203,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket = self._buckets[self._next]
             if bucket.pending and not force:
                 return
-            row = f"DistributedOptimizer.bucket{self._next}"
-            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-            _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
-            B.pack(bucket, self._prescale)
-            _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
-            _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
-            inline = force or self._next >= len(self._buckets) - INLINE_TAIL
-            B.launch(bucket, self._compression, groups_of(self._ps).grad, inline)
+            self._launch(bucket, force or self._next >= len(self._buckets) - INLINE_TAIL)
             self._next += 1
+
+    def _launch(self, bucket: B.Bucket, inline: bool) -> None:
+        row, group = f"DistributedOptimizer.bucket{self._next}", groups_of(self._ps).grad
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        if B.launch_direct(bucket, self._compression, group, self._prescale, inline):  # no copy to trace
+            _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params), "bytes": nbytes})
+            return
+        _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
+        B.pack(bucket, self._prescale)
+        _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
+        _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
+        B.launch(bucket, self._compression, group, inline)
 
     def synchronize(self) -> None:
         """Wait for every gradient allreduce of this step (launching the ones whose hooks did not fire).

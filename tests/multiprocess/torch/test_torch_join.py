@@ -70,14 +70,14 @@ def _collectives_job() -> list[str]:
     return fail
 
 
-def _batch(step: int, rank: int) -> Any:
+def _batch(step: int, rank: int, features: int = 4) -> Any:
     import torch
 
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    return torch.randn(8, features, generator=g), torch.randn(8, 2 if features == 4 else 160, generator=g)
 
 
-def _optimizer_job() -> dict[str, Any]:
+def _optimizer_job(features: int = 4) -> dict[str, Any]:
     import torch
 
     import phalanx.torch as hvd
@@ -85,20 +85,22 @@ def _optimizer_job() -> dict[str, Any]:
     hvd.init()
     n, me = hvd.size(), hvd.rank()
     torch.manual_seed(0)
-    model, ref = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    # features=128: 82 KB of gradients, reduced in place from .grad (the joined rank serves one zero buffer)
+    width = 2 if features == 4 else 160
+    model, ref = torch.nn.Linear(features, width), torch.nn.Linear(features, width)
     ref.load_state_dict(model.state_dict())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())  # fmt: skip
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2 + me):  # uneven: rank r has 2 + r batches
-        x, y = _batch(step, me)
+        x, y = _batch(step, me, features)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         ref_opt.zero_grad()  # the reference: the live ranks' gradients summed, divided by the full size
         for r in range(max(0, step - 1), n):
             if step < 2 + r:
-                xr, yr = _batch(step, r)
+                xr, yr = _batch(step, r, features)
                 (torch.nn.functional.mse_loss(ref(xr), yr) / n).backward()
         ref_opt.step()
     last = hvd.join()
@@ -116,13 +118,13 @@ def test_joined_ranks_serve_allreduces_and_refuse_other_collectives(np: int) -> 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("np", "shm"), [(2, "1"), (3, "1"), (2, "0"), (2, "async")])
+@pytest.mark.parametrize(("np", "shm"), [(2, "1"), (3, "1"), (2, "0"), (2, "async"), (3, "wide")])
 def test_distributed_optimizer_with_uneven_batches_and_join(np: int, shm: str) -> None:
     # async: the live ranks' buckets (one per parameter) wait on the worker thread until the joined rank
     # has seen the step's control block and serves them.
     env = {"PHALANX_SHM": "1", "PHALANX_SHM_GRAD_ASYNC": "1", "HOROVOD_FUSION_THRESHOLD": "0"} if shm == "async" \
-        else {"PHALANX_SHM": shm}  # fmt: skip
-    reports = phalanx.run(_optimizer_job, np=np, env=env)
+        else {"PHALANX_SHM": "1" if shm == "wide" else shm}  # fmt: skip
+    reports = phalanx.run(_optimizer_job, args=(128 if shm == "wide" else 4,), np=np, env=env)
     assert [r["last"] for r in reports] == [np - 1] * np
     assert all(r["same as reference"] for r in reports), reports
     assert all(r["final"] == reports[-1]["final"] for r in reports)

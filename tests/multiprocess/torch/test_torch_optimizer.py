@@ -11,13 +11,14 @@ import phalanx
 pytestmark = [pytest.mark.multiprocess]
 
 
-def _model(seed: int = 0) -> Any:
+def _model(seed: int = 0, width: int = 32) -> Any:
     import torch
 
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)
-    )
+        torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.Tanh(),
+        torch.nn.Linear(width, 3),
+    )  # fmt: skip
 
 
 def _batches(steps: int, per_rank: int, n: int) -> list[tuple[Any, Any]]:
@@ -28,11 +29,12 @@ def _batches(steps: int, per_rank: int, n: int) -> list[tuple[Any, Any]]:
             for _ in range(steps)]  # fmt: skip
 
 
-def _train(opt_factory: Any, wrap: Any, n: int, me: int, steps: int = 3, bpps: int = 1) -> Any:
+def _train(opt_factory: Any, wrap: Any, n: int, me: int, steps: int = 3, bpps: int = 1, width: int = 32,
+           set_to_none: bool = True) -> Any:  # fmt: skip
     """Train on this rank's shard (or the whole batch when n == 1 and me == 0); return the weights."""
     import torch
 
-    model = _model()
+    model = _model(width=width)
     opt = wrap(opt_factory(model.parameters()), model)
     per = 4
     for x, y in _batches(steps, per * bpps, n):
@@ -42,7 +44,7 @@ def _train(opt_factory: Any, wrap: Any, n: int, me: int, steps: int = 3, bpps: i
             loss = torch.nn.functional.mse_loss(model(xk), yk) / bpps
             loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
@@ -58,11 +60,11 @@ def _adam(params: Any) -> Any:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def _reference(opt_factory: Any, n: int, bpps: int = 1) -> Any:
+def _reference(opt_factory: Any, n: int, bpps: int = 1, width: int = 32) -> Any:
     """One process on the whole global batch: the same arithmetic as averaging n shard gradients."""
     import torch
 
-    model = _model()
+    model = _model(width=width)
     opt = opt_factory(model.parameters())
     for x, y in _batches(3, 4 * bpps, n):
         shards = list(zip(x.view(n, 4 * bpps, 8), y.view(n, 4 * bpps, 3)))
@@ -108,11 +110,11 @@ def _check_equivalence(fail: list[str], n: int, me: int) -> None:
 class _Branchy:
     """A model whose second branch is used only on rank 0; rank 1 runs its layers in another order."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 4) -> None:
         import torch
 
         torch.manual_seed(1)
-        self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        self.a, self.b, self.c = torch.nn.Linear(4, width), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
 
     def params(self) -> list[Any]:
         return [*self.a.parameters(), *self.b.parameters(), *self.c.parameters()]
@@ -126,12 +128,12 @@ class _Branchy:
         return self.c(self.a(x)).sum()  # b unused on rank 1
 
 
-def _check_unused_and_order(fail: list[str], me: int) -> None:
+def _check_unused_and_order(fail: list[str], me: int, width: int = 4) -> None:
     import torch
 
     import phalanx.torch as hvd
 
-    net = _Branchy()
+    net = _Branchy(width)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.params(), lr=0.0), named_parameters=net.named())
     for _ in range(2):
         net.loss(torch.ones(2, 4), me).backward()
@@ -246,3 +248,63 @@ def test_the_averaging_divisor_follows_the_world_after_a_re_formation() -> None:
         assert size == 2
         assert first == [-2.0] * 4  # (1 + 2 + 3) / 3
         assert second == [-3.5] * 4  # then (1 + 2) / 2, not / 3
+
+
+WIDE = 128  # 18k parameters: 72 KB of gradients, above the slot exchange's 64 KiB (reduced in place with CMA)
+
+
+def _in_place_job(pack_on: int) -> list[str]:
+    """The wide model's gradients reduced straight from ``.grad`` (no fusion buffer), checked against the
+    reference; rank ``pack_on`` fuses into the buffer instead (ranks that took different paths must meet)."""
+    import torch
+
+    import phalanx.torch as hvd
+    from phalanx.torch import _buckets as B
+    from phalanx.torch.process_sets import global_process_set, groups_of
+    from phalanx.torch.shm import _dispatch
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad))
+    expect_pack = me == pack_on or route is None or not route[0].channels["grad"].cma  # no CMA: every rank packs
+    if me == pack_on:
+        B.DIRECT_DTYPES = ()  # type: ignore[misc]  # this rank packs: its table has one segment
+    packed: list[int] = []
+    pack = B.pack
+    B.pack = lambda bucket, prescale: (packed.append(1), pack(bucket, prescale))[1]  # type: ignore[assignment]
+    fail: list[str] = []
+    wrap = {
+        "default": lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()),
+        "predivide": lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), gradient_predivide_factor=2.0),
+        "two buckets": lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), num_groups=2),
+    }
+    for factory in (_sgd, _adam):
+        want = _reference(factory, n, width=WIDE)
+        for name, w in wrap.items():
+            for set_to_none in (True, False):
+                packed.clear()
+                got = _train(factory, w, n, me, width=WIDE, set_to_none=set_to_none)
+                if name == "default" and bool(packed) != expect_pack:  # "two buckets": one is too small
+                    fail.append(f"rank {me} packed {len(packed)} buckets (expected to pack: {expect_pack})")
+                if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+                    diff = float((got - want).abs().max())
+                    fail.append(f"{factory.__name__} {name} set_to_none={set_to_none}: max diff {diff}")
+    want = _reference(_sgd, n, bpps=2, width=WIDE)
+    got = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), backward_passes_per_step=2),
+                 n, me, bpps=2, width=WIDE)  # fmt: skip
+    if not torch.allclose(got, want, atol=1e-5):
+        fail.append(f"backward_passes_per_step=2: max diff {float((got - want).abs().max())}")
+    summed = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), op=hvd.Sum), n, me,
+                    width=WIDE)  # fmt: skip
+    if not torch.equal(summed, hvd.broadcast(summed, 0)):
+        fail.append("op=Sum: ranks diverged")
+    if n == 2:
+        _check_unused_and_order(fail, me, width=WIDE)
+    hvd.shutdown()
+    return fail
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("np", "pack_on"), [(2, -1), (2, 1), (3, 0)])
+def test_gradients_reduced_in_place_match_the_reference(np: int, pack_on: int) -> None:
+    assert phalanx.run(_in_place_job, args=(pack_on,), np=np) == [[]] * np

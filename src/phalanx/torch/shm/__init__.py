@@ -7,8 +7,17 @@ default, ``PHALANX_SHM=0`` turns it off) and ``torch.distributed`` (gloo / NCCL)
 
 from __future__ import annotations
 
-from phalanx.torch.shm._dispatch import Done, all_gather_single, all_reduce, broadcast, clear, overlaps, register
+from phalanx.torch.shm._dispatch import (
+    Done,
+    all_gather_single,
+    all_reduce,
+    all_reduce_many,
+    broadcast,
+    clear,
+    overlaps,
+    register,
+)
 from phalanx.torch.shm._setup import Transport, build, enabled
 
-__all__ = ["Done", "Transport", "all_gather_single", "all_reduce", "broadcast", "build", "clear", "enabled",
-           "overlaps", "register"]
+__all__ = ["Done", "Transport", "all_gather_single", "all_reduce", "all_reduce_many", "broadcast", "build", "clear",
+           "enabled", "overlaps", "register"]

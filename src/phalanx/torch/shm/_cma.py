@@ -59,6 +59,43 @@ def read(pid: int, local: int, remote: int, nbytes: int) -> None:
         local, remote, nbytes = local + got, remote + got, nbytes - got
 
 
+IOV_BATCH = 512  # iovec pairs per call (IOV_MAX is 1024 on Linux)
+
+
+def readv(pid: int, pairs: list[tuple[int, int, int]]) -> None:
+    """Copy several ranges of process ``pid`` at once: each pair is (local address, remote address, bytes).
+
+    Raises:
+        OSError: the kernel refused or failed a copy (as :func:`read`).
+    """
+    fn = _READV
+    if fn is None:
+        raise OSError(errno.ENOSYS, "process_vm_readv is not available on this platform")
+    pairs = [p for p in pairs if p[2] > 0]
+    while pairs:
+        batch = pairs[:IOV_BATCH]
+        local = (_Iovec * len(batch))(*[_Iovec(a, n) for a, _r, n in batch])
+        remote = (_Iovec * len(batch))(*[_Iovec(r, n) for _a, r, n in batch])
+        got = fn(pid, local, len(batch), remote, len(batch), 0)  # type: ignore[operator]
+        if got <= 0:
+            err = ctypes.get_errno() if got < 0 else errno.EFAULT
+            raise OSError(err, f"process_vm_readv of {len(batch)} ranges from pid {pid}: {os.strerror(err)}")
+        pairs = _advance(pairs, got)
+
+
+def _advance(pairs: list[tuple[int, int, int]], done: int) -> list[tuple[int, int, int]]:
+    """The pairs still to copy once ``done`` bytes of them were (a partial copy may end inside a pair)."""
+    i = 0
+    while i < len(pairs) and done >= pairs[i][2]:
+        done -= pairs[i][2]
+        i += 1
+    rest = pairs[i:]
+    if rest and done:
+        a, r, n = rest[0]
+        rest[0] = (a + done, r + done, n - done)
+    return rest
+
+
 def probe(pid: int, remote: int, expect: bytes) -> bool:
     """Whether ``len(expect)`` bytes at ``remote`` in process ``pid`` can be read and equal ``expect``."""
     buf = ctypes.create_string_buffer(len(expect))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _channel, _ops
+from phalanx.torch.shm import _channel, _many, _ops
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._setup import Transport
 
@@ -119,11 +119,43 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, 
     flat = t.view(-1) if t.dim() else t.reshape(1)
 
     def run() -> None:
+        ch = transport.channels.get(kind)
+        if ch is not None and kind == "grad" and transport.single_host and _grad_protocol(ch, flat, op):
+            _many.allreduce_(ch, [flat], op)  # the grad channel's protocol (see all_reduce_many)
+            return
         multi = transport.leaders is not None
         leaders = transport.leaders if multi and transport.leader else None
         Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks)).allreduce_(flat, op)
 
     return _finish(transport, kind, run, inline)
+
+
+def _grad_protocol(ch: _channel.Channel, flat: torch.Tensor, op: Any) -> bool:
+    return _ops._kind(op) != dist.ReduceOp.AVG and _many.eligible(ch, flat.numel() * flat.element_size())
+
+
+def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0, inline: bool = False) -> Any:
+    """Sum the concatenation of ``tensors`` across ``group`` in place, straight from and into them (no
+    fusion buffer), each rank's contribution multiplied by ``scale``; None when the group cannot (not a
+    single-host shared-memory grad channel with cross-memory attach, or too small): the caller then fuses
+    the tensors into one buffer and calls :func:`all_reduce`, which, on the grad channel, speaks the same
+    protocol (so ranks that took different paths still meet).
+
+    Args:
+        tensors: flat contiguous CPU tensors of one floating dtype.
+        group: the process set's grad group.
+        scale: this rank's factor (Average's ``1/size``).
+        inline: see :func:`all_reduce`.
+    """
+    route = _ROUTES.get(id(group))
+    if route is None or route[1] != "grad" or not route[0].single_host:
+        return None
+    transport = route[0]
+    ch = transport.channels.get("grad")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if ch is None or not _many.eligible(ch, nbytes):
+        return None
+    return _finish(transport, "grad", lambda: _many.allreduce_(ch, tensors, dist.ReduceOp.SUM, scale), inline)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:

@@ -1,0 +1,161 @@
+"""Allreduce of several tensors at once, straight from and into them: the ``DistributedOptimizer``'s gradients.
+
+A bucket's gradients are separate tensors (autograd allocates each one). Fusing them into one buffer costs a
+copy of every gradient per step, which on a CPU-bound rank is time taken from the computation. With
+cross-memory attach (``_cma``) the copy is not needed: each rank publishes a *table* of its buffer's segments
+(address and bytes of each tensor, in the order of the virtual concatenation, plus the rank's scale), and the
+steps of ``_ops._allreduce_cma`` run on the virtual buffer:
+
+1. every rank publishes its table's address (``Channel.attach_step``) and reads its peers' tables;
+2. rank ``i`` reads part ``i`` of every peer's virtual buffer (one ``process_vm_readv`` per peer and chunk,
+   scattered over the peer's segments) and sums it into its own tensors, then applies the scale;
+3. after a barrier, every rank reads every other part, reduced, straight from its owner's tensors into its own.
+
+Ranks may segment the same virtual buffer differently (one rank fused its gradients into a buffer, another
+did not; a joined rank contributes one zero buffer): the tables say where each byte is. Every allreduce of
+the grad channel above the slot-exchange size speaks this protocol (``_dispatch``), so all of them meet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from phalanx.torch.shm import _cma
+from phalanx.torch.shm._channel import Channel
+from phalanx.torch.shm._ops import SMALL_BYTES, _Combine, _combiner, _kind, _parts, _reduce_into
+
+TABLE_ENTRIES = 64  # segments a peer reads with the table's first read (more take a second read)
+_HEAD = 2  # table words before the segments: the count, the scale (float64 bits)
+CHUNK_BYTES = 1 << 20  # bytes read from a peer per copy before they are reduced (as _ops.CMA_CHUNK)
+
+Segment = tuple[int, int]  # (address, bytes), in the order of the virtual buffer
+Piece = tuple[int, int, int, int]  # (segment index, start byte in it, bytes, offset in the virtual buffer)
+
+
+def eligible(ch: Channel, nbytes: int) -> bool:
+    """Whether :func:`allreduce_` runs on ``ch`` for ``nbytes`` in all: cross-memory attach agreed, and above the
+    size every rank exchanges whole through its slot. Common knowledge, so every rank decides alike."""
+    return ch.n > 1 and ch.cma and nbytes > min(SMALL_BYTES, ch.slot_bytes)
+
+
+def _table(tensors: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """This rank's table: segment count, scale, then (address, bytes) of each tensor."""
+    table = torch.zeros(_HEAD + 2 * max(TABLE_ENTRIES, len(tensors)), dtype=torch.int64)
+    table[0] = len(tensors)
+    table[1:2].view(torch.float64)[0] = scale
+    words = [w for t in tensors for w in (t.data_ptr(), t.numel() * t.element_size())]
+    table[_HEAD : _HEAD + len(words)] = torch.tensor(words, dtype=torch.int64)
+    return table
+
+
+def _peer_table(pid: int, addr: int) -> tuple[list[Segment], float]:
+    """A peer's segments and scale, read from its table at ``addr``."""
+    head = torch.empty(_HEAD + 2 * TABLE_ENTRIES, dtype=torch.int64)
+    _cma.read(pid, head.data_ptr(), addr, head.numel() * 8)
+    count = int(head[0])
+    if count > TABLE_ENTRIES:
+        head = torch.empty(_HEAD + 2 * count, dtype=torch.int64)
+        _cma.read(pid, head.data_ptr(), addr, head.numel() * 8)
+    words = head[_HEAD : _HEAD + 2 * count].tolist()
+    return [(words[2 * i], words[2 * i + 1]) for i in range(count)], float(head[1:2].view(torch.float64)[0])
+
+
+def pieces(segs: list[Segment], start: int, stop: int) -> list[Piece]:
+    """The parts of the virtual byte range ``[start, stop)`` in each segment, in order."""
+    out, base = [], 0
+    for k, (_addr, nbytes) in enumerate(segs):
+        lo, hi = max(start, base), min(stop, base + nbytes)
+        if lo < hi:
+            out.append((k, lo - base, hi - lo, lo))
+        base += nbytes
+        if base >= stop:
+            break
+    return out
+
+
+def pairs(local: list[Segment], remote: list[Segment], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """(local address, remote address, bytes) copies that bring the remote virtual bytes ``[start, stop)`` into
+    the same local virtual bytes (boundaries of both segmentations split the copies)."""
+    mine, theirs = pieces(local, start, stop), pieces(remote, start, stop)
+    out, i, j, li, rj = [], 0, 0, 0, 0
+    while i < len(mine) and j < len(theirs):
+        n = min(mine[i][2] - li, theirs[j][2] - rj)
+        out.append((local[mine[i][0]][0] + mine[i][1] + li, remote[theirs[j][0]][0] + theirs[j][1] + rj, n))
+        li, rj = li + n, rj + n
+        if li == mine[i][2]:
+            i, li = i + 1, 0
+        if rj == theirs[j][2]:
+            j, rj = j + 1, 0
+    return out
+
+
+def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: float = 1.0) -> None:
+    """Allreduce the concatenation of ``tensors`` (flat, contiguous, CPU, one dtype) in place (see the module).
+
+    ``scale`` multiplies this rank's contribution (``op`` SUM only); each part's owner applies it after the sum:
+    ``sum(x_j) * s`` when every rank's scale is ``s``, ``sum(x_j * s_j)`` otherwise.
+
+    Raises:
+        ValueError: a scale with another op than SUM.
+    """
+    if scale != 1.0 and _kind(op) != dist.ReduceOp.SUM:
+        raise ValueError(f"a scaled allreduce must be a SUM, got {op}")
+    size = tensors[0].element_size()
+    mine = [(t.data_ptr(), t.numel() * size) for t in tensors]
+    parts = [(a * size, b * size) for a, b in _parts(sum(n for _a, n in mine) // size, ch.n)]
+    table = _table(tensors, scale)
+    chunk = min(CHUNK_BYTES, max(b - a for a, b in parts))
+    seen: list[tuple[list[Segment], float]] = []
+
+    def first(peers: list[tuple[int, int]]) -> None:
+        seen.extend((mine, scale) if j == ch.me else _peer_table(pid, addr) for j, (pid, addr) in enumerate(peers))
+        scratch = ch.scratch_buffers(chunk)
+        a, b = parts[ch.me]
+        for s in range(a, b, chunk):
+            e = min(b, s + chunk)
+            for j, (pid, _addr) in enumerate(peers):
+                if j != ch.me:
+                    segs = seen[j][0]
+                    base = scratch[j].data_ptr() - s
+                    _cma.readv(pid, [(base + off, segs[k][0] + at, n) for k, at, n, off in pieces(segs, s, e)])
+            _reduce(tensors, pieces(mine, s, e), s, scratch, ch.me, op, [sc for _segs, sc in seen])
+
+    def second(peers: list[tuple[int, int]]) -> None:
+        for j, (pid, _addr) in enumerate(peers):
+            a, b = parts[j]
+            if j != ch.me and b > a:
+                _cma.readv(pid, pairs(mine, seen[j][0], a, b))
+
+    ch.attach_step(table.data_ptr(), first, second, "allreduce")
+
+
+def _reduce(tensors: list[torch.Tensor], own: list[Piece], s: int, scratch: list[torch.Tensor], me: int, op: object,
+            scales: list[float]) -> None:  # fmt: skip
+    """Reduce this rank's pieces with the peers' copies of them (``scratch[j]`` holds virtual bytes from ``s``)."""
+    size, dtype = tensors[0].element_size(), tensors[0].dtype
+    outs = [tensors[k][at // size : (at + n) // size] for k, at, n, _off in own]
+    peers = [[scratch[j][off - s : off - s + n].view(dtype) for _k, _at, n, off in own] for j in range(len(scratch))]
+    if _kind(op) == dist.ReduceOp.SUM and all(sc == scales[0] for sc in scales):
+        for j, views in enumerate(peers):
+            if j != me:
+                torch._foreach_add_(outs, views)
+        if scales[0] != 1.0:
+            torch._foreach_mul_(outs, scales[0])
+        return
+    combine = _combiner(op, dtype)
+    for i, out in enumerate(outs):
+        views = [out if j == me else peers[j][i] for j in range(len(scratch))]
+        _combine_scaled(views, out, scratch[me][: out.numel() * size].view(dtype), combine, scales)
+
+
+def _combine_scaled(views: list[torch.Tensor], out: torch.Tensor, acc: torch.Tensor, combine: _Combine,
+                    scales: list[float]) -> None:  # fmt: skip
+    """``out = views[0] op views[1] op ...`` in rank order; with scales (SUM): ``sum(views[j] * scales[j])``."""
+    if all(sc == 1.0 for sc in scales):
+        _reduce_into(views, out, acc, combine)
+        return
+    total = views[0] * scales[0]
+    for v, sc in zip(views[1:], scales[1:]):
+        total.add_(v, alpha=sc)
+    out.copy_(total)
