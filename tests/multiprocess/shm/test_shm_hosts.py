@@ -129,7 +129,11 @@ def _other_checks() -> list[str]:
 def _ops_job(hosts: list[str]) -> list[str]:
     import torch.distributed as dist
 
-    from phalanx.torch.shm import backend
+    from phalanx.torch.shm import _hier, _ops, backend
+
+    _hier.PART_BYTES = 4096  # the part-by-part crossing for every cross-memory size (AABB)
+    parts, inner = [], _ops.allreduce_cma_
+    _ops.allreduce_cma_ = lambda *a: parts.append(1) or inner(*a)  # type: ignore[assignment]
 
     _as_host(hosts)
     dist.init_process_group(backend.NAME)
@@ -139,6 +143,8 @@ def _ops_job(hosts: list[str]) -> list[str]:
     if (pg.hier.cross is not None) != (hosts == AABB):  # part-wise across hosts when hosts are alike
         bad.append(f"cross group {pg.hier.cross} for hosts {hosts}")
     bad += _allreduce_checks(gloo) + _other_checks()
+    if bool(parts) != (hosts == AABB):
+        bad.append(f"{len(parts)} allreduces crossed hosts part by part on hosts {hosts}")
     kinds = ("allreduce", "broadcast", "barrier", "allgather", "reduce_scatter")
     if any(pg.shm_calls[k] == 0 for k in kinds):
         bad.append(f"not through shared memory: {dict(pg.shm_calls)}")
@@ -207,8 +213,9 @@ def _peer_leaves(hosts: list[str], n: int) -> str:
     import torch
     import torch.distributed as dist
 
-    from phalanx.torch.shm import backend
+    from phalanx.torch.shm import _hier, backend
 
+    _hier.PART_BYTES = 4096  # 400 KB crosses part by part
     _as_host(hosts)
     dist.init_process_group(backend.NAME)
     dist.all_reduce(torch.ones(10))
