@@ -200,7 +200,8 @@ def _negotiated(entry: _Entry) -> None:
     _trace.begin(entry.row, _trace.RUN[entry.coll.sig.kind])
     headers = rows[:, : H.HEADER_WORDS].tolist()
     ENGINE.rounds[entry.groups.ranks] = ENGINE.rounds.get(entry.groups.ranks, 0) + 1
-    if all(h == headers[0] for h in headers[1:]):  # the common case: identical blocks, nothing to compare
+    same = all(h == headers[0] for h in headers[1:])
+    if same:  # the common case: identical blocks, nothing to compare
         sigs, detail = [H.decode(headers[0])] * n, None
     else:
         sigs = [H.decode(h) for h in headers]
@@ -229,7 +230,10 @@ def _negotiated(entry: _Entry) -> None:
         nbytes = [h[H.F_NBYTES] for h in headers]
         if all(b >= 0 for b in nbytes):
             start = H.HEADER_WORDS + n
-            payloads = [rows[i, start:].view(torch.uint8)[: nbytes[i]] for i in range(n)]
+            if same:  # identical headers, so equal sizes: every rank's payload from one view
+                payloads = list(rows.view(torch.uint8)[:, start * 8 : start * 8 + nbytes[0]].unbind(0))
+            else:
+                payloads = [rows[i, start:].view(torch.uint8)[: nbytes[i]] for i in range(n)]
             entry.coll.run_inline(payloads, sigs, aux)
             entry.state = "done"
         else:

@@ -59,8 +59,17 @@ def allreduce(
     """
     op_ = R.resolve_op(op, average)
     compressed, cctx = compression.compress(tensor)
-    out = _Allreduce.apply(compressed, name, op_, prescale_factor, postscale_factor, process_set)
+    if _tracked(compressed):
+        out = _Allreduce.apply(compressed, name, op_, prescale_factor, postscale_factor, process_set)
+    else:  # nothing to differentiate: skip autograd's Function machinery (a fixed cost per call)
+        out = A.synchronize(A.allreduce_async(compressed, None, name, op_, prescale_factor, postscale_factor,
+                                              process_set))  # fmt: skip
     return compression.decompress(out, cctx)
+
+
+def _tracked(tensor: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensor`` (only then do the differentiable forms need a Function)."""
+    return tensor.requires_grad and torch.is_grad_enabled()
 
 
 def allreduce_(
@@ -160,7 +169,9 @@ class _Broadcast(torch.autograd.Function):
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Return ``root_rank``'s tensor (a global rank) on every member; differentiable."""
-    return _Broadcast.apply(tensor, root_rank, name, process_set)
+    if _tracked(tensor):
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return A.synchronize(A.broadcast_async(tensor, root_rank, name, process_set))
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
