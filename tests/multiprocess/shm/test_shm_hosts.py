@@ -262,3 +262,30 @@ def test_no_leftovers_when_a_rank_is_killed_mid_ddp() -> None:
     with pytest.raises(WorkerFailedError, match="SIGKILL"):
         phalanx.run(_killed_in_ddp, args=(AABB,), np=4, env={"PHALANX_SHM_TIMEOUT_S": "20"})
     assert _leftovers() == []
+
+
+def _attach_fails(hosts: list[str]) -> tuple[bool, list[float]]:
+    import torch
+    import torch.distributed as dist
+
+    from phalanx.torch.shm import _segment, backend
+
+    def refuse(name: str, nbytes: int) -> Any:
+        raise OSError(f"no room to map {name}")
+
+    if int(os.environ["RANK"]) == 3:
+        _segment.attach = refuse  # type: ignore[assignment]  # host B's second rank cannot map its segment
+    _as_host(hosts)
+    dist.init_process_group(backend.NAME)
+    pg = dist.distributed_c10d._get_default_group()
+    t = torch.full((3,), float(dist.get_rank()))
+    dist.all_reduce(t)
+    out = (pg.hier is None, t.tolist())
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_host_that_cannot_set_up_shared_memory_makes_the_group_plain_gloo() -> None:
+    assert phalanx.run(_attach_fails, args=(AABB,), np=4) == [(True, [6.0] * 3)] * 4
+    assert _leftovers() == []

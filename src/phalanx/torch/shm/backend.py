@@ -25,7 +25,7 @@ from torch._C import _distributed_c10d as _c10d
 
 from phalanx.env import names as N
 from phalanx.torch.shm import _ops, _segment, _setup
-from phalanx.torch.shm._channel import Channel, layout
+from phalanx.torch.shm._channel import Channel, _pid_dead, layout
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._serial import Serial
 
@@ -189,6 +189,12 @@ def _hierarchy(store: Any, rank: int, size: int, timeout: timedelta) -> Hierarch
     mine = next(i for i, h in enumerate(hosts) if rank in h)
     local = hosts[mine]
     ch = _channel(store, f"shm/{mine}/", local.index(rank), len(local)) if len(local) > 1 else None
+    if not _agreed(store, rank, size, ch is not None or len(local) == 1):
+        if ch is not None:
+            _drop(ch)
+        return None
+    if ch is not None:
+        ch.enable_cma(_setup.cma_wanted())
     even, index = len({len(h) for h in hosts}) == 1, local.index(rank)
     cross = None  # this rank's gloo group across hosts: of its local index (hosts alike), else the leaders'
     if len(hosts) > 1 and (even or index == 0):
@@ -197,31 +203,78 @@ def _hierarchy(store: Any, rank: int, size: int, timeout: timedelta) -> Hierarch
     return Hierarchy(ch, leaders, len(hosts) > 1, size, rank, hosts, cross if even else None)
 
 
-def _channel(store: Any, prefix: str, me: int, n: int) -> Channel:
-    """Map one segment for the ``n`` ranks of this host (keys under ``prefix``; ``me``: index among them)."""
+def _agreed(store: Any, rank: int, size: int, ok: bool) -> bool:
+    """Whether every rank of the group set up its host's channel (else none uses one: gloo for all)."""
+    store.set(f"shm/ok/{rank}", str(int(ok)))
+    return all(store.get(f"shm/ok/{r}") == b"1" for r in range(size))
+
+
+def _channel(store: Any, prefix: str, me: int, n: int) -> Channel | None:
+    """Map one segment for the ``n`` ranks of this host (keys under ``prefix``; ``me``: index among them).
+
+    None when this rank could not create / map it or open its peers' wake-up FIFOs, or cannot see every
+    peer's process (ranks in other pid namespaces: the liveness checks would fail): ``_agreed`` then
+    turns the transport off for the whole group rather than failing ``init_process_group``.
+    """
     slot = int(_setup._float_env(N.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
-    total = layout(n, slot)[1]
-    seg = _segment.create(total) if me == 0 else None
-    if seg is not None:
-        store.set(f"{prefix}name", seg.name)
-    seg = seg or _segment.attach(store.get(f"{prefix}name").decode(), total)
-    timeout = _setup._float_env(N.PHALANX_SHM_TIMEOUT_S, _setup.DEFAULT_TIMEOUT_S)
-    channel = Channel(seg, 0, n, me, slot, timeout, f"{NAME} group, {n} ranks of this host (pid {os.getpid()})")
-    fifo, wake_r = _segment.make_fifo()
+    total, timeout = layout(n, slot)[1], _setup._float_env(N.PHALANX_SHM_TIMEOUT_S, _setup.DEFAULT_TIMEOUT_S)
+    seg, channel, fifo, wake_r = None, None, "", -1
+    try:
+        seg = _segment.create(total) if me == 0 else None
+    except OSError:
+        seg = None
+    if me == 0:
+        store.set(f"{prefix}name", seg.name if seg is not None else "")
+    name = store.get(f"{prefix}name").decode()  # rank 0 sets it, created or not
+    try:
+        seg = seg or (_segment.attach(name, total) if name else None)
+        if seg is not None:
+            channel = Channel(seg, 0, n, me, slot, timeout, f"{NAME} group, {n} ranks of this host (pid {os.getpid()})")
+            fifo, wake_r = _segment.make_fifo()
+    except OSError:
+        channel = None
     store.set(f"{prefix}fifo/{me}", fifo)
     store.add(f"{prefix}attached", 1)
     try:
         _wait_count(store, f"{prefix}attached", n, timeout)
         names = [store.get(f"{prefix}fifo/{i}").decode() for i in range(n)]
-        channel.set_wakeups(wake_r, [-1 if i == me else _segment.open_fifo(name) for i, name in enumerate(names)])
+        channel = _wire(channel, wake_r, me, names)
         store.add(f"{prefix}woken", 1)
         _wait_count(store, f"{prefix}woken", n, timeout)
     finally:  # every rank mapped the segment and opened the FIFOs (or gave up): the names can go
-        _segment.unlink(fifo)
-        if me == 0:
-            _segment.unlink(seg.name)
-    channel.enable_cma(_setup.cma_wanted())
+        if fifo:
+            _segment.unlink(fifo)
+        if me == 0 and name:
+            _segment.unlink(name)
+    if channel is not None and not all(p and not _pid_dead(p) for p in channel.peer_pids()):
+        _drop(channel)
+        return None
     return channel
+
+
+def _wire(channel: Channel | None, wake_r: int, me: int, names: list[str]) -> Channel | None:
+    """Open every peer's wake-up FIFO (all were made: every rank reached ``attached``); None on failure."""
+    opened: list[int] = []
+    if channel is not None and all(names):
+        try:
+            for i, nm in enumerate(names):
+                opened.append(-1 if i == me else _segment.open_fifo(nm))
+            channel.set_wakeups(wake_r, opened)
+            return channel
+        except OSError:
+            pass
+    _close_fds([wake_r, *opened])
+    if channel is not None:
+        _drop(channel)
+    return None
+
+
+def _drop(channel: Channel) -> None:
+    """Close a channel that will not be used, its FIFOs and its mapping."""
+    _close_fds([channel.wake_r, *channel.wake_w])
+    channel.wake_r, channel.wake_w = -1, []
+    channel.close()
+    channel.seg.close()
 
 
 def _wait_count(store: Any, key: str, n: int, timeout_s: float) -> None:
