@@ -136,7 +136,7 @@ def _direct_grads(bucket: Bucket) -> list[torch.Tensor] | None:
         g = p.grad
         if g is None:
             g = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        if g.is_sparse or g.dtype != dtype or g.device.type != "cpu" or not g.is_contiguous():
+        if g.is_sparse or not g.is_cpu or g.dtype != dtype or not g.is_contiguous():
             return None
         grads.append(g.view(-1))
     return grads
@@ -153,7 +153,8 @@ def launch_direct(bucket: Bucket, compression: type[Compressor], group: Any, pre
     grads = _direct_grads(bucket)
     if grads is None:
         return False
-    work = shm.all_reduce_many(grads, group, prescale, inline)
+    nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+    work = shm.all_reduce_many(grads, group, prescale, inline, nbytes)
     if work is None:
         return False
     bucket.work, bucket.direct = work, grads

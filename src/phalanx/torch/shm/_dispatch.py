@@ -134,7 +134,8 @@ def _grad_protocol(ch: _channel.Channel, flat: torch.Tensor, op: Any) -> bool:
     return _ops._kind(op) != dist.ReduceOp.AVG and _many.eligible(ch, flat.numel() * flat.element_size())
 
 
-def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0, inline: bool = False) -> Any:
+def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0, inline: bool = False,
+                    nbytes: int = -1) -> Any:  # fmt: skip
     """Sum the concatenation of ``tensors`` across ``group`` in place, straight from and into them (no
     fusion buffer), each rank's contribution multiplied by ``scale``; None when the group cannot (not a
     single-host shared-memory grad channel with cross-memory attach, or too small): the caller then fuses
@@ -146,13 +147,15 @@ def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0,
         group: the process set's grad group.
         scale: this rank's factor (Average's ``1/size``).
         inline: see :func:`all_reduce`.
+        nbytes: their total size, when the caller knows it (-1: summed here).
     """
     route = _ROUTES.get(id(group))
     if route is None or route[1] != "grad" or not route[0].single_host:
         return None
     transport = route[0]
     ch = transport.channels.get("grad")
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if nbytes < 0:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
     if ch is None or not _many.eligible(ch, nbytes):
         return None
     return _finish(transport, "grad", lambda: _many.allreduce_(ch, tensors, dist.ReduceOp.SUM, scale), inline)

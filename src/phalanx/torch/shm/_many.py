@@ -18,6 +18,9 @@ the grad channel above the slot-exchange size speaks this protocol (``_dispatch`
 
 from __future__ import annotations
 
+import ctypes
+import struct
+
 import torch
 import torch.distributed as dist
 
@@ -39,26 +42,24 @@ def eligible(ch: Channel, nbytes: int) -> bool:
     return ch.n > 1 and ch.cma and nbytes > min(SMALL_BYTES, ch.slot_bytes)
 
 
-def _table(tensors: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """This rank's table: segment count, scale, then (address, bytes) of each tensor."""
-    table = torch.zeros(_HEAD + 2 * max(TABLE_ENTRIES, len(tensors)), dtype=torch.int64)
-    table[0] = len(tensors)
-    table[1:2].view(torch.float64)[0] = scale
-    words = [w for t in tensors for w in (t.data_ptr(), t.numel() * t.element_size())]
-    table[_HEAD : _HEAD + len(words)] = torch.tensor(words, dtype=torch.int64)
-    return table
+def _table(segs: list[Segment], scale: float) -> ctypes.Array[ctypes.c_int64]:
+    """This rank's table: segment count, scale (float64 bits), then (address, bytes) of each segment (padded to
+    what a peer's first read covers). Plain ctypes words: a tensor's per-element writes cost ~10 us each."""
+    words = [len(segs), struct.unpack("<q", struct.pack("<d", scale))[0], *(w for seg in segs for w in seg)]
+    words += [0] * (_HEAD + 2 * TABLE_ENTRIES - len(words))
+    return (ctypes.c_int64 * len(words))(*words)
 
 
 def _peer_table(pid: int, addr: int) -> tuple[list[Segment], float]:
     """A peer's segments and scale, read from its table at ``addr``."""
-    head = torch.empty(_HEAD + 2 * TABLE_ENTRIES, dtype=torch.int64)
-    _cma.read(pid, head.data_ptr(), addr, head.numel() * 8)
-    count = int(head[0])
+    head = (ctypes.c_int64 * (_HEAD + 2 * TABLE_ENTRIES))()
+    _cma.read(pid, ctypes.addressof(head), addr, ctypes.sizeof(head))
+    count = head[0]
     if count > TABLE_ENTRIES:
-        head = torch.empty(_HEAD + 2 * count, dtype=torch.int64)
-        _cma.read(pid, head.data_ptr(), addr, head.numel() * 8)
-    words = head[_HEAD : _HEAD + 2 * count].tolist()
-    return [(words[2 * i], words[2 * i + 1]) for i in range(count)], float(head[1:2].view(torch.float64)[0])
+        head = (ctypes.c_int64 * (_HEAD + 2 * count))()
+        _cma.read(pid, ctypes.addressof(head), addr, ctypes.sizeof(head))
+    words = head[_HEAD : _HEAD + 2 * count]
+    return list(zip(words[0::2], words[1::2])), struct.unpack("<d", struct.pack("<q", head[1]))[0]
 
 
 def pieces(segs: list[Segment], start: int, stop: int) -> list[Piece]:
@@ -104,7 +105,7 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
     size = tensors[0].element_size()
     mine = [(t.data_ptr(), t.numel() * size) for t in tensors]
     parts = [(a * size, b * size) for a, b in _parts(sum(n for _a, n in mine) // size, ch.n)]
-    table = _table(tensors, scale)
+    table = _table(mine, scale)
     chunk = min(CHUNK_BYTES, max(b - a for a, b in parts))
     seen: list[tuple[list[Segment], float]] = []
 
@@ -127,7 +128,7 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
             if j != ch.me and b > a:
                 _cma.readv(pid, pairs(mine, seen[j][0], a, b))
 
-    ch.attach_step(table.data_ptr(), first, second, "allreduce")
+    ch.attach_step(ctypes.addressof(table), first, second, "allreduce")
 
 
 def _reduce(tensors: list[torch.Tensor], own: list[Piece], s: int, scratch: list[torch.Tensor], me: int, op: object,
@@ -137,6 +138,9 @@ def _reduce(tensors: list[torch.Tensor], own: list[Piece], s: int, scratch: list
     outs = [tensors[k][at // size : (at + n) // size] for k, at, n, _off in own]
     peers = [[scratch[j][off - s : off - s + n].view(dtype) for _k, _at, n, off in own] for j in range(len(scratch))]
     if _kind(op) == dist.ReduceOp.SUM and all(sc == scales[0] for sc in scales):
+        if len(peers) == 2 and scales[0] == 0.5:  # Average of two ranks: one pass, (a + b) / 2 within an ulp
+            torch._foreach_lerp_(outs, peers[1 - me], 0.5)
+            return
         for j, views in enumerate(peers):
             if j != me:
                 torch._foreach_add_(outs, views)
