@@ -111,10 +111,13 @@ def _other_checks() -> list[str]:
                 bad.append(f"broadcast root={root} n={n}: {t[:3].tolist()}")
     dist.barrier()
     for n in (1, 7, 2501):
+        want = torch.cat([torch.arange(n, dtype=torch.int32) + 1000 * q for q in range(size)])
         out = torch.empty(size * n, dtype=torch.int32)
         dist.all_gather_into_tensor(out, torch.arange(n, dtype=torch.int32) + 1000 * r)
-        want = torch.cat([torch.arange(n, dtype=torch.int32) + 1000 * q for q in range(size)])
-        if not torch.equal(out, want):
+        inplace = torch.full((size * n,), -1, dtype=torch.int32)  # FSDP2's way: the input is out's own part
+        inplace[r * n : (r + 1) * n] = torch.arange(n, dtype=torch.int32) + 1000 * r
+        dist.all_gather_into_tensor(inplace, inplace[r * n : (r + 1) * n])
+        if not torch.equal(out, want) or not torch.equal(inplace, want):
             bad.append(f"all_gather_into_tensor n={n}")
     for op, scale in ((dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.AVG, 1.0 / size)):
         part = torch.empty(3, dtype=torch.float32)
@@ -288,4 +291,45 @@ def _attach_fails(hosts: list[str]) -> tuple[bool, list[float]]:
 @pytest.mark.timeout(60)
 def test_a_host_that_cannot_set_up_shared_memory_makes_the_group_plain_gloo() -> None:
     assert phalanx.run(_attach_fails, args=(AABB,), np=4) == [(True, [6.0] * 3)] * 4
+    assert _leftovers() == []
+
+
+def _fsdp2_job(hosts: list[str]) -> tuple[bool, float]:
+    """FSDP2 (``fully_shard``) on the substituted default group and on a gloo group, same seeds and data:
+    (all-gathers and reduce-scatters went through the hierarchy, max difference of the local shards)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    _as_host(hosts)
+    dist.init_process_group("gloo")
+    pg = dist.distributed_c10d._get_default_group()
+    models = []
+    for group in (pg, dist.new_group(backend="gloo")):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.ReLU(), torch.nn.Linear(17, 5))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in (net[0], net[2]):
+            fully_shard(layer, mesh=mesh)
+        models.append(fully_shard(net, mesh=mesh))
+    for model in models:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        torch.manual_seed(1 + dist.get_rank())
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(6, 33)).pow(2).sum().backward()
+            opt.step()
+    shards = [torch.cat([p.detach().to_local().reshape(-1) for p in m.parameters()]) for m in models]
+    calls = getattr(pg, "shm_calls", {})
+    used = calls.get("allgather", 0) > 0 and calls.get("reduce_scatter", 0) > 0
+    diff = float((shards[0] - shards[1]).abs().max())
+    dist.destroy_process_group()
+    return used, diff
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_on_two_hosts_gets_gloos_weights() -> None:
+    for used, diff in phalanx.run(_fsdp2_job, args=(AABB,), np=4):
+        assert used and diff < 1e-5, (used, diff)
     assert _leftovers() == []

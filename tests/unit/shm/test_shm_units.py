@@ -138,7 +138,13 @@ def test_auto_backend_choice() -> None:
     assert choose("cpu:gloo,cuda:nccl", one_host) == "cpu:phalanx_shm,cuda:nccl"
     for other in ("nccl", None, "mpi", "cuda:nccl"):
         assert choose(other, one_host) == other
-    assert choose("gloo", {**one_host, "WORLD_SIZE": "4"}) == "gloo"  # two hosts
+    assert choose("gloo", {**one_host, "WORLD_SIZE": "4"}) == "gloo"  # other hosts, their count unknown
+    aabb = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}  # hierarchical
+    assert choose("gloo", aabb) == "phalanx_shm"
+    assert choose("gloo", {**aabb, "LOCAL_WORLD_SIZE": "1"}) == "phalanx_shm"  # AAAB: B's lone rank decides alike
+    assert choose("gloo", {**aabb, "PHALANX_SHM": "0"}) == "gloo"
+    assert choose("gloo", {**aabb, "GROUP_WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}) == "gloo"  # one per host
+    assert choose("gloo", {**aabb, "GROUP_WORLD_SIZE": "two"}) == "gloo"
     assert choose("gloo", {**one_host, "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}) == "gloo"
     assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "0"}) == "gloo"
     assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "off"}) == "gloo"

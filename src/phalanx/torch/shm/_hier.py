@@ -126,16 +126,18 @@ class Hierarchy:
             self.ch.barrier()
 
     def allgather_(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """Gather every rank's ``inp`` (flat uint8, equal sizes) into ``out`` in group rank order. Across
-        hosts: ``out`` zeroed but for this rank's part, then a bitwise-or allreduce (exact for any bytes,
+        """Gather every rank's ``inp`` (flat uint8, equal sizes; it may be this rank's part of ``out``) into
+        ``out`` in group rank order. Across hosts: ``out`` zeroed but for this rank's part, then a bitwise-or
+        allreduce (exact for any bytes,
         any layout of ranks on hosts)."""
         if not self.multi:
             if self.ch is not None:
                 _ops.allgather_(self.ch, out, inp)
             return
-        m = inp.numel()
-        out.zero_()
-        out[self.rank * m : (self.rank + 1) * m].copy_(inp)
+        m, r = inp.numel(), self.rank
+        out[: r * m].zero_()  # not all of it: FSDP2 passes its own part of ``out`` as ``inp``
+        out[(r + 1) * m :].zero_()
+        out[r * m : (r + 1) * m].copy_(inp)
         self.allreduce_(out, R.BOR)
 
 
