@@ -6,8 +6,9 @@ answers allreduce, broadcast, barrier, all-gather-into-tensor and reduce-scatter
 through shared memory among the ranks of each host, and forwards every other call to a gloo process group
 built on the same store. When the group spans hosts these calls are hierarchical (``_hier``): within the
 host through shared memory, across hosts through a gloo group of each host's first rank (its leader), then
-within the host again. Ranks started by phalanx's worker entry get it in place of gloo without
-code changes (``phalanx.worker.dist_backend``; ``PHALANX_SHM=0`` turns that off). See docs/shm.md.
+within the host again (large allreduces cross part by part, one gloo group per local index). Ranks
+started by phalanx's worker entry get it in place of gloo without code changes
+(``phalanx.worker.dist_backend``; ``PHALANX_SHM=0`` turns that off). See docs/shm.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ NAME = "phalanx_shm"
 
 class ShmProcessGroup(dist.ProcessGroup):
     """Shared memory for allreduce / broadcast / barrier / all-gather-into-tensor / reduce-scatter-tensor of
-    contiguous CPU tensors; gloo for the rest."""
+    contiguous CPU tensors (hierarchical when the group spans hosts); gloo for the rest."""
 
     def __init__(self, rank: int, size: int, gloo: Any, hier: Hierarchy | None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
