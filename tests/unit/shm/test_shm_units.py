@@ -151,3 +151,16 @@ def test_auto_backend_choice() -> None:
     assert choose("gloo", {**one_host, "PHALANX_SHM": "0"}) == "gloo"
     assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "1", "PHALANX_SHM": "false"}) == "gloo"
     assert choose("gloo", {**one_host, "WORLD_SIZE": "x"}) == "gloo"
+
+
+def test_two_ranks_exchange_whole_tensors_up_to_a_larger_size() -> None:
+    from types import SimpleNamespace
+
+    from phalanx.torch.shm import _ops
+
+    def limit(n: int, slot: int) -> int:
+        return _ops.small_limit(SimpleNamespace(n=n, slot_bytes=slot))  # type: ignore[arg-type]
+
+    assert limit(2, 2 << 20) == _ops.SMALL_BYTES_TWO_RANKS == 512 * 1024
+    assert limit(3, 2 << 20) == limit(4, 2 << 20) == _ops.SMALL_BYTES
+    assert limit(2, 4096) == 4096  # never beyond a slot
