@@ -28,6 +28,7 @@ _AUTH = struct.Struct(">IB32s")
 _NONCE_BYTES = 32
 #: Seconds an unauthenticated peer has to answer the nonce.
 AUTH_TIMEOUT_S = 10.0
+ACCEPTER_JOIN_S = 5.0  # close() waits this long for the accepting thread to end (it is woken at once)
 
 
 class Role(IntEnum):
@@ -136,12 +137,22 @@ class DriverChannel:
         return True
 
     def close(self) -> None:
-        """Stop accepting and close every connection."""
+        """Stop accepting (the accepting thread ends) and close every connection.
+
+        Closing a listening socket does not wake a thread blocked in ``accept()`` on Linux: without the
+        ``shutdown`` every job left that thread and its listening port behind in the driver for good.
+        """
         self._stopping = True
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         try:
             self._server.close()
         except OSError:
             pass
+        if self._accepter is not threading.current_thread():
+            self._accepter.join(timeout=ACCEPTER_JOIN_S)
         with self._lock:
             writers = list(self._peers.values())
         for writer in writers:

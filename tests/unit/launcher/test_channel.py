@@ -98,3 +98,16 @@ def test_abort_reaches_the_worker(channel: DriverChannel) -> None:
     channel.abort_all()
     peer.wait_for_abort()  # returns instead of blocking
     peer.close()
+
+
+def test_close_ends_the_accepting_thread_and_frees_the_port() -> None:
+    """Closing a listening socket alone leaves a thread blocked in accept() (and the port listening)."""
+    import threading
+
+    before = {t.ident for t in threading.enumerate() if t.name == "phalanx-channel"}
+    ch = DriverChannel(world_size=1, payload=b"")
+    host, port = ch.address.rsplit(":", 1)
+    ch.close()
+    assert {t.ident for t in threading.enumerate() if t.name == "phalanx-channel"} <= before
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
