@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 from typing import Any
 
 import pytest
@@ -248,16 +247,10 @@ def test_a_rank_that_is_gone_makes_every_other_raise(n: int) -> None:
 
 
 def _killed_in_ddp(hosts: list[str]) -> None:
-    import torch
-    import torch.distributed as dist
+    from test_shm_auto import _die_in_ddp  # same directory: DDP with rank 1 SIGKILLed at step 3
 
     _as_host(hosts)
-    dist.init_process_group("gloo")
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1000, 100))
-    for step in range(20):
-        if step == 3 and dist.get_rank() == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        model(torch.randn(4, 1000)).sum().backward()
+    _die_in_ddp()
 
 
 @pytest.mark.timeout(90)
