@@ -69,7 +69,8 @@ class Hierarchy:
             cause = f"the {what} across hosts (gloo among the hosts' leaders) failed: {e}"
             if self.ch is not None:
                 self.ch.abort(cause)
-            raise ShmTransportError(f"hierarchical {cause}; set PHALANX_SHM=0 to use gloo alone") from e
+            hint = "set PHALANX_SHM=0 to use gloo alone"
+            raise ShmTransportError(f"hierarchical collective failed: {cause}; {hint}") from e
 
     def allreduce_(self, t: torch.Tensor, op: Any) -> None:
         """Reduce ``t`` in place: within the host, among the leaders, then shared within the host.
