@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -91,12 +91,14 @@ class Channel:
         slot_bytes: bytes per rank slot (a multiple of 64).
         timeout_s: seconds one wait may take before ``ShmTransportError``.
         label: names the group in error messages.
+        ranks: the ranks on the channel in index order, to name a peer in errors (empty: its index).
     """
 
     def __init__(self, seg: Segment, base: int, n: int, me: int, slot_bytes: int, timeout_s: float,
-                 label: str) -> None:  # fmt: skip
+                 label: str, ranks: Sequence[int] = ()) -> None:  # fmt: skip
         self.seg, self.n, self.me, self.slot_bytes = seg, n, me, slot_bytes
         self.timeout_s, self.label = timeout_s, label
+        self.ranks = tuple(ranks)
         ctl, _total = layout(n, slot_bytes)
         self.words = memoryview(seg.buf)[base : base + ctl].cast("q")
         self.slots = [
@@ -207,14 +209,20 @@ class Channel:
         culprit = self.words[0]
         if culprit:
             self._fail(f"rank index {culprit - 1} of the channel gave up (see its error)", g, what, signal=False)
-        pid = self.words[self._pid(j)]
+        pid, peer = self.words[self._pid(j)], self._peer(j)
         if pid and _pid_dead(pid):
-            self._fail(f"peer index {j} (pid {pid}) has died", g, what)
+            self._fail(
+                f"{peer} (pid {pid}) has died or exited (a rank that leaves while others still run collectives: "
+                "give every rank the same number of steps, or call hvd.join() when done)", g, what,
+            )  # fmt: skip
         if waited > self.timeout_s:
             self._fail(
-                f"peer index {j} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
+                f"{peer} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
                 "(raise PHALANX_SHM_TIMEOUT_S if ranks legitimately run apart that long)", g, what,
             )  # fmt: skip
+
+    def _peer(self, j: int) -> str:
+        return f"peer rank {self.ranks[j]}" if len(self.ranks) == self.n else f"peer index {j}"
 
     def _fail(self, cause: str, g: int, what: str, signal: bool = True) -> None:
         error = HOOKS.verdict() if HOOKS.verdict is not None and self.inspected else None

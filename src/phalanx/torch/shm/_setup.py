@@ -235,7 +235,7 @@ def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, in
     label = f"ranks {list(local)}"
     channels, base = {}, 0
     for kind in KINDS:
-        channels[kind] = Channel(seg, base, len(local), me, sizes[kind], timeout, f"{label} ({kind})")
+        channels[kind] = Channel(seg, base, len(local), me, sizes[kind], timeout, f"{label} ({kind})", local)
         base += layout(len(local), sizes[kind])[1]
     return channels
 

@@ -189,7 +189,7 @@ def _hierarchy(store: Any, rank: int, size: int, timeout: timedelta) -> Hierarch
         return None
     mine = next(i for i, h in enumerate(hosts) if rank in h)
     local = hosts[mine]
-    ch = _channel(store, f"shm/{mine}/", local.index(rank), len(local)) if len(local) > 1 else None
+    ch = _channel(store, f"shm/{mine}/", local, rank) if len(local) > 1 else None
     if not _agreed(store, rank, size, ch is not None or len(local) == 1):
         if ch is not None:
             _drop(ch)
@@ -210,13 +210,14 @@ def _agreed(store: Any, rank: int, size: int, ok: bool) -> bool:
     return all(store.get(f"shm/ok/{r}") == b"1" for r in range(size))
 
 
-def _channel(store: Any, prefix: str, me: int, n: int) -> Channel | None:
-    """Map one segment for the ``n`` ranks of this host (keys under ``prefix``; ``me``: index among them).
+def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int) -> Channel | None:
+    """Map one segment for the group ranks ``local`` of this host (keys under ``prefix``; ``rank``: this one).
 
     None when this rank could not create / map it or open its peers' wake-up FIFOs, or cannot see every
     peer's process (ranks in other pid namespaces: the liveness checks would fail): ``_agreed`` then
     turns the transport off for the whole group rather than failing ``init_process_group``.
     """
+    me, n = local.index(rank), len(local)
     slot = int(_setup._float_env(N.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
     total, timeout = layout(n, slot)[1], _setup._float_env(N.PHALANX_SHM_TIMEOUT_S, _setup.DEFAULT_TIMEOUT_S)
     seg, channel, fifo, wake_r = None, None, "", -1
@@ -230,7 +231,8 @@ def _channel(store: Any, prefix: str, me: int, n: int) -> Channel | None:
     try:
         seg = seg or (_segment.attach(name, total) if name else None)
         if seg is not None:
-            channel = Channel(seg, 0, n, me, slot, timeout, f"{NAME} group, {n} ranks of this host (pid {os.getpid()})")
+            label = f"{NAME} group, {n} ranks of this host (pid {os.getpid()})"
+            channel = Channel(seg, 0, n, me, slot, timeout, label, local)
             fifo, wake_r = _segment.make_fifo()
     except OSError:
         channel = None
