@@ -308,3 +308,35 @@ def _in_place_job(pack_on: int) -> list[str]:
 @pytest.mark.parametrize(("np", "pack_on"), [(2, -1), (2, 1), (3, 0)])
 def test_gradients_reduced_in_place_match_the_reference(np: int, pack_on: int) -> None:
     assert phalanx.run(_in_place_job, args=(pack_on,), np=np) == [[]] * np
+
+
+HUGE = 1024  # a 1024 x 1024 layer: 4 MB of gradient, whole 2 MiB blocks advised for huge pages (shm/_thp.py)
+
+
+def _huge_pages_job() -> tuple[list[str], bool, int]:
+    """The gradients the peer reads by cross-memory attach go to huge pages; the result matches the reference."""
+    import torch
+
+    import phalanx.torch as hvd
+    from phalanx.torch.process_sets import global_process_set, groups_of
+    from phalanx.torch.shm import _dispatch, _thp
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad))
+    cma = route is not None and route[0].channels["grad"].cma
+    want = _reference(_sgd, n, width=HUGE)
+    got = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()), n, me,
+                 width=HUGE)  # fmt: skip
+    fail = [] if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else [f"max diff {float((got - want).abs().max())}"]
+    hvd.shutdown()
+    return fail, cma, len(_thp.ADVISOR.seen)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_gradients_advised_to_huge_pages_match_the_reference(thp: str) -> None:
+    out = phalanx.run(_huge_pages_job, np=2, env={"PHALANX_SHM_THP": thp})
+    assert [fail for fail, _cma, _blocks in out] == [[], []]
+    for _fail, cma, blocks in out:
+        assert (blocks >= 2) if cma and thp == "1" else blocks == 0, (cma, thp, blocks)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _channel, _many, _ops
+from phalanx.torch.shm import _channel, _many, _ops, _thp
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._setup import Transport
 
@@ -158,6 +158,7 @@ def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0,
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
     if ch is None or not _many.eligible(ch, nbytes):
         return None
+    _thp.advise((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)  # the peer reads them: huge pages
     return _finish(transport, "grad", lambda: _many.allreduce_(ch, tensors, dist.ReduceOp.SUM, scale), inline)
 
 
