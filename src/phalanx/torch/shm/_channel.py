@@ -7,6 +7,7 @@ Layout (offsets from the channel's base, every counter on its own 64-byte line):
 * lines ``n+1 .. 2n``: ``done[i]``, the last step whose data rank ``i`` has finished reading;
 * lines ``2n+1 .. 3n``: ``pid[i]``, for the liveness check;
 * lines ``3n+1 .. 4n``: ``addr[i]``, the address of rank ``i``'s own tensor in a cross-memory step;
+* lines ``4n+1 .. 8n``: the chunk counters of a streamed step (:meth:`Channel.count`, ``_stream``);
 * then ``n`` slots of ``slot_bytes`` (page aligned).
 
 Every collective is a sequence of *steps* numbered alike on every rank (all ranks issue the same
@@ -46,6 +47,7 @@ CHECK_S = 0.05
 # group stepping in the same process, waits were observed to sit out whole select time-outs (cause not
 # found yet; see BENCHMARKS.md), so the time-out bounds what a missed wake-up costs.
 SELECT_S = 0.002
+COUNTERS = 4  # chunk counters per rank for streamed steps (see ``_stream``)
 
 
 class _Hooks:
@@ -68,7 +70,7 @@ HOOKS = _Hooks()
 
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
     """(bytes of the control area rounded to a page, total bytes) of a channel of ``n`` ranks."""
-    ctl = -(-(4 * n + 1) * LINE // PAGE) * PAGE
+    ctl = -(-(4 * n + 1 + COUNTERS * n) * LINE // PAGE) * PAGE
     return ctl, ctl + n * slot_bytes
 
 
@@ -114,6 +116,8 @@ class Channel:
         self._view_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.cma = False  # cross-memory attach agreed by every rank (see :meth:`enable_cma`)
         self.scratch: list[torch.Tensor] = []  # pre-faulted per-peer buffers of cross-memory steps
+        self.streamed = 0  # chunks of streamed steps so far (the chunk counters' base)
+        self.rings: dict[tuple[torch.dtype, int], object] = {}  # ``_stream``'s views of the slots
 
     def set_wakeups(self, read_fd: int, write_fds: list[int]) -> None:
         """Use wake-up FIFOs (shared by the channels of one segment; the transport owns and closes them)."""
@@ -163,8 +167,9 @@ class Channel:
             if words[k] < g:
                 self._wait_slow(k, g, j, what)
 
-    def _wait_slow(self, k: int, g: int, j: int, what: str) -> None:
-        words = self.words
+    def _wait_slow(self, k: int, g: int, j: int, what: str, step: int = -1) -> None:
+        """Wait until word ``k`` (peer ``j``'s) reaches ``g``; errors name ``step`` (default: ``g``)."""
+        words, step = self.words, g if step < 0 else step
         start = time.monotonic()
         next_check, nap = start + CHECK_S, 0.00002
         stalled = False
@@ -179,8 +184,8 @@ class Channel:
                 nap = min(nap * 2, CHECK_S / 10)
             if now >= next_check:
                 next_check = now + CHECK_S
-                self._check(j, g, what, now - start)
-                stalled = self._inspect(now - start, g, what) or stalled
+                self._check(j, step, what, now - start)
+                stalled = self._inspect(now - start, step, what) or stalled
         if stalled and HOOKS.resumed is not None:
             HOOKS.resumed()
 
@@ -318,6 +323,40 @@ class Channel:
         self._post(self._arrive(self.me), g)
         self._wait_all(self._arrive, g, "barrier")
         self._post(self._done(self.me), g)
+
+    # --- streamed steps (``_stream``) ----------------------------------------------------------------
+
+    def count(self, kind: int, i: int) -> int:
+        """The index in :attr:`words` of rank ``i``'s chunk counter ``kind`` (0 .. ``COUNTERS`` - 1)."""
+        return (1 + (4 + kind) * self.n + i) * 8
+
+    def stream_begin(self) -> int:
+        """Start a streamed step: once every peer finished the previous step (every slot is free), return
+        the chunk counters' common base (chunks streamed by earlier steps, alike on every rank)."""
+        self._begin()
+        return self.streamed
+
+    def stream_end(self, chunks: int) -> None:
+        """End a streamed step of ``chunks`` chunks: this rank read every slot it needed (``done``)."""
+        self.streamed += chunks
+        self._post(self._done(self.me), self.gen)
+
+    def post_count(self, kind: int, value: int) -> None:
+        """Publish this rank's chunk counter ``kind`` (after the data it counts); wake the peers."""
+        self._post(self.count(kind, self.me), value)
+
+    def wait_counts(self, kind: int, value: int, what: str) -> None:
+        """Wait until every peer's chunk counter ``kind`` reaches ``value`` (checks as every wait)."""
+        words = self.words
+        for j in range(self.n):
+            k = self.count(kind, j)
+            if j == self.me or words[k] >= value:
+                continue
+            spins = 0
+            while words[k] < value and spins < SPIN:
+                spins += 1
+            if words[k] < value:
+                self._wait_slow(k, value, j, what, self.gen)
 
     # --- cross-memory attach -------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _cma
+from phalanx.torch.shm import _cma, _stream
 from phalanx.torch.shm._channel import Channel
 
 _Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
@@ -114,9 +114,10 @@ def _allreduce_small(ch: Channel, t: torch.Tensor, raw: torch.Tensor, combine: _
 def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
     """Reduce ``t`` (flat, contiguous, CPU) across the channel, in place.
 
-    Per chunk: every rank publishes its chunk; rank ``i`` reduces part ``i`` of every slot (in rank order)
-    into part ``i`` of its own slot; after a barrier every rank copies every part out. Each element is
-    reduced by one rank only (like gloo's ring: 1/n of the arithmetic per rank), so results agree bitwise.
+    Up to :func:`small_limit` every rank reduces whole tensors exchanged through the slots (one barrier);
+    above it rank ``i`` reduces part ``i`` (like gloo's ring: 1/n of the arithmetic per rank), streamed
+    through the slots chunk by chunk (``_stream``). Each element is reduced by one rank only, so results
+    agree bitwise.
     """
     if ch.n == 1:
         return
@@ -130,14 +131,14 @@ def allreduce_(ch: Channel, t: torch.Tensor, op: object) -> None:
     if t.numel() * size <= small_limit(ch):
         _allreduce_small(ch, t, raw, combine)
         return
-    if ch.cma:
-        _allreduce_cma(ch, t, combine)
+    if _stream.fits(ch):
+        _stream.allreduce_(ch, t, combine, _parts(t.numel(), ch.n))
         return
     _allreduce_segment(ch, t, raw, combine)
 
 
 def _allreduce_segment(ch: Channel, t: torch.Tensor, raw: torch.Tensor, combine: _Combine) -> None:
-    """The two-phase step per slot-sized chunk (large allreduces without cross-memory attach)."""
+    """The two-phase step per slot-sized chunk (large allreduces when the slots are too small to stream)."""
     step = max(1, ch.slot_bytes // t.element_size())
     size = t.element_size()
     for start in range(0, t.numel(), step):
