@@ -73,11 +73,24 @@ def _allreduce_checks(hosts: list[str] | None = None, cma: bool = True) -> list[
     return bad
 
 
-def _other_checks() -> list[str]:
+def _other_checks(hosts: list[str] | None = None) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
+    from phalanx.torch.shm import _hier
 
+    calls = {"allgather_": 0, "broadcast_": 0}
+    for name in calls:  # count the hierarchical calls across hosts (control blocks are allgathers; small
+        # broadcasts travel inside them)
+        orig = getattr(_hier.Hierarchy, name)
+
+        def counted(self: Any, *a: Any, _orig: Any = orig, _name: str = name) -> None:
+            calls[_name] += 1
+            _orig(self, *a)
+
+        setattr(_hier.Hierarchy, name, counted)
+    if hosts is not None:
+        os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
     hvd.init()
     r, bad = hvd.rank(), []
     for n in SIZES:
@@ -90,13 +103,15 @@ def _other_checks() -> list[str]:
         if not torch.equal(g, want):
             bad.append(f"allgather n={n}")
         rs = hvd.reducescatter(torch.ones(n + 2, 3), op=hvd.Sum)
-        if not torch.equal(rs, torch.full_like(rs, 2.0)):
+        if not torch.equal(rs, torch.full_like(rs, float(hvd.size()))):
             bad.append(f"reducescatter n={n}")
     x = torch.arange(12.0).reshape(3, 4).t()  # not contiguous
-    if not torch.equal(hvd.allreduce(x, op=hvd.Sum), 2 * x):
+    if not torch.equal(hvd.allreduce(x, op=hvd.Sum), hvd.size() * x):
         bad.append("non-contiguous allreduce")
     hvd.barrier()
     bad += _optimizer_checks()
+    if hosts is not None and (calls["allgather_"] < len(SIZES) or not calls["broadcast_"]):
+        bad.append(f"rank {r}: hierarchical calls across hosts {calls}")
     hvd.shutdown()
     return bad
 
@@ -139,6 +154,17 @@ def test_allreduce_through_the_segment_without_cma() -> None:
 @pytest.mark.timeout(120)
 def test_broadcast_allgather_reducescatter_optimizer() -> None:
     assert phalanx.run(_other_checks, np=2, env=SLOT) == [[], []]
+    assert _leftovers() == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("hosts", ["ABA", "AABB"])
+def test_broadcast_allgather_control_blocks_across_hosts(hosts: str) -> None:
+    """Broadcast from rank 1, allgather, reducescatter, the optimizer, and every control block, hierarchical
+    (shared memory within a host, gloo between the hosts' leaders), agree with the reference. ABA allgathers
+    by a bitwise-or allreduce, AABB host block by host block."""
+    names = [f"host{h}" for h in hosts]
+    assert phalanx.run(_other_checks, args=(names,), np=len(names), env=SLOT) == [[]] * len(names)
     assert _leftovers() == []
 
 

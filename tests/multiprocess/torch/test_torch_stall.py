@@ -21,6 +21,8 @@ def _stall_job() -> dict[str, Any]:
     import phalanx.torch as hvd
 
     me = int(os.environ["RANK"])
+    if os.environ.get("TEST_HOSTS"):  # ranks 0, 1 on one host, rank 2 on another: the global set is hierarchical
+        os.environ["HOROVOD_HOSTNAME"] = os.environ["TEST_HOSTS"].split(",")[me]
     a, b = hvd.ProcessSet([0, 1]), hvd.ProcessSet([1, 2])
     hvd.init(process_sets=[a, b])
     report: dict[str, Any] = {}
@@ -56,9 +58,13 @@ def _stall_job() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("shm", ["1", "0", "hosts"])
 def test_ranks_blocked_on_different_process_sets_raise_on_every_rank(shm: str) -> None:
-    reports = phalanx.run(_stall_job, np=3, env={"PHALANX_STALL_CHECK_S": "1", "PHALANX_SHM": shm})
+    """``hosts``: rank 2, alone on its host, waits as its host's leader in gloo among the leaders (inspected)."""
+    env = {"PHALANX_STALL_CHECK_S": "1", "PHALANX_SHM": "0" if shm == "0" else "1"}
+    if shm == "hosts":
+        env["TEST_HOSTS"] = "hostA,hostA,hostB"
+    reports = phalanx.run(_stall_job, np=3, env=env)
     assert [r.get("slow") for r in reports] == [[2.0] * 3, [2.0] * 3, None]
     assert all(r["global"] == 150_000.0 for r in reports)
     print("seconds to raise:", [round(r["seconds"], 1) for r in reports])

@@ -123,11 +123,17 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, 
         if ch is not None and kind == "grad" and transport.single_host and _grad_protocol(ch, flat, op):
             _many.allreduce_(ch, [flat], op)  # the grad channel's protocol (see all_reduce_many)
             return
-        multi = transport.leaders is not None
-        leaders = transport.leaders if multi and transport.leader else None
-        Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks)).allreduce_(flat, op)
+        _hierarchy(transport, kind).allreduce_(flat, op)
 
     return _finish(transport, kind, run, inline)
+
+
+def _hierarchy(transport: Transport, kind: str) -> Hierarchy:
+    """This rank's view of the transport's group for ``kind``'s channel (see ``_hier``)."""
+    multi = transport.leaders is not None
+    leaders = transport.leaders if multi and transport.leader else None
+    me = transport.ranks.index(dist.get_rank())
+    return Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks), me, transport.hosts)
 
 
 def _grad_protocol(ch: _channel.Channel, flat: torch.Tensor, op: Any) -> bool:
@@ -163,24 +169,31 @@ def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0,
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
-    """``dist.all_gather_single`` of equal-sized inputs; shared memory on a single-host group."""
+    """``dist.all_gather_single`` of equal-sized inputs: shared memory on a single-host group; across hosts
+    hierarchical (shared memory in each host, gloo among the hosts' leaders: ``Hierarchy.allgather_``)."""
     route = _route(group, inp)
-    if route is None or not route[0].single_host or not out.is_contiguous():
+    if route is None or not out.is_contiguous():
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)
     transport, kind = route
-    ch = transport.channels[kind]
-    return _finish(transport, kind, lambda: _ops.allgather_(ch, _bytes(out), _bytes(inp)))
+    if transport.single_host:
+        ch = transport.channels[kind]
+        return _finish(transport, kind, lambda: _ops.allgather_(ch, _bytes(out), _bytes(inp)))
+    return _finish(transport, kind, lambda: _hierarchy(transport, kind).allgather_(_bytes(out), _bytes(inp)))
 
 
 def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
-    """``dist.broadcast`` from global rank ``src``; shared memory on a single-host group."""
+    """``dist.broadcast`` from global rank ``src``: shared memory on a single-host group; across hosts
+    hierarchical (within the root's host, among the leaders, within the other hosts)."""
     route = _route(group, t)
-    if route is None or not route[0].single_host:
+    if route is None:
         return dist.broadcast(t, src=src, group=group, async_op=async_op)
     transport, kind = route
-    ch = transport.channels[kind]
-    root = transport.local.index(src)
-    return _finish(transport, kind, lambda: _ops.broadcast_(ch, _bytes(t), root))
+    if transport.single_host:
+        ch = transport.channels[kind]
+        root = transport.local.index(src)
+        return _finish(transport, kind, lambda: _ops.broadcast_(ch, _bytes(t), root))
+    root = transport.ranks.index(src)
+    return _finish(transport, kind, lambda: _hierarchy(transport, kind).broadcast_(_bytes(t), root))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -14,16 +14,18 @@ time-out.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import ShmTransportError
+from phalanx.errors import CollectiveMismatchError, ShmTransportError
 from phalanx.torch.shm import _ops
-from phalanx.torch.shm._channel import Channel
+from phalanx.torch.shm._channel import HOOKS, Channel
 
 R = dist.ReduceOp
 # From this size on, allreduces cross hosts part by part (when ``cross`` is set). Measured on simulated
@@ -65,6 +67,10 @@ class Hierarchy:
         """Run a leaders' gloo call to its end; on failure break this host's channel and raise naming it."""
         try:
             call()
+        except CollectiveMismatchError as e:  # the stall inspector's verdict: raised as is, peers fail too
+            if self.ch is not None:
+                self.ch.abort(f"the {what} across hosts was abandoned: {e}")
+            raise
         except Exception as e:
             cause = f"the {what} across hosts (gloo among the hosts' leaders) failed: {e}"
             if self.ch is not None:
@@ -113,7 +119,7 @@ class Hierarchy:
         if self.leaders is not None:
             opts = dist.BroadcastOptions()
             opts.rootRank = root_host
-            self._cross("broadcast", lambda: self.leaders.broadcast([t], opts).wait())
+            self._cross("broadcast", lambda: wait(self.leaders.broadcast([t], opts)))
         if self.ch is not None and mine != root_host:
             _ops.broadcast_(self.ch, t, 0)
 
@@ -122,24 +128,92 @@ class Hierarchy:
         if self.ch is not None:
             self.ch.barrier()
         if self.leaders is not None:
-            self._cross("barrier", lambda: self.leaders.barrier(dist.BarrierOptions()).wait())
+            self._cross("barrier", lambda: wait(self.leaders.barrier(dist.BarrierOptions())))
         if self.multi and self.ch is not None:
             self.ch.barrier()
 
     def allgather_(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """Gather every rank's ``inp`` (flat uint8, equal sizes; it may be this rank's part of ``out``) into
-        ``out`` in group rank order. Across hosts: ``out`` zeroed but for this rank's part, then a bitwise-or
-        allreduce (exact for any bytes,
-        any layout of ranks on hosts)."""
+        ``out`` in group rank order.
+
+        Across hosts, when every host holds a contiguous run of as many group ranks (AABB): an allgather in
+        the host into its block of ``out``, a gloo allgather of the blocks among the leaders, the other
+        blocks shared in the host. Any other layout (ABA, AAB): ``out`` zeroed but for this rank's part, then
+        a bitwise-or allreduce (exact for any bytes, twice the data through the leaders)."""
         if not self.multi:
             if self.ch is not None:
                 _ops.allgather_(self.ch, out, inp)
             return
         m, r = inp.numel(), self.rank
+        if m and self._blocks_even():
+            self._allgather_blocks(out, inp)
+            return
         out[: r * m].zero_()  # not all of it: FSDP2 passes its own part of ``out`` as ``inp``
         out[(r + 1) * m :].zero_()
         out[r * m : (r + 1) * m].copy_(inp)
         self.allreduce_(out, R.BOR)
+
+    def _blocks_even(self) -> bool:
+        """Whether every host holds a contiguous run of the same number of group ranks (common knowledge)."""
+        k = len(self.hosts[0]) if self.hosts else 0
+        return k > 0 and all(h == tuple(range(h[0], h[0] + k)) for h in self.hosts)
+
+    def _allgather_blocks(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        m, hosts = inp.numel(), self.hosts
+        mine = hosts[self._host(self.rank)]
+        lo, hi = mine[0] * m, (mine[-1] + 1) * m
+        block = out[lo:hi]
+        if self.ch is not None:
+            _ops.allgather_(self.ch, block, inp)
+        else:
+            block.copy_(inp)
+        if self.leaders is not None:
+            self._cross("allgather", lambda: wait(self.leaders._allgather_base(out, block)))
+        if self.ch is not None:
+            for part in (out[:lo], out[hi:]):
+                if part.numel():
+                    _ops.broadcast_(self.ch, part, 0)
+
+
+SLICE = timedelta(seconds=1)  # a leader's gloo wait consults the stall inspector this often once slow
+
+
+def wait(work: Any) -> None:
+    """``work.wait()`` of a leaders' gloo step, consulting the stall inspector (``HOOKS``) as the channel's own
+    waits do: a leader blocked among hosts publishes what it waits for, so a deadlock across process sets
+    that involves it is found and raised (``CollectiveMismatchError``) instead of waiting out gloo's time-out."""
+    if HOOKS.stalled is None or HOOKS.paused:
+        work.wait()
+        return
+    start, stalled = time.monotonic(), False
+    try:
+        while not _timed_wait(work):
+            stalled = True
+            error = HOOKS.stalled(time.monotonic() - start)
+            if error is not None:
+                raise error
+    finally:
+        if stalled and HOOKS.resumed is not None:
+            HOOKS.resumed()
+
+
+def _timed_wait(work: Any) -> bool:
+    """``work.wait(SLICE)``; False when the slice ran out (a failed work raises its own error, or the
+    inspector's verdict when a deadlocked peer raised and left first)."""
+    try:
+        work.wait(SLICE)
+        return True
+    except RuntimeError:
+        if not work.is_completed():
+            return False
+    try:
+        work.wait()
+    except Exception as e:
+        verdict = HOOKS.verdict() if HOOKS.verdict is not None else None
+        if verdict is not None:
+            raise verdict from e
+        raise
+    return True
 
 
 # gloo has no bool reductions: bools cross as bytes 0 / 1 (or = max, and = min), as the channel reduces them
@@ -158,6 +232,6 @@ def _leaders_allreduce(leaders: Any, t: torch.Tensor, op: Any) -> None:
         wire = t.to(torch.int32)
     opts = dist.AllreduceOptions()
     opts.reduceOp = kind
-    leaders.allreduce([wire], opts).wait()
+    wait(leaders.allreduce([wire], opts))
     if wire.data_ptr() != t.data_ptr():  # widened: a copy
         t.copy_(wire)

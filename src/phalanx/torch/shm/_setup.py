@@ -44,6 +44,8 @@ class Transport:
         leaders: the gloo group of each host's first member (None when the group is on one host).
         leader: whether this rank is its host's first member.
         ranks: the group's global ranks; local: those on this host, in order.
+        hosts: the group's ranks of each host as indices into ``ranks``, hosts ordered by their first rank
+            (the leaders' order); what :class:`~phalanx.torch.shm._hier.Hierarchy` needs across hosts.
     """
 
     channels: dict[str, Channel]
@@ -58,6 +60,7 @@ class Transport:
     grad_wake_w: list[int] = field(default_factory=list)
     grad_async: bool = False  # PHALANX_SHM_GRAD_ASYNC: grad calls run on a worker thread (see grad_worker)
     worker: Serial | None = None
+    hosts: tuple[tuple[int, ...], ...] = ()
 
     @property
     def single_host(self) -> bool:
@@ -139,7 +142,10 @@ def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
     if me not in ranks:
         return None
     local = tuple(by_host[hosts[me][0]])
-    return _attach_local(ranks, local, ctrl, leaders)
+    transport = _attach_local(ranks, local, ctrl, leaders)
+    if transport is not None:
+        transport.hosts = tuple(tuple(ranks.index(r) for r in v) for v in sorted(by_host.values()))
+    return transport
 
 
 def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any) -> Transport | None:
