@@ -12,7 +12,8 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
   launchers' automatic backend substitution); the efficiency is also given over one process on one thread (each
   of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there), and over two
   processes training at once without any communication (what the shared host allows at best).
-* ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_`` with the transport on
+* ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_``, ``hvd.allgather`` and
+  ``hvd.broadcast_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks); then
   torch-native code on AABB: ``dist.all_reduce``, DDP and FSDP2 (CNN, MLP) on the gloo default group vs a
   ``phalanx_shm`` group (hierarchical), interleaved in one job (``--hosts-ddp-only`` runs just that).
@@ -93,7 +94,8 @@ def _hosts_allreduce(hosts: list[str], rounds: int) -> dict[str, Any]:
         x = torch.ones(nbytes // 4)
         calls = max(3, min(100, (4 << 20) // nbytes))
         paths = {"gloo": lambda x=x: dist.all_reduce(x, group=data), "shm": lambda x=x: shm.all_reduce(x, group=data),
-                 "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum)}  # fmt: skip
+                 "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum), "allgather": lambda x=x: hvd.allgather(x),
+                 "broadcast_": lambda x=x: hvd.broadcast_(x, root_rank=len(hosts) - 1)}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in paths}
         for _ in range(rounds + 1):
             for key, fn in paths.items():
@@ -103,20 +105,37 @@ def _hosts_allreduce(hosts: list[str], rounds: int) -> dict[str, Any]:
     return out
 
 
-def _print_hosts(rounds: int) -> None:
-    print("ranks on distinct (simulated) hosts, fp32 allreduce medians: the payload group through the transport "
-          "(hierarchical) vs plain gloo, interleaved in one job; hvd.allreduce_ with shm on vs PHALANX_SHM=0 "
-          "(two jobs)")  # fmt: skip
+def _host_jobs(hosts: list[str], rounds: int, runs: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``runs`` jobs with the transport on, alternating with ``runs`` with ``PHALANX_SHM=0``; per size and
+    path, the median over the jobs (two 4-rank jobs on 2 cores differ by tens of percent from noise alone)."""
+    jobs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    for _ in range(runs):
+        jobs["on"].append(phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts))[0])
+        jobs["off"].append(phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts),
+                                       env={"PHALANX_SHM": "0"})[0])  # fmt: skip
+    merged = []
+    for results in jobs.values():
+        out: dict[str, Any] = {"routed": results[0]["routed"]}
+        for n in HOST_SIZES:
+            out[n] = {k: statistics.median(r[n][k] for r in results) for k in results[0][n]}
+        merged.append(out)
+    return merged[0], merged[1]
+
+
+def _print_hosts(rounds: int, runs: int) -> None:
+    print("ranks on distinct (simulated) hosts, fp32 medians: allreduce on the payload group through the transport "
+          f"(hierarchical) vs plain gloo, interleaved in one job; hvd with shm on vs PHALANX_SHM=0 ({runs} jobs "
+          "each, alternating; off / on > 1: the transport is faster)")  # fmt: skip
     for hosts in (["A", "B"], AABB):
-        on = phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts))[0]
-        off = phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts), env={"PHALANX_SHM": "0"})[0]
+        on, off = _host_jobs(hosts, rounds, runs)
         print(f"  hosts {''.join(hosts)}: transport {'used' if on['routed'] else 'not used (one rank per host)'}")
         for n in HOST_SIZES:
             size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
-            r = on[n]
+            r, o = on[n], off[n]
+            hvd = " | ".join(f"{k} on {r[k] * 1e3:.3f} ms, off {o[k] * 1e3:.3f} ms ({o[k] / r[k]:.2f}x)"
+                             for k in ("hvd", "allgather", "broadcast_"))  # fmt: skip
             print(f"    {size:>6}: gloo {r['gloo'] * 1e3:.3f} ms, transport {r['shm'] * 1e3:.3f} ms "
-                  f"(gloo / transport {r['gloo'] / r['shm']:.2f}x) | hvd on {r['hvd'] * 1e3:.3f} ms, "
-                  f"off {off[n]['hvd'] * 1e3:.3f} ms (off / on {off[n]['hvd'] / r['hvd']:.2f}x)")  # fmt: skip
+                  f"(gloo / transport {r['gloo'] / r['shm']:.2f}x) | hvd.allreduce_ / allgather / broadcast_: {hvd}")
 
 
 def _print_allreduce(rows: list[dict[str, float]]) -> None:
@@ -282,6 +301,7 @@ def main() -> None:
     parser.add_argument("--train-rounds", type=int, default=15)
     parser.add_argument("--skip-train", action="store_true")
     parser.add_argument("--skip-hosts", action="store_true", help="skip the simulated multi-host allreduces")
+    parser.add_argument("--host-runs", type=int, default=2, help="jobs per setting (on / off) on simulated hosts")
     parser.add_argument("--ddp-only", action="store_true", help="only the DDP / FSDP2 gloo vs phalanx_shm A/B")
     parser.add_argument("--hosts-ddp-only", action="store_true", help="only DDP / FSDP2 gloo vs phalanx_shm on AABB")
     args = parser.parse_args()
@@ -296,7 +316,7 @@ def main() -> None:
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
     _print_allreduce(phalanx.run(_allreduce, args=(args.rounds,), np=2)[0])
     if not args.skip_hosts:
-        _print_hosts(args.rounds)
+        _print_hosts(args.rounds, args.host_runs)
         _print_hosts_ddp(_hosts_ddp(args.steps, args.train_rounds))
     if args.skip_train:
         return
