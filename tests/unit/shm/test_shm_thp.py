@@ -33,6 +33,7 @@ def test_each_block_a_tensor_covers_is_advised_once(monkeypatch: pytest.MonkeyPa
     fake = _Recorder()
     monkeypatch.setattr(_thp, "_MADVISE", fake)
     monkeypatch.delenv("PHALANX_SHM_THP", raising=False)
+    monkeypatch.setattr(_thp, "SIGHTINGS", 1)
     adv = _thp.Advisor()
     block = _thp.BLOCK
     adv.advise([(10 * block + 100, 3 * block)])  # covers blocks 10, 11, 12 and the start of 13
@@ -45,11 +46,25 @@ def test_each_block_a_tensor_covers_is_advised_once(monkeypatch: pytest.MonkeyPa
     assert fake.calls == [(14 * block, 2 * block, _thp.MADV_HUGEPAGE), (14 * block, 2 * block, _thp.MADV_COLLAPSE)]
 
 
+def test_a_block_is_advised_the_second_time_it_is_covered(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _Recorder()
+    monkeypatch.setattr(_thp, "_MADVISE", fake)
+    monkeypatch.delenv("PHALANX_SHM_THP", raising=False)
+    adv = _thp.Advisor()
+    block = _thp.BLOCK
+    adv.advise([(4 * block, 2 * block)])  # blocks 4, 5: first sighting
+    assert fake.calls == [] and not adv.seen and adv.sighted == {4: 1, 5: 1}
+    adv.advise([(5 * block, 2 * block)])  # block 5 again (advised), block 6 first seen
+    assert fake.calls == [(5 * block, block, _thp.MADV_HUGEPAGE), (5 * block, block, _thp.MADV_COLLAPSE)]
+    assert adv.seen == {5} and adv.sighted == {4: 1, 6: 1}
+
+
 def test_refusals_are_counted_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_thp, "_MADVISE", _Recorder(refuse=True))
     monkeypatch.delenv("PHALANX_SHM_THP", raising=False)
     adv = _thp.Advisor()
-    adv.advise([(0, 2 * _thp.BLOCK)])
+    for _ in range(_thp.SIGHTINGS):
+        adv.advise([(0, 2 * _thp.BLOCK)])
     assert (adv.collapsed, adv.refused, sum(adv.errors.values())) == (0, 2, 1)
 
 
@@ -59,8 +74,9 @@ def test_switch_off(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setattr(_thp, "_MADVISE", fake)
     monkeypatch.setenv("PHALANX_SHM_THP", value)
     adv = _thp.Advisor()
-    adv.advise([(0, 8 * MB)])
-    assert fake.calls == [] and not adv.seen
+    for _ in range(_thp.SIGHTINGS):
+        adv.advise([(0, 8 * MB)])
+    assert fake.calls == [] and not adv.seen and not adv.sighted
 
 
 def test_real_advice_keeps_the_contents(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,6 +86,19 @@ def test_real_advice_keeps_the_contents(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("PHALANX_SHM_THP", raising=False)
     t = torch.arange(3 * MB, dtype=torch.float32)  # 12 MB: several whole blocks
     adv = _thp.Advisor()
-    adv.advise([(t.data_ptr(), t.numel() * t.element_size())])
+    for _ in range(_thp.SIGHTINGS):
+        adv.advise([(t.data_ptr(), t.numel() * t.element_size())])
     assert adv.calls >= 1 and adv.collapsed + adv.refused == len(adv.seen) >= 6
     assert torch.equal(t, torch.arange(3 * MB, dtype=torch.float32))
+
+
+def test_at_most_max_blocks_are_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _Recorder()
+    monkeypatch.setattr(_thp, "_MADVISE", fake)
+    monkeypatch.delenv("PHALANX_SHM_THP", raising=False)
+    monkeypatch.setattr(_thp, "SIGHTINGS", 1)
+    monkeypatch.setattr(_thp, "MAX_BLOCKS", 3)
+    adv = _thp.Advisor()
+    adv.advise([(0, 2 * _thp.BLOCK), (10 * _thp.BLOCK, 2 * _thp.BLOCK)])  # 4 blocks wanted, 3 allowed
+    adv.advise([(20 * _thp.BLOCK, 2 * _thp.BLOCK)])
+    assert adv.seen == {0, 1, 10} and adv.collapsed == 3

@@ -9,11 +9,17 @@ once reduced) and DDP's buckets live in the glibc heap, in 4 KiB pages: the 5.8M
 :func:`advise` gives the 2 MiB blocks a tensor covers ``MADV_HUGEPAGE`` and ``MADV_COLLAPSE`` (Linux 6.1+:
 the kernel moves the block into a huge page now, a copy of at most 2 MiB, instead of waiting for khugepaged).
 Both are transparent: the memory keeps its contents and addresses, and anything else in those blocks (the
-heap's other allocations) is unaffected but for its page size. Each block is advised once per process
-(remembered by address: gradients freed by ``zero_grad(set_to_none=True)`` and re-allocated by autograd land
-in the same heap blocks, which ``_malloc.tune`` keeps mapped, so after the first steps nothing is left to
-do); failures (no THP in the kernel, ``never`` in ``/sys/kernel/mm/transparent_hugepage/enabled``, a kernel
-before 6.1, a block not entirely mapped) are ignored: the reads then simply stay at the 4 KiB rate.
+heap's other allocations) is unaffected but for its page size. A block is advised the ``SIGHTINGS``-th time a
+tensor covers it, and never again (remembered by address): gradients freed by ``zero_grad(set_to_none=True)``
+and re-allocated by autograd keep landing in a bounded set of heap blocks (``_malloc.tune`` keeps the heap
+mapped), most of them every step, some only once; over 200 steps of ``bench/train.py``'s MLP 8 of 33 blocks
+were covered once, of the CNN 11 of 16, and a collapse costs ~5 ms per block on the development VM (fresh
+guest memory), so a block covered once is not worth it; and the grad blocks of a 2-rank job churned more (up
+to 49 blocks over 60 steps of the MLP), so at most ``MAX_BLOCKS`` (64 MiB) are advised per process: a bounded
+one-time cost (~160 ms on this VM, a small fraction of that on bare metal), to the first blocks covered
+twice. Failures (no THP in the kernel, ``never`` in
+``/sys/kernel/mm/transparent_hugepage/enabled``, a kernel before 6.1, a block not entirely mapped) are
+ignored: the reads then simply stay at the 4 KiB rate.
 ``PHALANX_SHM_THP=0`` turns it off.
 """
 
@@ -28,8 +34,11 @@ from dataclasses import dataclass, field
 from phalanx.env import names as N
 
 BLOCK = 2 << 20  # a transparent huge page on x86-64 (and arm64 with 4 KiB base pages)
-MIN_BYTES = BLOCK  # tensors smaller than a block are not worth a system call
-MAX_BLOCKS = 1 << 16  # blocks remembered (128 GiB of memory); beyond, nothing more is advised
+MIN_BYTES = 2 * BLOCK  # smaller tensors are skipped: at most one whole block in them, and the partial blocks
+# they cover are shared with allocations that move (the CNN's 3.2 MB gradient visited 16-19 blocks in 40 steps)
+MAX_BLOCKS = 32  # blocks advised per process (64 MiB): bounds the one-time cost (see the module)
+MAX_SIGHTED = 1 << 14  # blocks remembered before their second sighting
+SIGHTINGS = 2  # a block is advised the second time a tensor covers it (see the module)
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
@@ -55,7 +64,8 @@ class Advisor:
     """The blocks this process advised, and what the kernel answered (``collapsed``: blocks now in huge pages
     by ``MADV_COLLAPSE``; ``refused``: blocks it did not collapse)."""
 
-    seen: set[int] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)  # blocks advised
+    sighted: dict[int, int] = field(default_factory=dict)  # blocks not yet advised -> times covered
     collapsed: int = 0
     refused: int = 0
     calls: int = 0
@@ -79,12 +89,20 @@ class Advisor:
                 self.errors[err] = self.errors.get(err, 0) + 1
 
     def _new_blocks(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        """The blocks the ranges cover for the ``SIGHTINGS``-th time (each block is returned once, ever)."""
         new: list[int] = []
         for addr, nbytes in ranges:
-            if nbytes < MIN_BYTES or len(self.seen) >= MAX_BLOCKS:
+            if nbytes < MIN_BYTES or len(self.seen) >= MAX_BLOCKS or len(self.sighted) >= MAX_SIGHTED:
                 continue
             for block in range(addr // BLOCK, (addr + nbytes - 1) // BLOCK + 1):
-                if block not in self.seen:
+                if block in self.seen:
+                    continue
+                count = self.sighted.get(block, 0) + 1
+                if count < SIGHTINGS:
+                    self.sighted[block] = count
+                    continue
+                self.sighted.pop(block, None)
+                if len(self.seen) < MAX_BLOCKS:
                     self.seen.add(block)
                     new.append(block)
         return new
