@@ -63,9 +63,12 @@ def _allreduce(rounds: int) -> list[dict[str, float]]:
         paths = {"gloo": lambda x=x: dist.all_reduce(x), "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum),
                  "shm": lambda x=x: shm.all_reduce(x, group=data)}  # fmt: skip
         times: dict[str, list[float]] = {k: [] for k in paths}
-        for _ in range(rounds + 1):  # the first round warms up
-            for key, fn in paths.items():
-                times[key].append(_time(fn, calls))
+        keys = list(paths)
+        for r in range(rounds + 1):  # the first round warms up
+            # the order rotates: whatever runs right after gloo's allreduce (the cores partly idle in its TCP
+            # waits) measured ~3 ms slower at 64 MB, so a fixed order charged it to the same column every time
+            for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
+                times[key].append(_time(paths[key], calls))
         rows.append({"bytes": nbytes, **{k: statistics.median(v[1:]) for k, v in times.items()}})
     hvd.shutdown()
     return rows
