@@ -31,6 +31,29 @@ def _gather_scatter(pg: Any, r: int) -> list[str]:
         bad.append(f"reduce_scatter_tensor AVG: {part.tolist()}")
     if pg.shm_calls["allgather"] != 1 or pg.shm_calls["reduce_scatter"] != 2:
         bad.append(f"all-gather / reduce-scatter not through shared memory: {pg.shm_calls}")
+    return bad + _large_reduce_scatter(pg, r)
+
+
+def _large_reduce_scatter(pg: Any, r: int) -> list[str]:
+    """Above 64 KiB each rank sums its part straight from the peer's input (cross-memory reads): SUM, AVG and
+    MAX over odd sizes and several dtypes, against the local reference; the input is left untouched."""
+    import torch
+    import torch.distributed as dist
+
+    bad, R = [], dist.ReduceOp
+    for dtype, n, op in [(torch.float32, 100_003, R.SUM), (torch.float64, 300_001, R.AVG),
+                         (torch.int64, 70_001, R.MAX), (torch.bfloat16, 333_333, R.SUM)]:  # fmt: skip
+        def make(rank: int, n: int = n, dtype: Any = dtype) -> Any:
+            return (torch.arange(2 * n, dtype=torch.int64) % 7 * (rank + 1)).to(dtype)
+
+        inp, part = make(r), torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(part, inp, op=op)
+        full = torch.maximum(make(0), make(1)) if op == R.MAX else make(0) + make(1)
+        want = (full / 2 if op == R.AVG else full)[r * n : (r + 1) * n]
+        if not torch.equal(part, want) or not torch.equal(inp, make(r)):
+            bad.append(f"reduce_scatter_tensor {dtype} n={n} {op}: {part[:4].tolist()} != {want[:4].tolist()}")
+    if pg.hier.ch.cma and pg.shm_calls["reduce_scatter_direct"] != 4:
+        bad.append(f"large reduce-scatters did not read the peers' inputs directly: {pg.shm_calls}")
     return bad
 
 
