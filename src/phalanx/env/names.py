@@ -70,6 +70,9 @@ PHALANX_SHM_CMA = "PHALANX_SHM_CMA"
 PHALANX_SHM_GRAD_ASYNC = "PHALANX_SHM_GRAD_ASYNC"
 #: "0": no transparent-huge-page advice for the memory peers read by cross-memory attach (phalanx/torch/shm/_thp.py).
 PHALANX_SHM_THP = "PHALANX_SHM_THP"
+#: "0" turns off the early gradient reduction of a 2-rank one-host DistributedOptimizer (the rank that finished
+#: backward first reduces the gradients final on both ranks while it waits; see phalanx/torch/shm/_early.py).
+PHALANX_SHM_EARLY_REDUCE = "PHALANX_SHM_EARLY_REDUCE"
 #: "0" keeps gloo for torch-native code in a one-host job (``init_process_group("gloo")`` in a rank started by
 #: the worker entry), which otherwise gets the phalanx_shm backend (on by default; see docs/shm.md).
 PHALANX_SHM_NATIVE = "PHALANX_SHM_NATIVE"

@@ -12,10 +12,16 @@ Otherwise (or when a gradient is sparse or not contiguous on this rank) each par
 view into its bucket's flat buffer, so the reduced gradient needs no copy back; the Average division is folded
 into the copy in (``mul(out=)``). Both paths speak the same protocol on the grad channel, so ranks that took
 different paths still meet.
+
+On a grad channel of two ranks on one host, the first bucket may be partly reduced before its allreduce:
+the hooks mark its gradients final (``mark_early``) and, in ``synchronize``, the rank that arrives first
+reduces the marked ones while it waits for the other (``launch_early``, ``shm/_early.py``); the allreduce then
+covers only the rest.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +165,83 @@ def launch_direct(bucket: Bucket, compression: type[Compressor], group: Any, pre
         return False
     bucket.work, bucket.direct = work, grads
     return True
+
+
+def _eligible(g: torch.Tensor, dtype: torch.dtype) -> bool:
+    return not g.is_sparse and g.is_cpu and g.dtype == dtype and g.is_contiguous()
+
+
+def early_area(buckets: list[Bucket], compression: type[Compressor], group: Any, key: tuple[int, int]) -> Any:
+    """The grad channel's early-reduction area for the first bucket (``shm._early``), or None when it does not
+    apply (compression, a dtype or device the direct path does not reduce, a channel that cannot)."""
+    if compression is not Compression.none or not buckets:
+        return None
+    first = buckets[0].buffer
+    if first.dtype not in DIRECT_DTYPES or first.device.type != "cpu":
+        return None
+    sizes = [p.numel() * p.element_size() for p in buckets[0].params]
+    fingerprint = zlib.crc32(repr((sizes, str(first.dtype), len(buckets))).encode())
+    return shm.early_claim(group, key, sizes, fingerprint)
+
+
+def mark_early(area: Any, bucket: Bucket, i: int, scale: float) -> None:
+    """Tell the early area that parameter ``i`` of the first bucket has its final gradient (if reducible in
+    place: dense, contiguous, the bucket's dtype, on the CPU)."""
+    g = bucket.params[i].grad
+    if g is not None and _eligible(g, bucket.buffer.dtype):
+        area.mark(i, g, scale)
+
+
+def launch_early(bucket: Bucket, area: Any, group: Any, prescale: float) -> bool:
+    """Agree with the peer on the bytes of the first bucket reduced early (``shm._early``) and start the
+    allreduce of the rest, straight from the gradients (zeros for a missing one; a gradient that cannot be
+    reduced in place is copied into the bucket's buffer).
+
+    Returns:
+        False when nothing was reduced early (then launch the bucket as usual).
+    """
+    grads = _direct_grads(bucket)
+    k = area.agree(grads, prescale)
+    if k == 0:
+        return False
+    if grads is None or (not area.worked and _restore(bucket, area.kept, k)):
+        grads = _mixed_grads(bucket)
+    nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+    bucket.direct = grads
+    if k >= nbytes:
+        bucket.work = shm.grad_barrier(group)
+    else:
+        bucket.work = shm.all_reduce_many(grads, group, prescale, True, nbytes, start=k)
+    return True
+
+
+def _restore(bucket: Bucket, kept: list[torch.Tensor | None], k: int) -> bool:
+    """Give back the marked gradients the peer reduced early where ``.grad`` was replaced since its hook (the
+    gradient as of the hook is the one reduced, as in Horovod); whether any was."""
+    changed, start = False, 0
+    for p, mark in zip(bucket.params, kept):
+        if start >= k:
+            break
+        if mark is not None and p.grad is not mark:
+            p.grad, changed = mark, True
+        start += p.numel() * p.element_size()
+    return changed
+
+
+def _mixed_grads(bucket: Bucket) -> list[torch.Tensor]:
+    """Every gradient as a flat tensor reduced in place: zeros for a missing one, and the bucket's slice for
+    one that cannot be (then ``.grad`` becomes that slice)."""
+    dtype, grads = bucket.buffer.dtype, []
+    for i, p in enumerate(bucket.params):
+        g = p.grad
+        if g is None:
+            g = p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        elif not _eligible(g, dtype):
+            seg = bucket.view(i)
+            seg.copy_(g.to_dense() if g.is_sparse else g)
+            g = p.grad = seg
+        grads.append(g.view(-1))
+    return grads
 
 
 def launch(bucket: Bucket, compression: type[Compressor], group: Any, inline: bool = False) -> None:

@@ -99,8 +99,15 @@ class Join(Barrier):
                 "the same DistributedOptimizers in the same order"
             )
         buckets, compression = layouts[sig.root]
-        for numel, dtype, device in buckets:
+        area = shm.early_find(groups.grad, (sig.process_set_id or 0, sig.root))
+        for i, (numel, dtype, device) in enumerate(buckets):
             wire, _ = compression.compress(torch.zeros(numel, dtype=dtype, device=device))
+            k = area.agree(None, 1.0, joined=True) if i == 0 and area is not None else 0
+            if k:  # the live rank reduced bytes before k early (with this rank's last marked gradients)
+                nbytes = numel * wire.element_size()
+                work = shm.grad_barrier(groups.grad) if k >= nbytes else None
+                self.works.append(work or shm.all_reduce_many([wire], groups.grad, 1.0, False, nbytes, start=k))
+                continue
             self.works.append(shm.all_reduce(wire, group=groups.grad, async_op=True))
 
     def finish(self) -> Any:

@@ -140,6 +140,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if n > 1:
             layout = [(b.buffer.numel(), b.buffer.dtype, b.buffer.device) for b in self._buckets]
             self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
+        # Early reduction (shm/_early.py): off in elastic workers (a re-formed world's ranks claim anew).
+        self._early = None
+        if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
+            key = (ps.process_set_id or 0, self._layout)
+            self._early = B.early_area(self._buckets, compression, self._phalanx_groups.grad, key)
         # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(),
         # and a collective only it issues would not match theirs.
         if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
@@ -161,6 +166,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if groups is self._phalanx_groups:
             return
         self._phalanx_groups = groups
+        self._early = None
         self._rescale(len(groups.ranks))
         self._passes.clear()
         self._next = 0
@@ -193,9 +199,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._passes[key] = count
         if count == self._bpps:
-            bucket, _ = self._where[key]
+            bucket, i = self._where[key]
             bucket.pending.discard(key)
-            if not bucket.pending:
+            early = self._early
+            if early is not None and early.active():  # synchronize() launches the buckets after the early step
+                if bucket is self._buckets[0]:
+                    B.mark_early(early, bucket, i, self._prescale)
+            elif not bucket.pending:
                 self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
@@ -218,6 +228,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
         B.launch(bucket, self._compression, group, inline)
 
+    def _launch_early(self) -> None:
+        """Agree with the peer on the first bucket's bytes reduced early; launch the rest of that bucket."""
+        bucket = self._buckets[0]
+        if B.launch_early(bucket, self._early, groups_of(self._ps).grad, self._prescale):
+            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+            _trace.begin("DistributedOptimizer.bucket0", timeline.ALLREDUCE, {"tensors": len(bucket.params),
+                                                                             "bytes": nbytes})  # fmt: skip
+            self._next = 1
+
     def synchronize(self) -> None:
         """Wait for every gradient allreduce of this step (launching the ones whose hooks did not fire).
 
@@ -225,6 +244,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         self._follow_world()
         if self._hooks:
+            if self._early is not None and self._next == 0 and self._early.active():
+                self._launch_early()
             self._launch_ready(force=True)
             announce = None
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
@@ -236,6 +257,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if announce is not None:
                 A.synchronize(announce)
             self._next = 0
+            if self._early is not None:
+                self._early.release()
         self._passes.clear()
         self._synchronized = True
 

@@ -14,10 +14,13 @@ from phalanx.torch.shm._dispatch import (
     all_reduce_many,
     broadcast,
     clear,
+    early_claim,
+    early_find,
+    grad_barrier,
     overlaps,
     register,
 )
 from phalanx.torch.shm._setup import Transport, build, enabled
 
 __all__ = ["Done", "Transport", "all_gather_single", "all_reduce", "all_reduce_many", "broadcast", "build", "clear",
-           "enabled", "overlaps", "register"]
+           "early_claim", "early_find", "enabled", "grad_barrier", "overlaps", "register"]

@@ -8,6 +8,7 @@ Layout (offsets from the channel's base, every counter on its own 64-byte line):
 * lines ``2n+1 .. 3n``: ``pid[i]``, for the liveness check;
 * lines ``3n+1 .. 4n``: ``addr[i]``, the address of rank ``i``'s own tensor in a cross-memory step;
 * lines ``4n+1 .. 8n``: the chunk counters of a streamed step (:meth:`Channel.count`, ``_stream``);
+* the rest of the control area's last page: spare (the grad channel's early-reduction words, ``_early``);
 * then ``n`` slots of ``slot_bytes`` (page aligned).
 
 Every collective is a sequence of *steps* numbered alike on every rank (all ranks issue the same
@@ -68,9 +69,15 @@ class _Hooks:
 HOOKS = _Hooks()
 
 
+def control_lines(n: int) -> int:
+    """The 64-byte lines of the control area that the channel uses (the rest of its last page is spare:
+    ``_early`` keeps its words there on the grad channel)."""
+    return 4 * n + 1 + COUNTERS * n
+
+
 def layout(n: int, slot_bytes: int) -> tuple[int, int]:
     """(bytes of the control area rounded to a page, total bytes) of a channel of ``n`` ranks."""
-    ctl = -(-(4 * n + 1 + COUNTERS * n) * LINE // PAGE) * PAGE
+    ctl = -(-control_lines(n) * LINE // PAGE) * PAGE
     return ctl, ctl + n * slot_bytes
 
 

@@ -20,12 +20,12 @@ class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def _load() -> object | None:
+def _load(name: str = "process_vm_readv") -> object | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.process_vm_readv
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
@@ -35,6 +35,7 @@ def _load() -> object | None:
 
 
 _READV = _load()
+_WRITEV = _load("process_vm_writev")  # same signature: local iovecs are the source, remote the target
 
 
 def supported() -> bool:
@@ -68,9 +69,22 @@ def readv(pid: int, pairs: list[tuple[int, int, int]]) -> None:
     Raises:
         OSError: the kernel refused or failed a copy (as :func:`read`).
     """
-    fn = _READV
+    _vector(_READV, "process_vm_readv", pid, pairs)
+
+
+def writev(pid: int, pairs: list[tuple[int, int, int]]) -> None:
+    """Copy several local ranges into process ``pid`` at once (``process_vm_writev``): each pair is (local
+    address, remote address, bytes).
+
+    Raises:
+        OSError: the kernel refused or failed a copy (as :func:`read`).
+    """
+    _vector(_WRITEV, "process_vm_writev", pid, pairs)
+
+
+def _vector(fn: object | None, name: str, pid: int, pairs: list[tuple[int, int, int]]) -> None:
     if fn is None:
-        raise OSError(errno.ENOSYS, "process_vm_readv is not available on this platform")
+        raise OSError(errno.ENOSYS, f"{name} is not available on this platform")
     pairs = [p for p in pairs if p[2] > 0]
     while pairs:
         batch = pairs[:IOV_BATCH]
@@ -79,7 +93,7 @@ def readv(pid: int, pairs: list[tuple[int, int, int]]) -> None:
         got = fn(pid, local, len(batch), remote, len(batch), 0)  # type: ignore[operator]
         if got <= 0:
             err = ctypes.get_errno() if got < 0 else errno.EFAULT
-            raise OSError(err, f"process_vm_readv of {len(batch)} ranges from pid {pid}: {os.strerror(err)}")
+            raise OSError(err, f"{name} of {len(batch)} ranges with pid {pid}: {os.strerror(err)}")
         pairs = _advance(pairs, got)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _channel, _many, _ops, _thp
+from phalanx.torch.shm import _channel, _early, _many, _ops, _thp
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._setup import Transport
 
@@ -141,7 +141,7 @@ def _grad_protocol(ch: _channel.Channel, flat: torch.Tensor, op: Any) -> bool:
 
 
 def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0, inline: bool = False,
-                    nbytes: int = -1) -> Any:  # fmt: skip
+                    nbytes: int = -1, start: int = 0) -> Any:  # fmt: skip
     """Sum the concatenation of ``tensors`` across ``group`` in place, straight from and into them (no
     fusion buffer), each rank's contribution multiplied by ``scale``; None when the group cannot (not a
     single-host shared-memory grad channel with cross-memory attach, or too small): the caller then fuses
@@ -154,6 +154,7 @@ def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0,
         scale: this rank's factor (Average's ``1/size``).
         inline: see :func:`all_reduce`.
         nbytes: their total size, when the caller knows it (-1: summed here).
+        start: reduce only the bytes from this one on (the others were reduced early, see ``_early``).
     """
     route = _ROUTES.get(id(group))
     if route is None or route[1] != "grad" or not route[0].single_host:
@@ -165,7 +166,32 @@ def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0,
     if ch is None or not _many.eligible(ch, nbytes):
         return None
     _thp.advise((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)  # the peer reads them: huge pages
-    return _finish(transport, "grad", lambda: _many.allreduce_(ch, tensors, dist.ReduceOp.SUM, scale), inline)
+    return _finish(transport, "grad", lambda: _many.allreduce_(ch, tensors, dist.ReduceOp.SUM, scale, start), inline)
+
+
+def _early_channel(group: Any) -> _channel.Channel | None:
+    route = _ROUTES.get(id(group))
+    if route is None or route[1] != "grad" or not route[0].single_host or route[0].grad_async:
+        return None
+    return route[0].channels.get("grad")
+
+
+def early_claim(group: Any, key: tuple[int, int], sizes: list[int], fingerprint: int) -> _early.Area | None:
+    """The early-reduction area of ``group``'s grad channel for the optimizer ``key`` (see ``_early.claim``);
+    None when the group has no such channel (or runs its buckets on the grad worker thread)."""
+    return _early.claim(_early_channel(group), key, sizes, fingerprint)
+
+
+def early_find(group: Any, key: tuple[int, int]) -> _early.Area | None:
+    """The area the optimizer ``key`` claimed on ``group`` (a joined rank answers its steps), or None."""
+    return _early.find(_early_channel(group), key)
+
+
+def grad_barrier(group: Any) -> Any:
+    """An empty step on ``group``'s grad channel after its queued calls (a bucket reduced early in full: the
+    channel's step number still advances); returns its work."""
+    transport = _ROUTES[id(group)][0]
+    return _finish(transport, "grad", transport.channels["grad"].barrier)
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:

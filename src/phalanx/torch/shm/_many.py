@@ -91,11 +91,13 @@ def pairs(local: list[Segment], remote: list[Segment], start: int, stop: int) ->
     return out
 
 
-def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: float = 1.0) -> None:
+def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: float = 1.0, start: int = 0) -> None:
     """Allreduce the concatenation of ``tensors`` (flat, contiguous, CPU, one dtype) in place (see the module).
 
     ``scale`` multiplies this rank's contribution (``op`` SUM only); each part's owner applies it after the sum:
-    ``sum(x_j) * s`` when every rank's scale is ``s``, ``sum(x_j * s_j)`` otherwise.
+    ``sum(x_j) * s`` when every rank's scale is ``s``, ``sum(x_j * s_j)`` otherwise. ``start``: only the
+    virtual bytes from ``start`` on are reduced (the rest was, by ``_early``); each byte gets the same value as
+    with ``start`` 0 (see :func:`lerp_owner`).
 
     Raises:
         ValueError: a scale with another op than SUM.
@@ -104,23 +106,25 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
         raise ValueError(f"a scaled allreduce must be a SUM, got {op}")
     size = tensors[0].element_size()
     mine = [(t.data_ptr(), t.numel() * size) for t in tensors]
-    parts = [(a * size, b * size) for a, b in _parts(sum(n for _a, n in mine) // size, ch.n)]
+    total = sum(n for _a, n in mine)
+    parts = [(start + a * size, start + b * size) for a, b in _parts((total - start) // size, ch.n)]
+    mid = lerp_owner(total, size, ch.n)
     table = _table(mine, scale)
-    chunk = min(CHUNK_BYTES, max(b - a for a, b in parts))
+    chunk = max(size, min(CHUNK_BYTES, max(b - a for a, b in parts)))
     seen: list[tuple[list[Segment], float]] = []
 
     def first(peers: list[tuple[int, int]]) -> None:
         seen.extend((mine, scale) if j == ch.me else _peer_table(pid, addr) for j, (pid, addr) in enumerate(peers))
         scratch = ch.scratch_buffers(chunk)
         a, b = parts[ch.me]
-        for s in range(a, b, chunk):
-            e = min(b, s + chunk)
+        for s, e in _chunks(a, b, chunk, mid):
             for j, (pid, _addr) in enumerate(peers):
                 if j != ch.me:
                     segs = seen[j][0]
                     base = scratch[j].data_ptr() - s
                     _cma.readv(pid, [(base + off, segs[k][0] + at, n) for k, at, n, off in pieces(segs, s, e)])
-            _reduce(tensors, pieces(mine, s, e), s, scratch, ch.me, op, [sc for _segs, sc in seen])
+            owner = int(s >= mid)
+            _reduce(tensors, pieces(mine, s, e), s, scratch, ch.me, op, [sc for _segs, sc in seen], owner)
 
     def second(peers: list[tuple[int, int]]) -> None:
         for j, (pid, _addr) in enumerate(peers):
@@ -131,15 +135,38 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
     ch.attach_step(ctypes.addressof(table), first, second, "allreduce")
 
 
+def lerp_owner(total: int, size: int, n: int) -> int:
+    """The virtual byte where the second rank's part of a 2-rank allreduce of ``total`` bytes begins.
+
+    The Average of two ranks is one ``lerp`` from the part owner's value towards the other's, which is not
+    symmetric in the last bit; bytes before this one are computed as ``lerp(rank 0, rank 1)``, the others as
+    ``lerp(rank 1, rank 0)``, whichever rank reduces them (a partial allreduce, or ``_early``), so that every
+    byte gets the value of the plain allreduce."""
+    return _parts(total // size, n)[0][1] * size if n == 2 else total
+
+
+def _chunks(a: int, b: int, chunk: int, mid: int) -> list[tuple[int, int]]:
+    """``[a, b)`` in ranges of at most ``chunk`` bytes, split at ``mid`` too."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ((a, min(b, mid)), (max(a, mid), b)):
+        out.extend((s, min(hi, s + chunk)) for s in range(lo, hi, chunk))
+    return out
+
+
 def _reduce(tensors: list[torch.Tensor], own: list[Piece], s: int, scratch: list[torch.Tensor], me: int, op: object,
-            scales: list[float]) -> None:  # fmt: skip
-    """Reduce this rank's pieces with the peers' copies of them (``scratch[j]`` holds virtual bytes from ``s``)."""
+            scales: list[float], owner: int = -1) -> None:  # fmt: skip
+    """Reduce this rank's pieces with the peers' copies of them (``scratch[j]`` holds virtual bytes from ``s``);
+    ``owner``: the rank whose value a 2-rank Average starts from (see :func:`lerp_owner`; -1: this one)."""
     size, dtype = tensors[0].element_size(), tensors[0].dtype
     outs = [tensors[k][at // size : (at + n) // size] for k, at, n, _off in own]
     peers = [[scratch[j][off - s : off - s + n].view(dtype) for _k, _at, n, off in own] for j in range(len(scratch))]
     if _kind(op) == dist.ReduceOp.SUM and all(sc == scales[0] for sc in scales):
         if len(peers) == 2 and scales[0] == 0.5:  # Average of two ranks: one pass, (a + b) / 2 within an ulp
-            torch._foreach_lerp_(outs, peers[1 - me], 0.5)
+            if owner in (-1, me):
+                torch._foreach_lerp_(outs, peers[1 - me], 0.5)
+            else:
+                for out, other in zip(outs, peers[1 - me]):
+                    torch.lerp(other, out, 0.5, out=out)
             return
         for j, views in enumerate(peers):
             if j != me:
