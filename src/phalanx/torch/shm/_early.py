@@ -36,14 +36,13 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from phalanx.env import names as N
-from phalanx.torch.shm import _cma
+from phalanx.torch.shm import _cma, _thp
 from phalanx.torch.shm._channel import HOOKS, LINE, SPIN, Channel, control_lines, layout
-from phalanx.torch.shm._many import _chunks, _reduce, eligible, lerp_owner, pieces
+from phalanx.torch.shm._many import _chunks, eligible, lerp_owner
 
-PIECE_BYTES = 128 * 1024  # bytes reduced before the worker looks again whether the peer has arrived
+PIECE_BYTES = 256 * 1024  # bytes reduced before the worker looks again whether the peer has arrived
 WAIT_S = 0.02  # longest wait for the peer's next gradient while the peer has not arrived
 NAP_S = 0.00005  # sleep between looks at the peer's marks, after SPIN spins
 STATS = {"steps": 0, "bytes": 0}  # this process: steps it reduced early as the worker, and the bytes
@@ -130,6 +129,8 @@ class Area:
             ShmTransportError: the peer died, gave up, or did not stop within the channel's time-out.
         """
         s = self.step()
+        if grads is not None:  # the peer reads and writes them: huge pages (as all_reduce_many does)
+            _thp.advise((g.data_ptr(), g.numel() * g.element_size()) for g in grads)
         role = self._arrive(s, grads is not None, joined)
         self.worked = role == "early"
         if role == "plain":
@@ -155,14 +156,12 @@ class Area:
         w, peer = self.ch.words, 1 - self.ch.me
         if w[self._w(peer, 2)] != w[self._w(self.ch.me, 2)]:
             return 0  # the peer's owner has another layout
-        size = grads[0].element_size()
-        mine = [(g.data_ptr(), g.numel() * size) for g in grads]
-        mid, start = lerp_owner(self.total, size, 2), 0
+        mid, start = lerp_owner(self.total, grads[0].element_size(), 2), 0
         try:
             for i, nbytes in enumerate(self.sizes):
                 if not self._ready(i, s) or w[self._w(peer, 3)] != _bits(scale):
                     break
-                done = self._param(s, grads, mine, start, nbytes, w[self._mark(peer, i) + 1], scale, mid)
+                done = self._param(s, grads[i], start, w[self._mark(peer, i) + 1], scale, mid)
                 start += done
                 if done < nbytes:
                     break
@@ -188,21 +187,35 @@ class Area:
             time.sleep(NAP_S)
         return True
 
-    def _param(self, s: int, grads: list[torch.Tensor], mine: list[tuple[int, int]], start: int, nbytes: int,
-               remote: int, scale: float, mid: int) -> int:  # fmt: skip
-        """Reduce virtual bytes ``[start, start + nbytes)`` (one parameter) piece by piece; the bytes done."""
-        ch, peer = self.ch, 1 - self.ch.me
-        pid = ch.words[ch._pid(peer)]
-        scratch = ch.scratch_buffers(PIECE_BYTES)
+    def _param(self, s: int, grad: torch.Tensor, start: int, remote: int, scale: float, mid: int) -> int:
+        """Reduce one parameter's gradient (virtual bytes from ``start``, the peer's at ``remote``) piece by
+        piece into this rank's and the peer's; the bytes done (fewer when the peer arrived)."""
+        ch, peer, size = self.ch, 1 - self.ch.me, grad.element_size()
+        pid, nbytes = ch.words[ch._pid(peer)], grad.numel() * size
+        theirs = ch.scratch_buffers(PIECE_BYTES)[peer]
         for a, b in _chunks(start, start + nbytes, PIECE_BYTES, mid):
             if ch.words[self._w(peer, 0)] >= s:
                 return a - start
             at = remote + a - start
-            _cma.readv(pid, [(scratch[peer].data_ptr(), at, b - a)])
-            own = pieces(mine, a, b)
-            _reduce(grads, own, a, scratch, ch.me, dist.ReduceOp.SUM, [scale, scale], int(a >= mid))
-            _cma.writev(pid, [(mine[own[0][0]][0] + own[0][1], at, b - a)])
+            _cma.readv(pid, [(theirs.data_ptr(), at, b - a)])
+            own = grad[(a - start) // size : (b - start) // size]
+            combine(own, theirs[: b - a].view(grad.dtype), scale, ch.me == int(a >= mid))
+            _cma.writev(pid, [(own.data_ptr(), at, b - a)])
         return nbytes
+
+
+def combine(own: torch.Tensor, theirs: torch.Tensor, scale: float, first: bool) -> None:
+    """``own`` becomes what the 2-rank allreduce (``_many._reduce``, equal scales) gives these elements:
+    ``(own + theirs) * scale``, as one ``lerp`` from the part owner's value (``first``: this rank's) for 0.5."""
+    if scale == 0.5:
+        if first:
+            own.lerp_(theirs, 0.5)
+        else:
+            torch.lerp(theirs, own, 0.5, out=own)
+        return
+    own.add_(theirs)
+    if scale != 1.0:
+        own.mul_(scale)
 
 
 def _wait_word(ch: Channel, k: int, g: int, j: int) -> None:
