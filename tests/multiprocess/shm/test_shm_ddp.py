@@ -72,10 +72,6 @@ def _ddp_job() -> list[str]:
             dist.all_reduce(t)
             if not torch.equal(t, torch.full((n,), 3, dtype=dtype)):
                 bad.append(f"all_reduce {dtype} n={n}")
-    from phalanx.torch.shm import _thp
-
-    if pg.hier.ch.cma and not (_thp.ADVISOR.seen or _thp.ADVISOR.sighted):  # 600k float64 (4.8 MB): the peer
-        bad.append("the large allreduces' tensors were not offered for huge pages")  # reads them (shm/_thp.py)
     torch.manual_seed(r)
     net = torch.nn.Sequential(torch.nn.Linear(100, 50), torch.nn.Linear(50, 2))
     model = torch.nn.parallel.DistributedDataParallel(net)

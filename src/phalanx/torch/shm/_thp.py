@@ -3,8 +3,9 @@
 ``process_vm_readv`` pins every remote page it copies from: from ordinary 4 KiB pages it copied 5.1-5.6 GB/s
 on the development VM, from memory backed by 2 MiB transparent huge pages 9.3-11 GB/s, close to a local copy
 (11-14 GB/s). The ``DistributedOptimizer``'s gradients (read by the peer twice per step: once to be reduced,
-once reduced) and DDP's buckets live in the glibc heap, in 4 KiB pages: the 5.8M-parameter MLP's step spent
-4.3 ms in cross-memory reads of its 23 MB of gradients.
+once reduced; ``_many``) live in the glibc heap, in 4 KiB pages: the 5.8M-parameter MLP's step spent 4.3 ms
+in cross-memory reads of its 23 MB of gradients. (Other large allreduces on one host stream through the
+slots, ``_stream``, and read no peer memory.)
 
 :func:`advise` gives the 2 MiB blocks a tensor covers ``MADV_HUGEPAGE`` and ``MADV_COLLAPSE`` (Linux 6.1+:
 the kernel moves the block into a huge page now, a copy of at most 2 MiB, instead of waiting for khugepaged).

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from phalanx.env import names as N
-from phalanx.torch.shm import _ops, _rs, _segment, _setup, _thp
+from phalanx.torch.shm import _ops, _rs, _segment, _setup
 from phalanx.torch.shm._channel import Channel, _pid_dead, layout
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._serial import Serial
@@ -73,8 +73,6 @@ class ShmProcessGroup(dist.ProcessGroup):
         if self._fits(tensors) and _ops.supports(op, tensors[0].dtype):
             hier, flat = self.hier, tensors[0].view(-1)
             assert hier is not None
-            if hier.ch is not None and _ops.uses_cma(hier.ch, flat):  # DDP's buckets: the peers read them
-                _thp.advise([(flat.data_ptr(), flat.numel() * flat.element_size())])
             self.shm_calls["allreduce"] += 1
             return self.serial.submit(lambda: hier.allreduce_(flat, op), tensors)
         return self.gloo.allreduce(tensors, opts or dist.AllreduceOptions())
