@@ -161,6 +161,20 @@ def test_hierarchical_collectives_match_gloo(hosts: list[str]) -> None:
     assert _leftovers() == []
 
 
+def _train_alike(models: list[Any], steps: int, batch: tuple[int, int]) -> None:
+    """Train each model with SGD on the same per-rank random batches (seeded by rank), one after the other."""
+    import torch
+    import torch.distributed as dist
+
+    for model in models:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        torch.manual_seed(1 + dist.get_rank())
+        for _ in range(steps):
+            opt.zero_grad()
+            model(torch.randn(*batch)).pow(2).sum().backward()
+            opt.step()
+
+
 def _ddp_job(hosts: list[str]) -> tuple[str, bool, bool, float]:
     """DDP on the default group (a plain "gloo" request, substituted) and on a gloo group, same seeds and
     data: (backend, gradients through shared memory, ranks agree bitwise, max weight difference to gloo)."""
@@ -177,13 +191,7 @@ def _ddp_job(hosts: list[str]) -> tuple[str, bool, bool, float]:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(60, 30), torch.nn.ReLU(), torch.nn.Linear(30, 3))
         models.append(DDP(net, process_group=group))
-    for model in models:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        torch.manual_seed(1 + dist.get_rank())
-        for _ in range(4):
-            opt.zero_grad()
-            model(torch.randn(8, 60)).pow(2).sum().backward()
-            opt.step()
+    _train_alike(models, steps=4, batch=(8, 60))
     flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
     every = [torch.empty_like(flat[0]) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flat[0])
@@ -306,13 +314,7 @@ def _fsdp2_job(hosts: list[str]) -> tuple[bool, float]:
         for layer in (net[0], net[2]):
             fully_shard(layer, mesh=mesh)
         models.append(fully_shard(net, mesh=mesh))
-    for model in models:
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        torch.manual_seed(1 + dist.get_rank())
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(6, 33)).pow(2).sum().backward()
-            opt.step()
+    _train_alike(models, steps=3, batch=(6, 33))
     shards = [torch.cat([p.detach().to_local().reshape(-1) for p in m.parameters()]) for m in models]
     calls = getattr(pg, "shm_calls", {})
     used = calls.get("allgather", 0) > 0 and calls.get("reduce_scatter", 0) > 0
