@@ -140,14 +140,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if n > 1:
             layout = [(b.buffer.numel(), b.buffer.dtype, b.buffer.device) for b in self._buckets]
             self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
-        # Early reduction (shm/_early.py): off in elastic workers (a re-formed world's ranks claim anew).
         self._early = None
+        # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(), and a
+        # collective only it issues would not match theirs; early reduction (shm/_early.py) is off there too
+        # (a re-formed world's ranks would claim anew).
         if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
             key = (ps.process_set_id or 0, self._layout)
             self._early = B.early_area(self._buckets, compression, self._phalanx_groups.grad, key)
-        # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(),
-        # and a collective only it issues would not match theirs.
-        if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
             self._check_layout()
 
     def _rescale(self, n: int) -> None:

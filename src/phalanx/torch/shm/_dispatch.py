@@ -129,11 +129,15 @@ def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, 
 
 
 def _hierarchy(transport: Transport, kind: str) -> Hierarchy:
-    """This rank's view of the transport's group for ``kind``'s channel (see ``_hier``)."""
-    multi = transport.leaders is not None
-    leaders = transport.leaders if multi and transport.leader else None
-    me = transport.ranks.index(dist.get_rank())
-    return Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks), me, transport.hosts)
+    """This rank's view of the transport's group for ``kind``'s channel (see ``_hier``), built once."""
+    view = transport.views.get(kind)
+    if view is None:
+        multi = transport.leaders is not None
+        leaders = transport.leaders if multi and transport.leader else None
+        me = transport.ranks.index(dist.get_rank())
+        view = Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks), me, transport.hosts)
+        transport.views[kind] = view
+    return view
 
 
 def _grad_protocol(ch: _channel.Channel, flat: torch.Tensor, op: Any) -> bool:
@@ -201,9 +205,6 @@ def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any = None, a
     if route is None or not out.is_contiguous():
         return dist.all_gather_single(out, inp, group=group, async_op=async_op)
     transport, kind = route
-    if transport.single_host:
-        ch = transport.channels[kind]
-        return _finish(transport, kind, lambda: _ops.allgather_(ch, _bytes(out), _bytes(inp)))
     return _finish(transport, kind, lambda: _hierarchy(transport, kind).allgather_(_bytes(out), _bytes(inp)))
 
 
@@ -214,10 +215,6 @@ def broadcast(t: torch.Tensor, src: int, group: Any = None, async_op: bool = Fal
     if route is None:
         return dist.broadcast(t, src=src, group=group, async_op=async_op)
     transport, kind = route
-    if transport.single_host:
-        ch = transport.channels[kind]
-        root = transport.local.index(src)
-        return _finish(transport, kind, lambda: _ops.broadcast_(ch, _bytes(t), root))
     root = transport.ranks.index(src)
     return _finish(transport, kind, lambda: _hierarchy(transport, kind).broadcast_(_bytes(t), root))
 

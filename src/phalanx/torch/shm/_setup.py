@@ -61,6 +61,7 @@ class Transport:
     grad_async: bool = False  # PHALANX_SHM_GRAD_ASYNC: grad calls run on a worker thread (see grad_worker)
     worker: Serial | None = None
     hosts: tuple[tuple[int, ...], ...] = ()
+    views: dict[str, Any] = field(default_factory=dict)  # this rank's Hierarchy per channel kind (_dispatch)
 
     @property
     def single_host(self) -> bool:
@@ -85,7 +86,7 @@ class Transport:
             return  # still inside a channel wait: leave the mapping to the process (names are unlinked)
         for ch in self.channels.values():
             ch.close()
-        self.channels = {}
+        self.channels, self.views = {}, {}
         if self.seg is not None:
             self.seg.close()
         for fd in [self.wake_r, *self.wake_w, self.grad_wake_r, *self.grad_wake_w]:
