@@ -151,8 +151,55 @@ def _print_allreduce(rows: list[dict[str, float]]) -> None:
               f"{r['gloo'] / r['hvd']:>9.2f}x {r['gloo'] / r['shm']:>15.2f}x")  # fmt: skip
 
 
+class _Floor:
+    """A plain optimizer whose ``step()`` first does what a 2-rank allreduce of the gradients cannot avoid, but
+    without communicating: one empty step on the grad channel (the ranks meet once per step) and the memory
+    traffic of the reduction, with a private copy standing in for the peer's gradients (half of each gradient
+    averaged with it: read both, write one; the other half copied from it: read one, write one)."""
+
+    def __init__(self, model: Any, group: Any) -> None:
+        import torch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.peer = [torch.randn(p.numel()) for p in self.params]  # the peer's gradients, never shared
+        self.inner, self.group = torch.optim.SGD(self.params, lr=0.01), group
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        from phalanx.torch import shm
+
+        shm.grad_barrier(self.group).wait()
+        for p, peer in zip(self.params, self.peer):
+            g, half = p.grad.view(-1), p.numel() // 2
+            g[:half].lerp_(peer[:half], 0.5)
+            g[half:].copy_(peer[half:])
+        self.inner.step()
+
+
+def _bench_2_floor(steps: int, rounds: int) -> dict[str, dict[str, float]]:
+    """``train._bench_2`` (DDP on gloo and DistributedOptimizer, interleaved) with a third trainer interleaved:
+    ``floor``, the ranks meeting once per step and doing an allreduce's memory traffic without communicating
+    (:class:`_Floor`): what any allreduce schedule can reach on this host."""
+    import phalanx.torch as hvd
+    from phalanx.torch import process_sets
+
+    hvd.init()
+    group = process_sets.groups_of(hvd.global_process_set).grad
+    out: dict[str, dict[str, float]] = {}
+    for name, (make, shape) in train.MODELS.items():
+        trainers = train._trainers(name)
+        model = make()
+        trainers["floor"] = (model, _Floor(model, group))
+        out[name] = train._interleaved(trainers, shape, steps, rounds)
+    hvd.shutdown()
+    return out
+
+
 def _train(steps: int, rounds: int, shm_env: dict[str, str]) -> dict[str, dict[str, float]]:
-    two = phalanx.run(train._bench_2, args=(steps, rounds), np=2, env=shm_env)[0]
+    job = train._bench_2 if shm_env else _bench_2_floor
+    two = phalanx.run(job, args=(steps, rounds), np=2, env=shm_env)[0]
     return two
 
 
@@ -285,16 +332,19 @@ def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any],
         f"(plain optimizer, all {os.cpu_count()} cores: with one core per rank the ceiling is "
         f"~{1 / (os.cpu_count() or 1):.2f} on this host); eff1t = the same over 1 process on 1 thread"
     )
-    print("  effpair = the same over 2 processes training at once with no communication (the host's ceiling)")
+    print("  effpair = the same over 2 processes training at once with no communication (the host's ceiling);"
+          " floor = interleaved with hvd shm: the ranks meeting once per step and doing an allreduce's memory"
+          " traffic without communicating (what any allreduce schedule reaches here)")  # fmt: skip
     for name in shm:
         alone, alone1 = one[name]["plain"], one_thread[name]["plain"]
-        pair = statistics.mean(r[name] for r in alone2)
+        pair, floor = statistics.mean(r[name] for r in alone2), shm[name]["floor"]
         rows = {"hvd shm": shm[name]["hvd"], "hvd gloo": gloo[name]["hvd"], "DDP gloo": shm[name]["ddp"],
                 "DDP phalanx_shm": ddp_ab[name]["shm"]}  # fmt: skip
         cells = " | ".join(f"{k} {v:.2f}/s (eff {v / alone:.2f}, eff1t {v / alone1:.2f}, effpair {v / pair:.2f})"
                            for k, v in rows.items())  # fmt: skip
         print(f"  {name}: alone {alone:.2f}/s, alone 1 thread {alone1:.2f}/s, 2 at once {pair:.2f}/s per rank"
-              f" (eff1t {pair / alone1:.2f}) | {cells}"
+              f" (eff1t {pair / alone1:.2f}), floor {floor:.2f}/s (eff1t {floor / alone1:.2f}) | {cells}"
+              f" | hvd shm / floor {shm[name]['hvd'] / floor:.2f}x"
               f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x"
               f" | DDP phalanx_shm / DDP gloo {ddp_ab[name]['shm'] / ddp_ab[name]['gloo']:.2f}x (interleaved in one"
               f" job: {ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")  # fmt: skip
