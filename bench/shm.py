@@ -15,8 +15,9 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_``, ``hvd.allgather`` and
   ``hvd.broadcast_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks); then
-  torch-native code on AABB: ``dist.all_reduce``, DDP and FSDP2 (CNN, MLP) on the gloo default group vs a
-  ``phalanx_shm`` group (hierarchical), interleaved in one job (``--hosts-ddp-only`` runs just that).
+  torch-native code on AABB: ``dist.all_reduce``, ``dist.reduce_scatter_tensor``, DDP and FSDP2 (CNN, MLP)
+  on the gloo default group vs a ``phalanx_shm`` group (hierarchical), interleaved in one job
+  (``--hosts-ddp-only`` runs just that).
 """
 
 from __future__ import annotations
@@ -234,6 +235,7 @@ def _ddp_ab(steps: int, rounds: int, hosts: list[str] | None = None) -> dict[str
     out: dict[str, Any] = {}
     if hosts is not None:
         out["allreduce"] = _groups_allreduce(groups, rounds)
+        out["reduce_scatter"] = _groups_allreduce(groups, rounds, scatter=True)
     for name, (make, shape) in train.MODELS.items():
         trainers = {}
         for key, group in groups.items():
@@ -246,19 +248,25 @@ def _ddp_ab(steps: int, rounds: int, hosts: list[str] | None = None) -> dict[str
     return out
 
 
-def _groups_allreduce(groups: dict[str, Any], rounds: int) -> dict[int, dict[str, float]]:
-    """fp32 ``dist.all_reduce`` median per call on each group, interleaved round by round."""
+def _groups_allreduce(groups: dict[str, Any], rounds: int, scatter: bool = False) -> dict[int, dict[str, float]]:
+    """fp32 ``dist.all_reduce`` (``scatter``: ``dist.reduce_scatter_tensor`` of an input that size) median per
+    call on each group, interleaved round by round."""
     import torch
     import torch.distributed as dist
 
     out = {}
     for nbytes in HOST_SIZES:
         x = torch.ones(nbytes // 4)
+        part = torch.empty(x.numel() // dist.get_world_size())
         calls = max(3, min(100, (4 << 20) // nbytes))
         times: dict[str, list[float]] = {k: [] for k in groups}
         for _ in range(rounds + 1):
             for key, group in groups.items():
-                times[key].append(_time(lambda x=x, group=group: dist.all_reduce(x, group=group), calls))
+                if scatter:
+                    fn = lambda x=x, p=part, group=group: dist.reduce_scatter_tensor(p, x, group=group)  # noqa: E731
+                else:
+                    fn = lambda x=x, group=group: dist.all_reduce(x, group=group)  # noqa: E731
+                times[key].append(_time(fn, calls))
         out[nbytes] = {k: statistics.median(v[1:]) for k, v in times.items()}
     return out
 
@@ -269,10 +277,11 @@ AABB = ["A", "A", "B", "B"]
 def _print_hosts_ddp(r: dict[str, Any]) -> None:
     print("torch-native code on hosts AABB (4 ranks, simulated): the gloo default group vs a phalanx_shm group "
           "(hierarchical: shm in host, gloo between the hosts' first ranks), interleaved in one job")  # fmt: skip
-    for n, t in r["allreduce"].items():
-        size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
-        print(f"  dist.all_reduce fp32 {size:>6}: gloo {t['gloo'] * 1e3:.3f} ms, phalanx_shm {t['shm'] * 1e3:.3f} ms "
-              f"(gloo / phalanx_shm {t['gloo'] / t['shm']:.2f}x)")  # fmt: skip
+    for key, call in (("allreduce", "all_reduce"), ("reduce_scatter", "reduce_scatter_tensor")):
+        for n, t in r[key].items():
+            size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
+            print(f"  dist.{call} fp32 {size:>6}: gloo {t['gloo'] * 1e3:.3f} ms, phalanx_shm {t['shm'] * 1e3:.3f} "
+                  f"ms (gloo / phalanx_shm {t['gloo'] / t['shm']:.2f}x)")  # fmt: skip
     for name in train.MODELS:
         m = r[name]
         print(f"  {name}: DDP gloo {m['gloo']:.2f}/s  DDP phalanx_shm {m['shm']:.2f}/s  ratio "

@@ -118,13 +118,25 @@ def _other_checks() -> list[str]:
         dist.all_gather_into_tensor(inplace, inplace[r * n : (r + 1) * n])
         if not torch.equal(out, want) or not torch.equal(inplace, want):
             bad.append(f"all_gather_into_tensor n={n}")
-    for op, scale in ((dist.ReduceOp.SUM, 1.0), (dist.ReduceOp.AVG, 1.0 / size)):
-        part = torch.empty(3, dtype=torch.float32)
-        dist.reduce_scatter_tensor(part, torch.arange(3.0 * size) * (r + 1), op=op)
-        total = sum(q + 1 for q in range(size))
-        want = torch.arange(3.0 * r, 3.0 * r + 3) * total * scale
-        if not torch.allclose(part, want):
-            bad.append(f"reduce_scatter_tensor {op}: {part.tolist()} != {want.tolist()}")
+    return bad + _reduce_scatter_checks()
+
+
+def _reduce_scatter_checks() -> list[str]:
+    """reduce_scatter_tensor SUM / AVG / MAX of float32 and int64, parts small and above the cross-memory size."""
+    import torch
+    import torch.distributed as dist
+
+    r, size, bad = dist.get_rank(), dist.get_world_size(), []
+    total = sum(q + 1 for q in range(size))
+    cases = ((dist.ReduceOp.SUM, torch.float32, total), (dist.ReduceOp.AVG, torch.float32, total / size),
+             (dist.ReduceOp.MAX, torch.int64, size), (dist.ReduceOp.SUM, torch.int64, total))  # fmt: skip
+    for n in (3, 20001):
+        for op, dtype, factor in cases:
+            part = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(part, (torch.arange(n * size) * (r + 1)).to(dtype), op=op)
+            want = (torch.arange(n * r, n * r + n) * factor).to(dtype)
+            if not torch.allclose(part, want):
+                bad.append(f"reduce_scatter_tensor {op} {dtype} n={n}: {part[:4].tolist()} != {want[:4].tolist()}")
     return bad
 
 
@@ -133,7 +145,7 @@ def _ops_job(hosts: list[str]) -> list[str]:
 
     from phalanx.torch.shm import _hier, _ops, backend
 
-    _hier.PART_BYTES = 4096  # the part-by-part crossing for every cross-memory size (AABB)
+    _hier.PART_BYTES = 4096  # the part-by-part crossing (allreduce, reduce-scatter) for every cross-memory size
     parts, inner = [], _ops.allreduce_cma_
     _ops.allreduce_cma_ = lambda *a: parts.append(1) or inner(*a)  # type: ignore[assignment]
 
@@ -145,19 +157,22 @@ def _ops_job(hosts: list[str]) -> list[str]:
     if (pg.hier.cross is not None) != (hosts == AABB):  # part-wise across hosts when hosts are alike
         bad.append(f"cross group {pg.hier.cross} for hosts {hosts}")
     bad += _allreduce_checks(gloo) + _other_checks()
-    if bool(parts) != (hosts == AABB):
+    if bool(parts) != (hosts == AABB and pg.hier.ch.cma):
         bad.append(f"{len(parts)} allreduces crossed hosts part by part on hosts {hosts}")
     kinds = ("allreduce", "broadcast", "barrier", "allgather", "reduce_scatter")
     if any(pg.shm_calls[k] == 0 for k in kinds):
         bad.append(f"not through shared memory: {dict(pg.shm_calls)}")
+    if (pg.shm_calls["reduce_scatter_hosts"] > 0) != (hosts == AABB):  # hierarchical when hosts are alike
+        bad.append(f"reduce-scatter paths on hosts {hosts}: {dict(pg.shm_calls)}")
     dist.destroy_process_group()
     return bad
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("hosts", [AABB, ["hostA", "hostB", "hostA"]], ids=["AABB", "ABA"])
-def test_hierarchical_collectives_match_gloo(hosts: list[str]) -> None:
-    assert phalanx.run(_ops_job, args=(hosts,), np=len(hosts), env=SLOT) == [[]] * len(hosts)
+@pytest.mark.parametrize(("hosts", "env"), [(AABB, SLOT), (AABB, {**SLOT, "PHALANX_SHM_CMA": "0"}),
+                                            (["hostA", "hostB", "hostA"], SLOT)], ids=["AABB", "AABB-no-CMA", "ABA"])
+def test_hierarchical_collectives_match_gloo(hosts: list[str], env: dict[str, str]) -> None:
+    assert phalanx.run(_ops_job, args=(hosts,), np=len(hosts), env=env) == [[]] * len(hosts)
     assert _leftovers() == []
 
 

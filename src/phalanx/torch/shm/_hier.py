@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import CollectiveMismatchError, ShmTransportError
-from phalanx.torch.shm import _ops
+from phalanx.torch.shm import _ops, _rs
 from phalanx.torch.shm._channel import HOOKS, Channel
 
 R = dist.ReduceOp
@@ -152,6 +152,63 @@ class Hierarchy:
         out[(r + 1) * m :].zero_()
         out[r * m : (r + 1) * m].copy_(inp)
         self.allreduce_(out, R.BOR)
+
+    def reduce_scatter_path(self, inp: torch.Tensor, op: Any) -> str:
+        """How :meth:`reduce_scatter_` reduces ``inp`` (common knowledge: every rank decides alike).
+
+        ``"direct"``: one host with cross-memory attach, each rank sums its part straight from its peers'
+        inputs (``_rs``). ``"hosts"``: from ``PART_BYTES`` on, hosts with as many ranks each (``cross`` set),
+        see :meth:`_reduce_scatter_hosts` (on simulated AABB hosts 1.38x faster than the copy at 16 MB,
+        1.62x at 64 MB; 0.92x at 1 MB). ``"copy"``: an allreduce of a copy of ``inp``, of which each rank
+        keeps its part (twice a reduce-scatter's traffic)."""
+        if not self.multi:
+            ch = self.ch
+            direct = ch is not None and _rs.eligible(ch, inp.numel() * inp.element_size())
+            return "direct" if direct else "copy"
+        big = inp.numel() * inp.element_size() >= PART_BYTES  # smaller: one gloo call among the leaders is faster
+        return "hosts" if big and self.cross is not None else "copy"
+
+    def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, op: Any, path: str) -> None:
+        """``out`` = this rank's part (group rank order) of the reduction of every rank's ``inp`` (flat,
+        contiguous, one dtype; ``inp`` has ``size`` times ``out``'s elements), the way ``path``
+        (:meth:`reduce_scatter_path`) says."""
+        if path == "direct":
+            assert self.ch is not None
+            _rs.reduce_scatter_(self.ch, out, inp, op)
+        elif path == "hosts":
+            self._reduce_scatter_hosts(out, inp, op)
+        else:
+            tmp, n = inp.clone(), out.numel()
+            self.allreduce_(tmp, op)
+            out.copy_(tmp[self.rank * n : (self.rank + 1) * n])
+
+    def _reduce_scatter_hosts(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
+        """Hierarchical reduce-scatter over hosts of ``k`` ranks each. Local rank ``j`` reduces over its host
+        the part of each host's ``j``-th rank, one after the other into a block (host order); an allreduce
+        among the ranks of local index ``j`` (``cross``, one per host) sums the block over the hosts, and each
+        rank keeps its part. Every rank carries ``1/k`` of the data across hosts, all in parallel, as the
+        allreduce's part-by-part crossing does, with neither a copy of ``inp`` nor an allgather in the host.
+        (gloo's own reduce-scatter measured slower than its allreduce here: 16 MB over 4 ranks 40.7 vs
+        33 ms, hence the allreduce.)"""
+        kind: Any = _ops._kind(op)
+        avg = kind == R.AVG
+        if avg:
+            kind = R.SUM
+        m, hosts, ch, cross = out.numel(), self.hosts, self.ch, self.cross
+        assert ch is not None and cross is not None
+        mine = self._host(self.rank)
+        j = hosts[mine].index(self.rank)
+        block = torch.empty(len(hosts) * m, dtype=inp.dtype)
+        if _rs.eligible(ch, inp.numel() * inp.element_size()):
+            _rs.reduce_scatter_(ch, block, inp, kind, parts=[host[j] * m for host in hosts])
+        else:
+            total = inp.clone()
+            _ops.allreduce_(ch, total, kind)
+            torch.cat([total[host[j] * m : (host[j] + 1) * m] for host in hosts], out=block)
+        self._cross("reduce-scatter", lambda: _leaders_allreduce(cross, block, kind))
+        out.copy_(block[mine * m : (mine + 1) * m])
+        if avg:
+            (torch.view_as_real(out) if out.is_complex() else out).div_(self.size)  # per component, as gloo
 
     def _blocks_even(self) -> bool:
         """Whether every host holds a contiguous run of the same number of group ranks (common knowledge)."""

@@ -23,16 +23,23 @@ def eligible(ch: Channel, nbytes: int) -> bool:
     return ch.n > 1 and ch.cma and nbytes > min(SMALL_BYTES, ch.slot_bytes)
 
 
-def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: object) -> None:
+def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: object,
+                    parts: list[int] | None = None) -> None:  # fmt: skip
     """``out`` = part ``ch.me`` of the reduction of every rank's ``inp`` (flat, contiguous, CPU, one dtype;
-    ``inp`` has ``ch.n`` times ``out``'s elements; ``AVG``: the sum divided by ``ch.n``)."""
+    ``inp`` has ``ch.n`` times ``out``'s elements; ``AVG``: the sum divided by ``ch.n``).
+
+    ``parts``: instead, the element offsets in ``inp`` of the equal pieces whose reduction this rank writes
+    into ``out``, one after the other (the ranks' pieces must not overlap; the hierarchical reduce-scatter
+    across hosts gives each local rank one piece per host)."""
     avg = _kind(op) == dist.ReduceOp.AVG
     combine = _combiner(dist.ReduceOp.SUM if avg else op, inp.dtype)
-    size, n, me = inp.element_size(), out.numel(), ch.me
+    size, me = inp.element_size(), ch.me
+    bases = parts if parts is not None else [me * out.numel()]
+    n = out.numel() // len(bases)
     scratch = ch.scratch_buffers(CMA_CHUNK)
-    step, base = max(1, CMA_CHUNK // size), me * n
+    step = max(1, CMA_CHUNK // size)
 
-    def first(peers: list[tuple[int, int]]) -> None:
+    def piece(peers: list[tuple[int, int]], base: int, dst: torch.Tensor) -> None:
         for s in range(0, n, step):
             e = min(n, s + step)
             nb = (e - s) * size
@@ -43,7 +50,11 @@ def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: objec
                     continue
                 _cma.read(pid, scratch[j].data_ptr(), addr + (base + s) * size, nb)
                 views.append(scratch[j][:nb].view(inp.dtype))
-            _reduce_into(views, out[s:e], scratch[me][:nb].view(inp.dtype), combine)
+            _reduce_into(views, dst[s:e], scratch[me][:nb].view(inp.dtype), combine)
+
+    def first(peers: list[tuple[int, int]]) -> None:
+        for i, base in enumerate(bases):
+            piece(peers, base, out[i * n : (i + 1) * n])
         if avg:
             (torch.view_as_real(out) if out.is_complex() else out).div_(ch.n)  # per component, as gloo
 

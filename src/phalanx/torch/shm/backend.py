@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from phalanx.env import names as N
-from phalanx.torch.shm import _ops, _rs, _segment, _setup
+from phalanx.torch.shm import _ops, _segment, _setup
 from phalanx.torch.shm._channel import Channel, _pid_dead, layout
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._serial import Serial
@@ -120,28 +120,17 @@ class ShmProcessGroup(dist.ProcessGroup):
         return self._allgather_base(output, inp, opts)
 
     def _reduce_scatter_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
-        """``dist.reduce_scatter_tensor`` (FSDP's gradient reduce-scatter) of CPU tensors: on one host with
-        cross-memory attach, each rank sums its part straight from the peers' inputs (``_rs``); otherwise a
-        shared-memory (hierarchical across hosts) allreduce of a copy of ``inp``, of which this rank keeps its
-        part (twice a reduce-scatter's traffic, still well below gloo's time); ops the transport does not
-        reduce go to gloo."""
+        """``dist.reduce_scatter_tensor`` (FSDP's gradient reduce-scatter) of CPU tensors through shared memory
+        (``Hierarchy.reduce_scatter_``: straight from the peers' inputs on one host, hierarchical across hosts);
+        ops the transport does not reduce go to gloo."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if self._flat_pair(inp, output) and _ops.supports(op, inp.dtype):
-            hier, n, r = self.hier, output.numel(), self.rank()
+            hier, src, dst = self.hier, inp.view(-1), output.view(-1)
             assert hier is not None
-            src, dst = inp.view(-1), output.view(-1)
-            ch = hier.ch
+            path = hier.reduce_scatter_path(src, op)
             self.shm_calls["reduce_scatter"] += 1
-            if ch is not None and not hier.multi and _rs.eligible(ch, src.numel() * src.element_size()):
-                self.shm_calls["reduce_scatter_direct"] += 1
-                return self.serial.submit(lambda: _rs.reduce_scatter_(ch, dst, src, op), [output])
-
-            def run() -> None:
-                tmp = src.clone()
-                hier.allreduce_(tmp, op)
-                dst.copy_(tmp[r * n : (r + 1) * n])
-
-            return self.serial.submit(run, [output])
+            self.shm_calls[f"reduce_scatter_{path}"] += 1
+            return self.serial.submit(lambda: hier.reduce_scatter_(dst, src, op, path), [output])
         return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
