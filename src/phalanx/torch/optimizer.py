@@ -19,7 +19,7 @@ import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.errors import NotInitializedError
 from phalanx.torch import _buckets as B
-from phalanx.torch import _join, _state, _trace, shm
+from phalanx.torch import _join, _stall, _state, _trace, shm
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
@@ -140,6 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if n > 1:
             layout = [(b.buffer.numel(), b.buffer.dtype, b.buffer.device) for b in self._buckets]
             self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
+        self._flags = _join.step_flags(ps.process_set_id, self._phalanx_groups) if n > 1 else None
         self._early = None
         # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(), and a
         # collective only it issues would not match theirs; early reduction (shm/_early.py) is off there too
@@ -166,6 +167,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._phalanx_groups = groups
         self._early = None
+        self._flags = _join.step_flags(self._ps.process_set_id, groups) if len(groups.ranks) > 1 else None
         self._rescale(len(groups.ranks))
         self._passes.clear()
         self._next = 0
@@ -248,7 +250,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch_ready(force=True)
             announce = None
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
-                announce = A.optimizer_step_async(self._layout, self._ps)
+                announce = self._announce()
             for i, bucket in enumerate(self._buckets):
                 B.wait(bucket, self._compression, self._postscale)
                 _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
@@ -260,6 +262,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._early.release()
         self._passes.clear()
         self._synchronized = True
+
+    def _announce(self) -> int | None:
+        """Send this step's block for joined ranks (a handle), unless the step is silent: no rank of a
+        single-host global set has joined (``shm._joined``; every live rank decides alike)."""
+        if self._flags is not None and self._flags.decide(self._layout):
+            _stall.WATCH.entry = None  # no engine entry describes this step's waits
+            return None
+        return A.optimizer_step_async(self._layout, self._ps)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

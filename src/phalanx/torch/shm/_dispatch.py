@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _channel, _early, _many, _ops, _thp
+from phalanx.torch.shm import _channel, _early, _joined, _many, _ops, _thp
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._setup import Transport
 
@@ -47,20 +47,28 @@ class _Deferred:
 
     def __init__(self, queue: deque[_Deferred], fn: Callable[[], None]) -> None:
         self.queue, self.fn, self.done = queue, fn, False
+        self.error: BaseException | None = None
         queue.append(self)
 
     def is_completed(self) -> bool:
         return self.done
 
     def wait(self, timeout: Any = None) -> bool:
+        """Run the queued work up to this one; raise its error, also on a later wait (as torch's ``Work``)."""
         _channel.HOOKS.paused += 1  # no engine entry describes a bucket: the stall inspector skips it
         try:
             while not self.done:
                 head = self.queue.popleft()
                 head.done = True
-                head.fn()
+                try:
+                    head.fn()
+                except BaseException as e:  # any: kept for a later wait() (_stall waits twice on a failure)
+                    head.error = e
+                    raise
         finally:
             _channel.HOOKS.paused -= 1
+        if self.error is not None:
+            raise self.error
         return True
 
 
@@ -189,6 +197,15 @@ def early_claim(group: Any, key: tuple[int, int], sizes: list[int], fingerprint:
 def early_find(group: Any, key: tuple[int, int]) -> _early.Area | None:
     """The area the optimizer ``key`` claimed on ``group`` (a joined rank answers its steps), or None."""
     return _early.find(_early_channel(group), key)
+
+
+def join_flags(group: Any) -> _joined.Flags | None:
+    """The joined-rank flags of the global process set's control ``group`` (see ``_joined``), or None when
+    its members are not all on this host's shared memory (then every optimizer step is announced)."""
+    route = _ROUTES.get(id(group))
+    if route is None or route[1] != "ctrl" or not route[0].single_host:
+        return None
+    return _joined.flags(route[0].channels.get("ctrl"))
 
 
 def grad_barrier(group: Any) -> Any:
