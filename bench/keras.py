@@ -135,11 +135,28 @@ def _allreduce_ms(numel: int, reps: int = 40) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def _job(model_name: str, steps: int, rounds: int) -> dict[str, Any]:
+def _chunk_medians(models: dict[str, Any], extra: dict[str, list[Any]], data: Any, steps: int, rounds: int,
+                   hvd: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:  # fmt: skip
+    """Run the variants in chunks (order reversed every other round); each chunk's median gap and all gaps."""
+    import tensorflow as tf
+
+    medians: dict[str, list[float]] = {name: [] for name in models}
+    gaps: dict[str, list[float]] = {name: [] for name in models}
+    for r in range(rounds):
+        for name in list(models) if r % 2 == 0 else list(reversed(models)):
+            hvd.allreduce(tf.zeros(1), name=f"start {name}")  # both ranks run the same variant at once
+            rec = _Gaps()
+            models[name].fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[rec.callback, *extra[name]])
+            medians[name].append(statistics.median(rec.gaps) * 1e3)
+            gaps[name].extend(g * 1e3 for g in rec.gaps)
+    return medians, gaps
+
+
+def _job(model_name: str, steps: int, rounds: int, inter_op: int) -> dict[str, Any]:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op)
     import numpy as np
 
     import phalanx.tensorflow.keras as hvd
@@ -153,42 +170,69 @@ def _job(model_name: str, steps: int, rounds: int) -> dict[str, Any]:
     variants = VARIANTS if hvd.size() > 1 else ("plain", "hvd")
     models = {name: _compiled(hvd, make, name == "hvd") for name in variants}
     extra = {name: [_Lockstep().callback] if name == "lockstep" else [] for name in variants}
-    gaps: dict[str, list[float]] = {name: [] for name in variants}
     for name, model in models.items():
         model.fit(data, steps_per_epoch=5, epochs=1, verbose=0, callbacks=extra[name])  # trace and warm up
-    for _ in range(rounds):
-        for name, model in models.items():
-            hvd.allreduce(tf.zeros(1), name=f"start {name}")  # both ranks run the same variant at once
-            rec = _Gaps()
-            model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[rec.callback, *extra[name]])
-            gaps[name].extend(rec.gaps)
-    result = {name: statistics.median(g) * 1e3 for name, g in gaps.items()}
+    medians, gaps = _chunk_medians(models, extra, data, steps, rounds, hvd)
+    result: dict[str, Any] = {"chunks": medians, "spread": {name: _quantiles(g) for name, g in gaps.items()}}
     result["params"] = int(sum(np.prod(w.shape) for w in models["hvd"].trainable_weights))
     if hvd.size() > 1:
         result["allreduce_ms"], result["raw_allreduce_ms"] = _allreduce_ms(result["params"])
     return result
 
 
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    """p10, p50 and p90 (p25, p50, p75 for fewer than 10 values)."""
+    cuts = statistics.quantiles(values, n=10 if len(values) >= 10 else 4, method="inclusive")
+    return cuts[0], statistics.median(values), cuts[-1]
+
+
+def _fmt(values: list[float]) -> str:
+    """Median and interquartile range of per-round figures: ``m [p25..p75]``."""
+    lo, mid, hi = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return f"{mid:.2f} [{lo:.2f}..{hi:.2f}]"
+
+
+def _per_round(two: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per round, each variant's chunk median of the slower rank."""
+    return {v: [max(ranks) for ranks in zip(*(r["chunks"][v] for r in two))] for v in VARIANTS}
+
+
+def _row(name: str, one: dict[str, Any], two: list[dict[str, Any]]) -> str:
+    rounds = _per_round(two)
+    target = two[0]["allreduce_ms"] + 1.0
+    diff = {k: [x - y for x, y in zip(rounds[a], rounds[b])]
+            for k, (a, b) in {"overhead": ("hvd", "plain"), "lockstep": ("lockstep", "plain"),
+                              "exchange": ("hvd", "lockstep")}.items()}  # fmt: skip
+    ratio = [d / target for d in diff["overhead"]]
+    alone = statistics.median(rounds["hvd"]) - statistics.median(one["chunks"]["plain"])
+    spread = " ; ".join(f"{v} " + "/".join(f"{q:.1f}" for q in max((r["spread"][v] for r in two), key=lambda t: t[1]))
+                        for v in VARIANTS)  # fmt: skip
+    return (f"{name} | {one['params']:,} | {statistics.median(one['chunks']['plain']):.2f} | "
+            + " | ".join(f"{statistics.median(rounds[v]):.2f}" for v in VARIANTS)
+            + f" | {two[0]['allreduce_ms']:.2f} / {two[0]['raw_allreduce_ms']:.2f} | {target:.2f} | "
+            f"{_fmt(diff['overhead'])} | {_fmt(ratio)} | {_fmt(diff['lockstep'])} | {_fmt(diff['exchange'])} | "
+            f"{alone:.2f} | {alone / target:.2f} | {spread}")  # fmt: skip
+
+
+STEPS = {"mnist_cnn": 40, "digits_cnn": 150}  # per chunk: ~1.5 s (MNIST CNN) / ~0.6 s (digits CNN) of steps
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60, help="steps per chunk")
-    parser.add_argument("--rounds", type=int, default=3, help="chunks per variant")
+    parser.add_argument("--steps", type=int, default=0, help=f"steps per chunk (default per model: {STEPS})")
+    parser.add_argument("--rounds", type=int, default=8, help="chunks per variant (rounds)")
+    parser.add_argument("--inter-op", type=int, default=2, help="TF inter-op threads of every process")
     parser.add_argument("--models", default="mnist_cnn,digits_cnn")
     args = parser.parse_args(argv)
     print("model | params | ms/step: 1 rank plain | 2 ranks plain | 2 ranks lockstep | 2 ranks hvd | "
           "allreduce ms (phalanx / raw gloo) | target = allreduce + 1 ms | distributed overhead ms (2-rank hvd - "
           "2-rank plain) | overhead / target | of which lockstep | of which gradient exchange | vs 1 rank alone "
-          "ms (2-rank hvd - 1-rank plain) | vs 1 rank / target")  # fmt: skip
+          "ms (2-rank hvd - 1-rank plain) | vs 1 rank / target | step gaps p10/p50/p90 ms (slower rank)")  # fmt: skip
     for name in args.models.split(","):
-        one = phalanx.run(_job, args=(name, args.steps, args.rounds), np=1, env=ENV)[0]
-        two = phalanx.run(_job, args=(name, args.steps, args.rounds), np=2, env=ENV)
-        ms = {v: max(r[v] for r in two) for v in VARIANTS}  # the slower rank's median
-        target = two[0]["allreduce_ms"] + 1.0
-        overhead, alone = ms["hvd"] - ms["plain"], ms["hvd"] - one["plain"]
-        print(f"{name} | {one['params']:,} | {one['plain']:.2f} | {ms['plain']:.2f} | {ms['lockstep']:.2f} | "
-              f"{ms['hvd']:.2f} | {two[0]['allreduce_ms']:.2f} / {two[0]['raw_allreduce_ms']:.2f} | {target:.2f} | "
-              f"{overhead:.2f} | {overhead / target:.2f} | {ms['lockstep'] - ms['plain']:.2f} | "
-              f"{ms['hvd'] - ms['lockstep']:.2f} | {alone:.2f} | {alone / target:.2f}", flush=True)  # fmt: skip
+        job_args = (name, args.steps or STEPS[name], args.rounds, args.inter_op)
+        one = phalanx.run(_job, args=job_args, np=1, env=ENV)[0]
+        two = phalanx.run(_job, args=job_args, np=2, env=ENV)
+        print(_row(name, one, two), flush=True)
 
 
 if __name__ == "__main__":
