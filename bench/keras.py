@@ -1,17 +1,28 @@
 """Keras per-step overhead of ``phalanx.tensorflow.keras``: 2 ranks vs 1, against one gradient allreduce + 1 ms.
 
-Run: ``.venv/bin/python bench/keras.py [--steps 60] [--rounds 3]``. Models: Horovod's classic Keras MNIST CNN
-(1.2M parameters, 28x28x1 inputs) and the digits CNN of the examples (40k parameters, 8x8x1); batch 32 per
-rank, Adam, ``model.fit`` with ``steps_per_epoch``. Every process (the single one and each rank) gets the
-same TF thread counts: one intra-op thread (the share a rank gets on this 2-core machine), two inter-op.
+Run: ``.venv/bin/python bench/keras.py [--rounds 8] [--steps N] [--detail]`` (~3 min). Models: Horovod's
+classic Keras MNIST CNN (1.2M parameters, 28x28x1 inputs) and the digits CNN of the examples (40k
+parameters, 8x8x1); batch 32 per rank, Adam, ``model.fit`` with ``steps_per_epoch``. Every process (the
+single one and each rank) gets the same TF thread counts: one intra-op thread (the share a rank gets on
+this 2-core machine), two inter-op (``--intra-op`` / ``--inter-op`` change them).
 
-In each job, three variants alternate in chunks of ``--steps`` steps, the ranks starting each chunk together
-(so machine noise hits all alike): ``plain`` (``compile(optimizer=Adam)``: each rank trains alone, no
-communication), ``lockstep`` (plain plus a 1-element allreduce after every batch: the ranks wait for each
-other every step but exchange no gradients) and ``hvd`` (``DistributedOptimizer``). A step's time is the
-median gap between consecutive ``on_train_batch_end`` calls (per-``fit`` set-up excluded). The 2-rank job
-also times one allreduce of a float32 tensor of the model's size (``phalanx.torch``, the collective the
-bridge uses, and raw ``torch.distributed.all_reduce`` on gloo for reference).
+In each job, three variants alternate in chunks of ``--steps`` steps (default 40 for the MNIST CNN, 150 for
+the digits CNN) over ``--rounds`` rounds (default 8; the order is reversed every other round, so a drift in
+machine load hits all variants alike), the ranks starting each chunk together: ``plain``
+(``compile(optimizer=Adam)``: each rank trains alone, no communication), ``lockstep`` (plain plus a
+1-element allreduce after every batch: the ranks wait for each other every step but exchange no gradients)
+and ``hvd`` (``DistributedOptimizer``). A chunk's time is the median gap between consecutive
+``on_train_batch_end`` calls (per-``fit`` set-up excluded), of the slower rank. Differences between variants
+are taken per round (adjacent chunks) and reported as the median [interquartile range] over the rounds; the
+step gaps' p10/p50/p90 show each variant's spread. The 2-rank job also times one allreduce of a float32
+tensor of the model's size (``phalanx.torch``, the collective the bridge uses, and raw
+``torch.distributed.all_reduce`` on gloo for reference).
+
+Two diagnostics say where the lockstep part comes from: *lockstep explained by the spread* is what waiting
+for the slower rank would cost if each lockstep step lasted as long as the slower of two independent draws
+from the ranks' free-running (plain) step times (median of the pairwise max - median, per round); *CPU of
+other processes* is the machine's busy time (``/proc/stat``) minus both ranks' CPU time during the chunks,
+in cores (near 0: the noise is the ranks' own, not other jobs'). ``--detail`` prints each round.
 
 Columns: *distributed overhead* = 2-rank hvd - 2-rank plain: the cost of training distributed, measured
 against the same single-process training run with the same threads while the other core is as busy (the
@@ -25,6 +36,7 @@ processes at once, no phalanx, measured 28 -> 42-44 ms per MNIST CNN step). Targ
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -135,33 +147,47 @@ def _allreduce_ms(numel: int, reps: int = 40) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def _busy_s() -> float:
+    """Seconds of CPU the whole machine spent busy (every process; /proc/stat, Linux), NaN elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
 def _chunk_medians(models: dict[str, Any], extra: dict[str, list[Any]], data: Any, steps: int, rounds: int,
-                   hvd: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:  # fmt: skip
-    """Run the variants in chunks (order reversed every other round); each chunk's median gap and all gaps."""
+                   hvd: Any) -> tuple[dict[str, list[float]], dict[str, list[list[float]]], dict[str, Any]]:
+    """Run the variants in chunks (order reversed every other round); each chunk's median gap and its gaps (ms)."""
     import tensorflow as tf
 
     medians: dict[str, list[float]] = {name: [] for name in models}
-    gaps: dict[str, list[float]] = {name: [] for name in models}
+    cpu: dict[str, list[tuple[float, float, float]]] = {name: [] for name in models}
+    gaps: dict[str, list[list[float]]] = {name: [] for name in models}
     for r in range(rounds):
         for name in list(models) if r % 2 == 0 else list(reversed(models)):
             hvd.allreduce(tf.zeros(1), name=f"start {name}")  # both ranks run the same variant at once
             rec = _Gaps()
+            before = (_busy_s(), time.process_time(), time.perf_counter())
             models[name].fit(data, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[rec.callback, *extra[name]])
+            after = (_busy_s(), time.process_time(), time.perf_counter())
+            cpu[name].append((after[0] - before[0], after[1] - before[1], after[2] - before[2]))
             medians[name].append(statistics.median(rec.gaps) * 1e3)
-            gaps[name].extend(g * 1e3 for g in rec.gaps)
-    return medians, gaps
+            gaps[name].append([g * 1e3 for g in rec.gaps])
+    return medians, gaps, cpu
 
 
-def _job(model_name: str, steps: int, rounds: int, inter_op: int) -> dict[str, Any]:
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(inter_op)
+def _job(model_name: str, steps: int, rounds: int, threads: tuple[int, int]) -> dict[str, Any]:
     import numpy as np
+    import tensorflow as tf
 
     import phalanx.tensorflow.keras as hvd
 
     hvd.init()
+    intra_op, inter_op = threads  # after init, which sizes TF's pools itself (before TF's first op, as here)
+    tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+    tf.config.threading.set_inter_op_parallelism_threads(inter_op)
     make, side = MODELS[model_name]
     rng = np.random.default_rng(hvd.rank())
     x = rng.random((32 * 8, side, side, 1), dtype=np.float32)
@@ -172,8 +198,9 @@ def _job(model_name: str, steps: int, rounds: int, inter_op: int) -> dict[str, A
     extra = {name: [_Lockstep().callback] if name == "lockstep" else [] for name in variants}
     for name, model in models.items():
         model.fit(data, steps_per_epoch=5, epochs=1, verbose=0, callbacks=extra[name])  # trace and warm up
-    medians, gaps = _chunk_medians(models, extra, data, steps, rounds, hvd)
-    result: dict[str, Any] = {"chunks": medians, "spread": {name: _quantiles(g) for name, g in gaps.items()}}
+    medians, gaps, cpu = _chunk_medians(models, extra, data, steps, rounds, hvd)
+    result: dict[str, Any] = {"chunks": medians, "cpu": cpu, "plain_gaps": gaps["plain"],
+                              "spread": {name: _quantiles([x for c in g for x in c]) for name, g in gaps.items()}}
     result["params"] = int(sum(np.prod(w.shape) for w in models["hvd"].trainable_weights))
     if hvd.size() > 1:
         result["allreduce_ms"], result["raw_allreduce_ms"] = _allreduce_ms(result["params"])
@@ -197,6 +224,30 @@ def _per_round(two: list[dict[str, Any]]) -> dict[str, list[float]]:
     return {v: [max(ranks) for ranks in zip(*(r["chunks"][v] for r in two))] for v in VARIANTS}
 
 
+def _jitter_tax(two: list[dict[str, Any]]) -> list[float]:
+    """Per round, what lockstep would cost if each step lasted as long as the slower of two independent draws
+    from the ranks' free-running (plain) gaps: median of max(gap rank 0, gap rank 1) over all pairs of the
+    round's gaps - the slower rank's median. The part of the lockstep cost that the step times' spread
+    explains (machine noise and the ranks' own variance), with no communication at all."""
+    import numpy as np
+
+    out = []
+    for a, b in zip(two[0]["plain_gaps"], two[1]["plain_gaps"]):
+        pair_max = float(np.median(np.maximum.outer(np.asarray(a), np.asarray(b))))
+        out.append(pair_max - max(statistics.median(a), statistics.median(b)))
+    return out
+
+
+def _others_cores(two: list[dict[str, Any]]) -> list[float]:
+    """Per chunk, the CPU (in cores) that processes other than the two ranks used while the ranks trained:
+    the machine's busy time minus both ranks' CPU time, over the chunk's wall time (rank 0's clock)."""
+    out = []
+    for v in VARIANTS:
+        for (busy, own0, wall), (_, own1, _) in zip(two[0]["cpu"][v], two[1]["cpu"][v]):
+            out.append((busy - own0 - own1) / wall)
+    return out
+
+
 def _row(name: str, one: dict[str, Any], two: list[dict[str, Any]]) -> str:
     rounds = _per_round(two)
     target = two[0]["allreduce_ms"] + 1.0
@@ -210,8 +261,20 @@ def _row(name: str, one: dict[str, Any], two: list[dict[str, Any]]) -> str:
     return (f"{name} | {one['params']:,} | {statistics.median(one['chunks']['plain']):.2f} | "
             + " | ".join(f"{statistics.median(rounds[v]):.2f}" for v in VARIANTS)
             + f" | {two[0]['allreduce_ms']:.2f} / {two[0]['raw_allreduce_ms']:.2f} | {target:.2f} | "
-            f"{_fmt(diff['overhead'])} | {_fmt(ratio)} | {_fmt(diff['lockstep'])} | {_fmt(diff['exchange'])} | "
-            f"{alone:.2f} | {alone / target:.2f} | {spread}")  # fmt: skip
+            f"{_fmt(diff['overhead'])} | {_fmt(ratio)} | {_fmt(diff['lockstep'])} | {_fmt(_jitter_tax(two))} | "
+            f"{_fmt(diff['exchange'])} | "
+            f"{alone:.2f} | {alone / target:.2f} | {spread} | {_fmt(_others_cores(two))}")  # fmt: skip
+
+
+def _print_rounds(name: str, two: list[dict[str, Any]]) -> None:
+    """Each round: the slower rank's chunk medians and the other processes' CPU (cores) during each chunk."""
+    rounds = _per_round(two)
+    for r in range(len(rounds["plain"])):
+        cells = []
+        for v in VARIANTS:
+            (busy, own0, wall), (_, own1, _) = two[0]["cpu"][v][r], two[1]["cpu"][v][r]
+            cells.append(f"{v} {rounds[v][r]:.2f} ms (others {(busy - own0 - own1) / wall:.2f} cores)")
+        print(f"  {name} round {r}: " + ", ".join(cells), flush=True)
 
 
 STEPS = {"mnist_cnn": 40, "digits_cnn": 150}  # per chunk: ~1.5 s (MNIST CNN) / ~0.6 s (digits CNN) of steps
@@ -221,18 +284,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=0, help=f"steps per chunk (default per model: {STEPS})")
     parser.add_argument("--rounds", type=int, default=8, help="chunks per variant (rounds)")
+    parser.add_argument("--intra-op", type=int, default=1, help="TF intra-op threads of every process")
     parser.add_argument("--inter-op", type=int, default=2, help="TF inter-op threads of every process")
     parser.add_argument("--models", default="mnist_cnn,digits_cnn")
+    parser.add_argument("--detail", action="store_true", help="also print each round's figures")
     args = parser.parse_args(argv)
     print("model | params | ms/step: 1 rank plain | 2 ranks plain | 2 ranks lockstep | 2 ranks hvd | "
           "allreduce ms (phalanx / raw gloo) | target = allreduce + 1 ms | distributed overhead ms (2-rank hvd - "
-          "2-rank plain) | overhead / target | of which lockstep | of which gradient exchange | vs 1 rank alone "
-          "ms (2-rank hvd - 1-rank plain) | vs 1 rank / target | step gaps p10/p50/p90 ms (slower rank)")  # fmt: skip
+          "2-rank plain) | overhead / target | of which lockstep | lockstep explained by the spread of plain "
+          "steps (median of max of 2 draws - median) | of which gradient exchange | vs 1 rank alone "
+          "ms (2-rank hvd - 1-rank plain) | vs 1 rank / target | step gaps p10/p50/p90 ms (slower rank) | "
+          "CPU of other processes during the 2-rank chunks (cores)")  # fmt: skip
     for name in args.models.split(","):
-        job_args = (name, args.steps or STEPS[name], args.rounds, args.inter_op)
+        job_args = (name, args.steps or STEPS[name], args.rounds, (args.intra_op, args.inter_op))
         one = phalanx.run(_job, args=job_args, np=1, env=ENV)[0]
         two = phalanx.run(_job, args=job_args, np=2, env=ENV)
         print(_row(name, one, two), flush=True)
+        if args.detail:
+            _print_rounds(name, two)
 
 
 if __name__ == "__main__":
