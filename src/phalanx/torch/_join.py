@@ -91,10 +91,24 @@ class Join(Barrier):
         self.served.issue(groups, [], [])
 
     def serve_step(self, groups: Any, sig: H.Signature) -> None:
-        self.works.extend(_serve_step(groups, sig.process_set_id or 0, sig.root))
-        flags = shm.join_flags(groups.ctrl) if not sig.process_set_id else None
-        if flags is not None:
-            flags.served()
+        layouts = _LAYOUTS.get(sig.process_set_id, [])
+        if not 0 <= sig.root < len(layouts):
+            raise RuntimeError(
+                f"rank {_state.topology().rank} has joined and was asked to serve DistributedOptimizer "
+                f"{sig.root} of process set {sig.process_set_id}, which it never built; every rank must build "
+                "the same DistributedOptimizers in the same order"
+            )
+        buckets, compression = layouts[sig.root]
+        area = shm.early_find(groups.grad, (sig.process_set_id or 0, sig.root))
+        for i, (numel, dtype, device) in enumerate(buckets):
+            wire, _ = compression.compress(torch.zeros(numel, dtype=dtype, device=device))
+            k = area.agree(None, 1.0, joined=True) if i == 0 and area is not None else 0
+            if k:  # the live rank reduced bytes before k early (with this rank's last marked gradients)
+                nbytes = numel * wire.element_size()
+                work = shm.grad_barrier(groups.grad) if k >= nbytes else None
+                self.works.append(work or shm.all_reduce_many([wire], groups.grad, 1.0, False, nbytes, start=k))
+                continue
+            self.works.append(shm.all_reduce(wire, group=groups.grad, async_op=True))
 
     def finish(self) -> Any:
         for work in self.works:
@@ -102,62 +116,6 @@ class Join(Barrier):
         if self.served is not None:
             self.served.finish()
         return self.result
-
-
-def _serve_step(groups: Any, psid: int, layout_id: int) -> list[Any]:
-    """Start a joined rank's zero buckets of DistributedOptimizer ``layout_id``'s step; their works."""
-    layouts = _LAYOUTS.get(psid, [])
-    if not 0 <= layout_id < len(layouts):
-        raise RuntimeError(
-            f"rank {_state.topology().rank} has joined and was asked to serve DistributedOptimizer "
-            f"{layout_id} of process set {psid}, which it never built; every rank must build "
-            "the same DistributedOptimizers in the same order"
-        )
-    buckets, compression = layouts[layout_id]
-    area = shm.early_find(groups.grad, (psid, layout_id))
-    works = []
-    for i, (numel, dtype, device) in enumerate(buckets):
-        wire, _ = compression.compress(torch.zeros(numel, dtype=dtype, device=device))
-        k = area.agree(None, 1.0, joined=True) if i == 0 and area is not None else 0
-        if k:  # the live rank reduced bytes before k early (with this rank's last marked gradients)
-            nbytes = numel * wire.element_size()
-            work = shm.grad_barrier(groups.grad) if k >= nbytes else None
-            works.append(work or shm.all_reduce_many([wire], groups.grad, 1.0, False, nbytes, start=k))
-            continue
-        works.append(shm.all_reduce(wire, group=groups.grad, async_op=True))
-    return works
-
-
-def step_flags(process_set_id: int | None, groups: Any) -> Any:
-    """The joined-rank flags a DistributedOptimizer on this set consults to skip its step's block (see
-    ``shm._joined``): only the global set's (joined ranks serve no other), on one host; else None."""
-    return shm.join_flags(groups.ctrl) if not process_set_id else None
-
-
-def enter(groups: Any) -> int:
-    """``hvd.join()`` starts: set this rank's flag and serve the silent optimizer step decided before it
-    (the live ranks wait in it for this rank's buckets and send no block; see ``shm._joined``).
-
-    Returns:
-        The optimizer steps this rank took part in before joining (0 without flags): silent steps add no
-        control round, so the arrival order of joins counts them too.
-    """
-    flags = shm.join_flags(groups.ctrl)
-    if flags is None:
-        return 0
-    steps = flags.steps
-    layout_id = flags.join()
-    if layout_id is not None:
-        for work in _serve_step(groups, 0, layout_id):
-            work.wait()
-    return steps
-
-
-def leave(groups: Any) -> None:
-    """``hvd.join()`` ends (every rank joined, or it failed): clear this rank's flag."""
-    flags = shm.join_flags(groups.ctrl)
-    if flags is not None:
-        flags.leave()
 
 
 def _supported(lead: H.Signature) -> bool:

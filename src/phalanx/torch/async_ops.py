@@ -252,16 +252,11 @@ def join(device: int = -1) -> int:
     ranks = groups_of(global_process_set).ranks
     _engine.flush()  # earlier collectives first: the round count below is then the same on every rank
     joined_at = _join.rounds(ranks)
-    groups = groups_of(global_process_set)
-    joined_at += _join.enter(groups)  # + the optimizer steps taken, silent ones included
-    try:
-        while True:
-            coll = _join.Join(_sig("join", None, None, global_process_set), joined_at)
-            last = _engine.run(coll, global_process_set)
-            if last is not None:
-                return int(ranks[last])
-    finally:
-        _join.leave(groups)
+    while True:
+        coll = _join.Join(_sig("join", None, None, global_process_set), joined_at)
+        last = _engine.run(coll, global_process_set)
+        if last is not None:
+            return int(ranks[last])
 
 
 def optimizer_step_async(layout: int, process_set: ProcessSet) -> int:

@@ -17,9 +17,9 @@ import torch
 
 import phalanx.timeline as timeline
 from phalanx.env import names as N
-from phalanx.errors import NotInitializedError
+from phalanx.errors import CollectiveMismatchError, NotInitializedError
 from phalanx.torch import _buckets as B
-from phalanx.torch import _join, _stall, _state, _trace, shm
+from phalanx.torch import _join, _state, _trace, shm
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
@@ -140,7 +140,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if n > 1:
             layout = [(b.buffer.numel(), b.buffer.dtype, b.buffer.device) for b in self._buckets]
             self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
-        self._flags = _join.step_flags(ps.process_set_id, self._phalanx_groups) if n > 1 else None
         self._early = None
         # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(), and a
         # collective only it issues would not match theirs; early reduction (shm/_early.py) is off there too
@@ -167,7 +166,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         self._phalanx_groups = groups
         self._early = None
-        self._flags = _join.step_flags(self._ps.process_set_id, groups) if len(groups.ranks) > 1 else None
         self._rescale(len(groups.ranks))
         self._passes.clear()
         self._next = 0
@@ -250,11 +248,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch_ready(force=True)
             announce = None
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
-                announce = self._announce()
-            for i, bucket in enumerate(self._buckets):
-                B.wait(bucket, self._compression, self._postscale)
-                _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
-                bucket.reset()
+                announce = A.optimizer_step_async(self._layout, self._ps)
+            try:
+                for i, bucket in enumerate(self._buckets):
+                    B.wait(bucket, self._compression, self._postscale)
+                    _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
+                    bucket.reset()
+            except Exception as e:
+                if announce is not None and not isinstance(e, CollectiveMismatchError):
+                    _raise_mismatch(announce, e)
+                raise
             if announce is not None:
                 A.synchronize(announce)
             self._next = 0
@@ -262,14 +265,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._early.release()
         self._passes.clear()
         self._synchronized = True
-
-    def _announce(self) -> int | None:
-        """Send this step's block for joined ranks (a handle), unless the step is silent: no rank of a
-        single-host global set has joined (``shm._joined``; every live rank decides alike)."""
-        if self._flags is not None and self._flags.decide(self._layout):
-            _stall.WATCH.entry = None  # no engine entry describes this step's waits
-            return None
-        return A.optimizer_step_async(self._layout, self._ps)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -303,6 +298,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.reset()
         super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _raise_mismatch(announce: Any, cause: Exception) -> None:
+    """Raise the step announcement's ``CollectiveMismatchError``, if it has one, from a bucket's failure: a
+    rank that issued another collective instead of this step fails on the mismatch and leaves, and its peers'
+    buckets only see a peer that left; the mismatch says why."""
+    try:
+        if A.poll(announce):  # never blocks: a peer that is stuck rather than gone is not waited for twice
+            A.synchronize(announce)
+    except CollectiveMismatchError as mismatch:
+        raise mismatch from cause
+    except Exception:  # the announcement failed too (the same departed peer): the bucket's error stands
+        return
 
 
 def DistributedOptimizer(

@@ -174,3 +174,32 @@ def test_ranks_passing_different_process_sets_raise_on_every_rank(np: int, where
         assert report["error"].startswith(f"CollectiveMismatchError: ranks disagree on {what}: "), report
         assert f"rank 0=[[0, 1]], rank 1=[{list(range(1, np))}]" in report["error"], report["error"]
         assert report.get("after", [2.0, 2.0]) == [2.0, 2.0] and not report.get("initialized", False)
+
+
+def _skipped_step_job() -> str:
+    """Rank 1 issues another collective where rank 0 takes an optimizer step (shared memory on by default)."""
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    model = torch.nn.Linear(1000, 100)  # above the slot-exchange size: the buckets take the direct path
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())  # fmt: skip
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 1000)).sum().backward()
+        if hvd.rank() == 1 and step == 1:
+            return _raises(lambda: hvd.allreduce(torch.ones(3), name="other"), RuntimeError)
+        error = _raises(opt.step, RuntimeError)
+        if error != "no error":
+            return error
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_skips_an_optimizer_step_gets_a_mismatch_at_once() -> None:
+    # the signature check answers, not the transport's time-out (a ShmTransportError after 60 s)
+    for error in phalanx.run(_skipped_step_job, np=2, env={"PHALANX_SHM_TIMEOUT_S": "60"}):
+        assert error.startswith("CollectiveMismatchError: ranks disagree on collective"), error
+        assert "kind: rank 0=optimizer step, rank 1=allreduce" in error, error

@@ -17,11 +17,10 @@ from phalanx.torch.shm._dispatch import (
     early_claim,
     early_find,
     grad_barrier,
-    join_flags,
     overlaps,
     register,
 )
 from phalanx.torch.shm._setup import Transport, build, enabled
 
 __all__ = ["Done", "Transport", "all_gather_single", "all_reduce", "all_reduce_many", "broadcast", "build", "clear",
-           "early_claim", "early_find", "enabled", "grad_barrier", "join_flags", "overlaps", "register"]
+           "early_claim", "early_find", "enabled", "grad_barrier", "overlaps", "register"]

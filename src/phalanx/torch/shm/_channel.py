@@ -8,8 +8,7 @@ Layout (offsets from the channel's base, every counter on its own 64-byte line):
 * lines ``2n+1 .. 3n``: ``pid[i]``, for the liveness check;
 * lines ``3n+1 .. 4n``: ``addr[i]``, the address of rank ``i``'s own tensor in a cross-memory step;
 * lines ``4n+1 .. 8n``: the chunk counters of a streamed step (:meth:`Channel.count`, ``_stream``);
-* the rest of the control area's last page: spare (the grad channel's early-reduction words, ``_early``; the global
-  control channel's joined-rank flags, ``_joined``);
+* the rest of the control area's last page: spare (the grad channel's early-reduction words, ``_early``);
 * then ``n`` slots of ``slot_bytes`` (page aligned).
 
 Every collective is a sequence of *steps* numbered alike on every rank (all ranks issue the same

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _channel, _early, _joined, _many, _ops, _thp
+from phalanx.torch.shm import _channel, _early, _many, _ops, _thp
 from phalanx.torch.shm._hier import Hierarchy
 from phalanx.torch.shm._setup import Transport
 
@@ -197,15 +197,6 @@ def early_claim(group: Any, key: tuple[int, int], sizes: list[int], fingerprint:
 def early_find(group: Any, key: tuple[int, int]) -> _early.Area | None:
     """The area the optimizer ``key`` claimed on ``group`` (a joined rank answers its steps), or None."""
     return _early.find(_early_channel(group), key)
-
-
-def join_flags(group: Any) -> _joined.Flags | None:
-    """The joined-rank flags of the global process set's control ``group`` (see ``_joined``), or None when
-    its members are not all on this host's shared memory (then every optimizer step is announced)."""
-    route = _ROUTES.get(id(group))
-    if route is None or route[1] != "ctrl" or not route[0].single_host:
-        return None
-    return _joined.flags(route[0].channels.get("ctrl"))
 
 
 def grad_barrier(group: Any) -> Any:
