@@ -183,19 +183,6 @@ def test_write_failure_mid_run_logs_and_does_not_raise(
     assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_recording_cost_is_small(tmp_path: Path) -> None:
-    tl = Timeline(str(tmp_path / "t.json"))
-    n = 20_000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        tl.begin("grad", timeline.ALLREDUCE, {"bytes": 4})
-        tl.end("grad", timeline.ALLREDUCE)
-    per_pair_us = (time.perf_counter() - t0) / n * 1e6
-    tl.close()
-    # Typically ~1 us; the bound is loose for slow CI machines. A training step records tens of pairs.
-    assert per_pair_us < 25, per_pair_us
-
-
 def test_writer_thread_cpu_is_accounted(tmp_path: Path) -> None:
     tl = Timeline(str(tmp_path / "t.json"))
     for _ in range(2000):
