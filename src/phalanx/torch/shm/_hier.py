@@ -171,7 +171,11 @@ class Hierarchy:
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, op: Any, path: str) -> None:
         """``out`` = this rank's part (group rank order) of the reduction of every rank's ``inp`` (flat,
         contiguous, one dtype; ``inp`` has ``size`` times ``out``'s elements), the way ``path``
-        (:meth:`reduce_scatter_path`) says."""
+        (:meth:`reduce_scatter_path`) says. ``AVG`` is a sum divided by the group size."""
+        if _ops._kind(op) == R.AVG:
+            self.reduce_scatter_(out, inp, R.SUM, path)
+            (torch.view_as_real(out) if out.is_complex() else out).div_(self.size)  # per component, as gloo
+            return
         if path == "direct":
             assert self.ch is not None
             _rs.reduce_scatter_(self.ch, out, inp, op)
@@ -183,17 +187,14 @@ class Hierarchy:
             out.copy_(tmp[self.rank * n : (self.rank + 1) * n])
 
     def _reduce_scatter_hosts(self, out: torch.Tensor, inp: torch.Tensor, op: Any) -> None:
-        """Hierarchical reduce-scatter over hosts of ``k`` ranks each. Local rank ``j`` reduces over its host
-        the part of each host's ``j``-th rank, one after the other into a block (host order); an allreduce
-        among the ranks of local index ``j`` (``cross``, one per host) sums the block over the hosts, and each
-        rank keeps its part. Every rank carries ``1/k`` of the data across hosts, all in parallel, as the
-        allreduce's part-by-part crossing does, with neither a copy of ``inp`` nor an allgather in the host.
-        (gloo's own reduce-scatter measured slower than its allreduce here: 16 MB over 4 ranks 40.7 vs
-        33 ms, hence the allreduce.)"""
+        """Hierarchical reduce-scatter (``op`` not ``AVG``) over hosts of ``k`` ranks each. Local rank ``j``
+        reduces over its host the part of each host's ``j``-th rank, one after the other into a block (host
+        order); an allreduce among the ranks of local index ``j`` (``cross``, one per host) sums the block over
+        the hosts, and each rank keeps its part. Every rank carries ``1/k`` of the data across hosts, all in
+        parallel, as the allreduce's part-by-part crossing does, with neither a copy of ``inp`` nor an
+        allgather in the host. (gloo's own reduce-scatter measured slower than its allreduce here: 16 MB over
+        4 ranks 40.7 vs 33 ms, hence the allreduce.)"""
         kind: Any = _ops._kind(op)
-        avg = kind == R.AVG
-        if avg:
-            kind = R.SUM
         m, hosts, ch, cross = out.numel(), self.hosts, self.ch, self.cross
         assert ch is not None and cross is not None
         mine = self._host(self.rank)
@@ -207,8 +208,6 @@ class Hierarchy:
             torch.cat([total[host[j] * m : (host[j] + 1) * m] for host in hosts], out=block)
         self._cross("reduce-scatter", lambda: _leaders_allreduce(cross, block, kind))
         out.copy_(block[mine * m : (mine + 1) * m])
-        if avg:
-            (torch.view_as_real(out) if out.is_complex() else out).div_(self.size)  # per component, as gloo
 
     def _blocks_even(self) -> bool:
         """Whether every host holds a contiguous run of the same number of group ranks (common knowledge)."""

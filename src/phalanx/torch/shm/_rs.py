@@ -10,11 +10,10 @@ finished reading its input (the caller may reuse it then). Each element is reduc
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from phalanx.torch.shm import _cma
 from phalanx.torch.shm._channel import Channel
-from phalanx.torch.shm._ops import CMA_CHUNK, SMALL_BYTES, _combiner, _kind, _reduce_into
+from phalanx.torch.shm._ops import CMA_CHUNK, SMALL_BYTES, _combiner, _reduce_into
 
 
 def eligible(ch: Channel, nbytes: int) -> bool:
@@ -26,13 +25,12 @@ def eligible(ch: Channel, nbytes: int) -> bool:
 def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: object,
                     parts: list[int] | None = None) -> None:  # fmt: skip
     """``out`` = part ``ch.me`` of the reduction of every rank's ``inp`` (flat, contiguous, CPU, one dtype;
-    ``inp`` has ``ch.n`` times ``out``'s elements; ``AVG``: the sum divided by ``ch.n``).
+    ``inp`` has ``ch.n`` times ``out``'s elements; ``op`` not ``AVG``: the caller divides a sum).
 
     ``parts``: instead, the element offsets in ``inp`` of the equal pieces whose reduction this rank writes
     into ``out``, one after the other (the ranks' pieces must not overlap; the hierarchical reduce-scatter
     across hosts gives each local rank one piece per host)."""
-    avg = _kind(op) == dist.ReduceOp.AVG
-    combine = _combiner(dist.ReduceOp.SUM if avg else op, inp.dtype)
+    combine = _combiner(op, inp.dtype)
     size, me = inp.element_size(), ch.me
     bases = parts if parts is not None else [me * out.numel()]
     n = out.numel() // len(bases)
@@ -55,7 +53,5 @@ def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: objec
     def first(peers: list[tuple[int, int]]) -> None:
         for i, base in enumerate(bases):
             piece(peers, base, out[i * n : (i + 1) * n])
-        if avg:
-            (torch.view_as_real(out) if out.is_complex() else out).div_(ch.n)  # per component, as gloo
 
     ch.attach_step(inp.data_ptr(), first, lambda _peers: None, "reduce-scatter")
