@@ -6,12 +6,14 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
   whole phalanx.torch path: signature check, control block, payload) and the bare transport
   (``phalanx.torch.shm.all_reduce`` on the payload group), interleaved round by round; medians.
 * training (bench/train.py's CNN and MLP): DistributedOptimizer with shared memory vs DDP on gloo, steps/s
-  per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer).
-  A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for reference; a third runs
-  DDP and FSDP2 on the gloo default group and on a ``phalanx_shm`` group, interleaved (the A/B of the
-  launchers' automatic backend substitution); the efficiency is also given over one process on one thread (each
-  of two ranks on a 2-core host gets one core, so the first definition cannot exceed ~0.5 there), and over two
-  processes training at once without any communication (what the shared host allows at best).
+  per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer). Every
+  baseline is a trainer interleaved in the same job (so the host's drift hits all alike): rank 0 alone on all
+  cores (the literal definition: each of two ranks on a 2-core host gets one core, so it cannot exceed ~0.5
+  there) and on one thread, both ranks training without communicating (``pair``: what the shared host allows
+  at best) and the ``floor`` (the ranks meet once per step and do an allreduce's memory traffic without
+  communicating). A second 2-rank job with ``PHALANX_SHM=0`` gives DistributedOptimizer on gloo for
+  reference; a third runs DDP and FSDP2 on the gloo default group and on a ``phalanx_shm`` group,
+  interleaved (the A/B of the launchers' automatic backend substitution).
 * ranks on distinct hosts (``HOROVOD_HOSTNAME`` faked per rank): ``hvd.allreduce_``, ``hvd.allgather`` and
   ``hvd.broadcast_`` with the transport on
   (hierarchical: shm in host, gloo across) vs ``PHALANX_SHM=0``, hosts AB (2 ranks) and AABB (4 ranks); then
@@ -23,6 +25,7 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -181,10 +184,42 @@ class _Floor:
         self.inner.step()
 
 
+class _Alone:
+    """The one-process baseline, interleaved with the 2-rank trainers: rank 0 trains a plain optimizer with
+    ``threads`` intra-op threads while the other ranks wait at a barrier (blocked, their cores idle). Measured in
+    the same job as the trainers it is compared with, so that the host's drift (the same 1-process job ran at
+    38 and 50 steps/s minutes apart) hits both alike. Other ranks report NaN seconds."""
+
+    def __init__(self, model: Any, threads: int) -> None:
+        import torch
+
+        self.model, self.threads = model, threads
+        self.opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def __call__(self, shape: tuple[int, ...], steps: int) -> float:
+        import torch
+        import torch.distributed as dist
+
+        seconds = math.nan
+        if dist.get_rank() == 0:
+            before = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                seconds = train._seconds(self.model, self.opt, shape, steps, start_together=False)
+            finally:
+                torch.set_num_threads(before)
+        dist.barrier()
+        return seconds
+
+
 def _bench_2_floor(steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    """``train._bench_2`` (DDP on gloo and DistributedOptimizer, interleaved) with a third trainer interleaved:
+    """``train._bench_2`` (DDP on gloo and DistributedOptimizer, interleaved) with more trainers interleaved:
     ``floor``, the ranks meeting once per step and doing an allreduce's memory traffic without communicating
-    (:class:`_Floor`): what any allreduce schedule can reach on this host."""
+    (:class:`_Floor`): what any allreduce schedule can reach on this host; ``pair``, both ranks training a
+    plain optimizer without communicating (what two processes sharing the host reach); ``alone`` and
+    ``alone all cores``, rank 0 training alone on one thread and on every core (:class:`_Alone`)."""
+    import torch
+
     import phalanx.torch as hvd
     from phalanx.torch import process_sets
 
@@ -193,8 +228,11 @@ def _bench_2_floor(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, (make, shape) in train.MODELS.items():
         trainers = train._trainers(name)
-        model = make()
+        model, pair = make(), make()
         trainers["floor"] = (model, _Floor(model, group))
+        trainers["pair"] = (pair, torch.optim.SGD(pair.parameters(), lr=0.01))
+        trainers["alone"] = _Alone(make(), 1)
+        trainers["alone all cores"] = _Alone(make(), os.cpu_count() or 1)
         out[name] = train._interleaved(trainers, shape, steps, rounds)
     hvd.shutdown()
     return out
@@ -307,58 +345,30 @@ def _print_ddp_ab(ddp_ab: dict[str, Any]) -> None:
               f"FSDP2 phalanx_shm {r['fsdp shm']:.2f}/s  ratio {r['fsdp shm'] / r['fsdp gloo']:.2f}x")  # fmt: skip
 
 
-def _bench_1_thread(steps: int, rounds: int) -> dict[str, dict[str, float]]:
-    """bench/train.py's 1-process job on one thread: what each of two ranks gets on a 2-core host."""
-    import torch
-
-    torch.set_num_threads(1)
-    return train._bench_1(steps, rounds)
-
-
-def _independent(steps: int, rounds: int) -> dict[str, float]:
-    """Both ranks train the plain optimizer at the same time with no communication at all (one start barrier):
-    steps/s per rank of two processes sharing this host. What distributed training could reach at best here;
-    the gap to one process alone is the host's (shared memory bandwidth and caches), not distribution's.
-    ``hvd.init()`` (no collective follows but the start barriers) gives the processes the allocator settings of
-    every other figure here (it tunes glibc's malloc, ``_malloc``): with plain ``init_process_group`` the CNN's
-    8 MB activations were page-faulted in from fresh mmaps every step (16.8-17.4 vs 20.1-20.2 steps/s)."""
-    import torch
-
-    import phalanx.torch as hvd
-
-    hvd.init()
-    out: dict[str, float] = {}
-    for name, (make, shape) in train.MODELS.items():
-        model = make()  # train._seconds: two warm-up steps, a barrier, then the timed steps (no collective)
-        seconds = train._seconds(model, torch.optim.SGD(model.parameters(), lr=0.01), shape, steps * rounds)
-        out[name] = steps * rounds / seconds
-    hvd.shutdown()
-    return out
-
-
-def _print_train(shm: dict[str, Any], gloo: dict[str, Any], one: dict[str, Any], ddp_ab: dict[str, Any],
-                 one_thread: dict[str, Any], alone2: list[dict[str, float]]) -> None:  # fmt: skip
+def _print_train(shm: dict[str, Any], gloo: dict[str, Any], ddp_ab: dict[str, Any]) -> None:
     print(
-        "training, 2 ranks, steps/s per rank; efficiency (eff) = 2-rank steps/s per rank / 1 process alone "
-        f"(plain optimizer, all {os.cpu_count()} cores: with one core per rank the ceiling is "
-        f"~{1 / (os.cpu_count() or 1):.2f} on this host); eff1t = the same over 1 process on 1 thread"
+        "training, 2 ranks, steps/s per rank (rank 0); every baseline interleaved in the training job: alone = rank"
+        " 0 training alone (plain optimizer) while the other rank waits, on 1 thread (alone) and on all"
+        f" {os.cpu_count()} cores; pair = both ranks training at once without communicating; floor = the ranks"
+        " meeting once per step and doing an allreduce's memory traffic without communicating (what any allreduce"
+        " schedule reaches here)"
     )
-    print("  effpair = the same over 2 processes training at once with no communication (the host's ceiling);"
-          " floor = interleaved with hvd shm: the ranks meeting once per step and doing an allreduce's memory"
-          " traffic without communicating (what any allreduce schedule reaches here)")  # fmt: skip
-    for name in shm:
-        alone, alone1 = one[name]["plain"], one_thread[name]["plain"]
-        pair, floor = statistics.mean(r[name] for r in alone2), shm[name]["floor"]
-        rows = {"hvd shm": shm[name]["hvd"], "hvd gloo": gloo[name]["hvd"], "DDP gloo": shm[name]["ddp"],
-                "DDP phalanx_shm": ddp_ab[name]["shm"]}  # fmt: skip
-        cells = " | ".join(f"{k} {v:.2f}/s (eff {v / alone:.2f}, eff1t {v / alone1:.2f}, effpair {v / pair:.2f})"
+    print(
+        "  efficiency: eff = steps/s per rank / alone on all cores (the literal definition: with one core per"
+        f" rank its ceiling is ~{1 / (os.cpu_count() or 1):.2f} here); eff1t = over alone on 1 thread; effpair ="
+        " over pair (the host's ceiling)"
+    )
+    for name, r in shm.items():
+        base = {"eff": r["alone all cores"], "eff1t": r["alone"], "effpair": r["pair"]}
+        rows = {"hvd shm": r["hvd"], "floor": r["floor"], "DDP gloo": r["ddp"], "pair": r["pair"]}
+        cells = " | ".join(f"{k} {v:.2f}/s (" + ", ".join(f"{e} {v / b:.2f}" for e, b in base.items()) + ")"
                            for k, v in rows.items())  # fmt: skip
-        print(f"  {name}: alone {alone:.2f}/s, alone 1 thread {alone1:.2f}/s, 2 at once {pair:.2f}/s per rank"
-              f" (eff1t {pair / alone1:.2f}), floor {floor:.2f}/s (eff1t {floor / alone1:.2f}) | {cells}"
-              f" | hvd shm / floor {shm[name]['hvd'] / floor:.2f}x"
-              f" | hvd shm / DDP gloo {shm[name]['hvd'] / shm[name]['ddp']:.2f}x"
-              f" | DDP phalanx_shm / DDP gloo {ddp_ab[name]['shm'] / ddp_ab[name]['gloo']:.2f}x (interleaved in one"
-              f" job: {ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")  # fmt: skip
+        print(f"  {name}: alone {r['alone']:.2f}/s, alone all cores {r['alone all cores']:.2f}/s | {cells}"
+              f" | hvd shm / floor {r['hvd'] / r['floor']:.2f}x | hvd shm / DDP gloo {r['hvd'] / r['ddp']:.2f}x"
+              f" (per-round interquartile range {r['hvd/ddp q1']:.2f}-{r['hvd/ddp q3']:.2f})"
+              f" | other jobs: hvd gloo {gloo[name]['hvd']:.2f}/s ({gloo[name]['hvd'] / gloo[name]['ddp']:.2f}x"
+              f" DDP gloo in its job); DDP phalanx_shm / DDP gloo {ddp_ab[name]['shm'] / ddp_ab[name]['gloo']:.2f}x"
+              f" ({ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")  # fmt: skip
 
 
 def main() -> None:
@@ -390,11 +400,8 @@ def main() -> None:
         return
     shm = _train(args.steps, args.train_rounds, {})
     gloo = _train(args.steps, args.train_rounds, {"PHALANX_SHM": "0"})
-    one = phalanx.run(train._bench_1, args=(args.steps, args.train_rounds), np=1)[0]
     ddp_ab = phalanx.run(_ddp_ab, args=(args.steps, args.train_rounds), np=2, env=_GLOO_DEFAULT)[0]
-    one_thread = phalanx.run(_bench_1_thread, args=(args.steps, args.train_rounds), np=1)[0]
-    alone2 = phalanx.run(_independent, args=(args.steps, args.train_rounds), np=2)
-    _print_train(shm, gloo, one, ddp_ab, one_thread, alone2)
+    _print_train(shm, gloo, ddp_ab)
     _print_ddp_ab(ddp_ab)
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
 

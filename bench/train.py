@@ -1,15 +1,17 @@
 """Training steps/s: ``hvd.DistributedOptimizer`` vs ``DistributedDataParallel`` on gloo, side by side.
 
-Run: ``.venv/bin/python bench/train.py [--steps 20] [--rounds 3]``. Models: an 824k-parameter CNN
+Run: ``.venv/bin/python bench/train.py [--steps 2] [--rounds 40]``. Models: an 824k-parameter CNN
 (CIFAR-shaped input, batch 64 per rank) and a 5.8M-parameter MLP (batch 32 per rank, communication-bound).
 Both trainers run in the same 2-rank job, alternating in short chunks of steps (so machine noise hits both
-alike); each figure is total steps / total time. A 1-rank job then compares ``DistributedOptimizer`` with
+alike; the order reversed every other round); each figure is total steps / total time, with the interquartile
+range of the per-round ratios. A 1-rank job then compares ``DistributedOptimizer`` with
 the plain optimizer (overhead).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -37,7 +39,9 @@ def mlp() -> Any:
 MODELS = {"cnn": (cnn, (64, 3, 32, 32)), "mlp": (mlp, (32, 784))}
 
 
-def _seconds(model: Any, opt: Any, shape: tuple[int, ...], steps: int) -> float:
+def _seconds(model: Any, opt: Any, shape: tuple[int, ...], steps: int, start_together: bool = True) -> float:
+    """Seconds of ``steps`` training steps after two warm-up steps (and, with ``start_together``, a barrier
+    of every rank before the timed steps)."""
     import torch
     import torch.distributed as dist
 
@@ -47,7 +51,7 @@ def _seconds(model: Any, opt: Any, shape: tuple[int, ...], steps: int) -> float:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-    if dist.is_initialized():
+    if start_together and dist.is_initialized():
         dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -57,13 +61,28 @@ def _seconds(model: Any, opt: Any, shape: tuple[int, ...], steps: int) -> float:
     return time.perf_counter() - start
 
 
+def _chunks(trainers: dict[str, Any], shape: tuple[int, ...], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each chunk of ``steps`` steps per trainer, alternating trainers for ``rounds`` rounds (the order
+    reversed every other round, so that no trainer always runs right after the same other one)."""
+    spent: dict[str, list[float]] = {k: [] for k in trainers}
+    for r in range(rounds):
+        for key in list(trainers) if r % 2 == 0 else list(trainers)[::-1]:
+            trainer = trainers[key]  # (model, optimizer), or a callable (shape, steps) -> seconds
+            spent[key].append(trainer(shape, steps) if callable(trainer) else _seconds(*trainer, shape, steps))
+    return spent
+
+
 def _interleaved(trainers: dict[str, Any], shape: tuple[int, ...], steps: int, rounds: int) -> dict[str, float]:
-    """Steps/s of each trainer, alternating chunks of ``steps`` steps for ``rounds`` rounds."""
-    spent = dict.fromkeys(trainers, 0.0)
-    for _ in range(rounds):
-        for key, (model, opt) in trainers.items():
-            spent[key] += _seconds(model, opt, shape, steps)
-    return {k: steps * rounds / v for k, v in spent.items()}
+    """Steps/s of each trainer over :func:`_chunks`; ``"<a>/<b> q1"`` and ``"... q3"`` keys give the quartiles of
+    the per-round ratios of steps/s between the first trainer and each other one (the spread behind the totals)."""
+    spent = _chunks(trainers, shape, steps, rounds)
+    out = {k: steps * rounds / sum(v) for k, v in spent.items()}
+    first, *others = list(trainers)
+    for key in others:
+        ratios = [a / b for a, b in zip(spent[first], spent[key])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+        out[f"{key}/{first} q1"], out[f"{key}/{first} q3"] = q1, q3
+    return out
 
 
 def _trainers(name: str) -> dict[str, Any]:
@@ -112,7 +131,7 @@ def main() -> None:
     """Run both jobs and print steps/s and ratios."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2, help="steps per chunk")
-    parser.add_argument("--rounds", type=int, default=20, help="chunks per trainer")
+    parser.add_argument("--rounds", type=int, default=40, help="chunks per trainer")
     parser.add_argument("--fusion-threshold", default="", help="HOROVOD_FUSION_THRESHOLD (bytes) for the job")
     args = parser.parse_args()
     env = {"HOROVOD_FUSION_THRESHOLD": args.fusion_threshold} if args.fusion_threshold else None
@@ -120,7 +139,8 @@ def main() -> None:
     print(f"training on 2 ranks, gloo, {args.rounds} x {args.steps} steps per trainer, interleaved (rank 0)")
     for name, r in two.items():
         ratio = r["hvd"] / r["ddp"]
-        print(f"  {name}: DDP {r['ddp']:.2f}/s  DistributedOptimizer {r['hvd']:.2f}/s  ratio {ratio:.2f}x")
+        spread = f"per-round ratios' interquartile range {r['hvd/ddp q1']:.2f}-{r['hvd/ddp q3']:.2f}"
+        print(f"  {name}: DDP {r['ddp']:.2f}/s  DistributedOptimizer {r['hvd']:.2f}/s  ratio {ratio:.2f}x ({spread})")
     one = phalanx.run(_bench_1, args=(args.steps, args.rounds), np=1)[0]
     print("1 rank: DistributedOptimizer vs the plain optimizer")
     for name, r in one.items():
