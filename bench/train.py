@@ -68,7 +68,11 @@ def _chunks(trainers: dict[str, Any], shape: tuple[int, ...], steps: int, rounds
     for r in range(rounds):
         for key in list(trainers) if r % 2 == 0 else list(trainers)[::-1]:
             trainer = trainers[key]  # (model, optimizer), or a callable (shape, steps) -> seconds
-            spent[key].append(trainer(shape, steps) if callable(trainer) else _seconds(*trainer, shape, steps))
+            if callable(trainer):
+                spent[key].append(trainer(shape, steps))
+            else:
+                model, opt = trainer
+                spent[key].append(_seconds(model, opt, shape, steps))
     return spent
 
 
