@@ -166,7 +166,7 @@ class Hierarchy:
             direct = ch is not None and _rs.eligible(ch, inp.numel() * inp.element_size())
             return "direct" if direct else "copy"
         big = inp.numel() * inp.element_size() >= PART_BYTES  # smaller: one gloo call among the leaders is faster
-        return "hosts" if big and self.cross is not None else "copy"
+        return "hosts" if big and self.cross is not None and self.ch is not None else "copy"
 
     def reduce_scatter_(self, out: torch.Tensor, inp: torch.Tensor, op: Any, path: str) -> None:
         """``out`` = this rank's part (group rank order) of the reduction of every rank's ``inp`` (flat,
@@ -196,7 +196,7 @@ class Hierarchy:
         4 ranks 40.7 vs 33 ms, hence the allreduce.)"""
         kind: Any = _ops._kind(op)
         m, hosts, ch, cross = out.numel(), self.hosts, self.ch, self.cross
-        assert ch is not None and cross is not None
+        assert ch is not None and cross is not None  # reduce_scatter_path chose "hosts"
         mine = self._host(self.rank)
         j = hosts[mine].index(self.rank)
         block = torch.empty(len(hosts) * m, dtype=inp.dtype)
