@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+#: The Horovod release whose API phalanx implements (``horovod.__version__`` under the alias).
+HOROVOD_API_VERSION = "0.28.1"
 
 if TYPE_CHECKING:
     from phalanx.launch.api import run
 
-__all__ = ["__version__", "run"]
+__all__ = ["HOROVOD_API_VERSION", "__version__", "run"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "torch": {"env", "timeline", "errors"},
     "tensorflow": {"torch", "env", "timeline", "errors"},
     "spark": {"launch", "job", "env", "errors", "worker"},
-    "cli": {"launch", "env", "errors", "timeline", "job"},
+    "cli": {"launch", "env", "errors", "timeline", "job", "__init__"},
     "compat": {"torch", "tensorflow", "spark", "launch", "env", "errors", "__init__"},
     "__init__": {"launch"},
 }

@@ -1,6 +1,7 @@
-"""``phalanxrun``: run a command as N ranks on this machine (horovodrun's flags where they exist).
+"""``phalanxrun``: run a command as N ranks on this machine; every horovodrun flag parses.
 
-Parse -> :class:`RunConfig` (frozen, validated) -> :class:`LocalLauncher`. The exit code is the
+Parse (core flags here, the rest of horovodrun's in ``cli/flags.py``; ``--config-file`` in
+``cli/config_file.py``) -> :class:`RunConfig` (frozen, validated) -> :class:`LocalLauncher`. The exit code is the
 root-cause rank's exit code (a signal N gives 128 + N).
 """
 
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, resolve_start_timeout, validate_hosts, validate_np
@@ -37,10 +39,13 @@ class RunConfig:
     timeline: str | None
     timeline_mark_cycles: bool
     elastic: ElasticSpec | None = None
+    knobs: tuple[tuple[str, str], ...] = ()
+    prefix_timestamp: bool = False
+    warnings: tuple[str, ...] = ()
 
     def job_env(self) -> dict[str, str]:
-        """Variables the command's ranks get on top of the contract."""
-        env: dict[str, str] = {}
+        """Variables the command's ranks get on top of the contract (the timeline and the flags' knobs)."""
+        env = dict(self.knobs)
         if self.timeline:
             env[N.HOROVOD_TIMELINE] = os.path.abspath(self.timeline)
             if self.timeline_mark_cycles:
@@ -56,17 +61,32 @@ class RunConfig:
             start_timeout_s=self.start_timeout_s,
             start_timeout_hint="--start-timeout (or HOROVOD_START_TIMEOUT)",
             prefix=self.prefix,
+            prefix_timestamp=self.prefix_timestamp,
             output_dir=self.output_dir,
         )
 
 
+class _CheckBuild(argparse.Action):
+    """``-cb/--check-build``: print what phalanx supports here and exit (``-np`` is then not needed)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        sys.stdout.write(build_info.report(build_info.probe()))
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (horovodrun's flag names)."""
+    """The argument parser: every horovodrun flag (``cli/flags.py`` holds those beyond the core ones)."""
     p = argparse.ArgumentParser(
         prog="phalanxrun",
         description="Run COMMAND as N ranks on this machine with the phalanx/Horovod/torchrun contract.",
     )
+    p.add_argument("-v", "--version", action="version", version=build_info.version_text())
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of ranks")
+    p.add_argument("-cb", "--check-build", action=_CheckBuild, nargs=0,
+                   help="show which frameworks and operations phalanx supports here, and exit")
+    p.add_argument("--config-file", default=None,
+                   help="horovodrun's YAML file of parameters; flags on the command line win over it")
     p.add_argument("-H", "--hosts", default=None, help="localhost:N (only this machine is supported)")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds for all ranks to start (default: HOROVOD_START_TIMEOUT or 30)")
@@ -74,19 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also keep each rank's output in DIR/rank.N/{stdout,stderr}")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]<stream>:")
     p.add_argument("--timeline-filename", default=None, help="write a Horovod timeline to this file")
-    p.add_argument("--timeline-mark-cycles", action="store_true", help="mark cycles in the timeline")
-    p.add_argument("--min-np", type=int, default=None,
+    p.add_argument("--timeline-mark-cycles", action="store_const", const=True, default=None,
+                   help="mark cycles in the timeline")
+    p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=None,
                    help="elastic: fewest ranks the job may go on with (makes the job elastic; docs/elastic.md)")
-    p.add_argument("--max-np", type=int, default=None, help="elastic: most ranks (default: -np)")
+    p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, default=None,
+                   help="elastic: most ranks (default: -np)")
     p.add_argument("--reset-limit", type=int, default=None,
                    help="elastic: most re-formations of the world before the job fails (default: no limit)")
     p.add_argument("--host-discovery-script", default=None,
                    help="elastic: executable printing host:slots lines, polled every second; the world grows "
                         "up to --max-np when this machine's slots grow (only this host's names count)")
     p.add_argument("--gloo", action="store_true", help="accepted for horovodrun compatibility (always gloo/NCCL)")
-    p.add_argument("--mpi", action="store_true", help="refused: phalanx does not use MPI")
     p.add_argument("--verbose", action="store_true", help="log what the launcher does")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
+    flags.add_flags(p)
     return p
 
 
@@ -109,12 +131,14 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
         InvalidArgumentError: a bad value (the message says which and why).
     """
     ns = build_parser().parse_args(list(argv))
-    if ns.mpi:
-        raise InvalidArgumentError("--mpi: phalanx runs on gloo (CPU) and NCCL (CUDA), not MPI; drop --mpi")
+    if ns.config_file:
+        config_file.apply(ns, ns.config_file)
+    flags.validate(ns)
     np = validate_np(ns.np, "-np")
     validate_hosts(ns.hosts, np)
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
     _check_command(command)
+    knobs = flags.knob_env(ns)
     return RunConfig(
         np=np,
         command=command,
@@ -123,8 +147,12 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
         prefix=not ns.no_prefix,
         verbose=ns.verbose,
         timeline=ns.timeline_filename,
-        timeline_mark_cycles=ns.timeline_mark_cycles,
-        elastic=elastic_spec(np, ns.min_np, ns.max_np, ns.reset_limit, discovery_script=ns.host_discovery_script),
+        timeline_mark_cycles=bool(ns.timeline_mark_cycles),
+        elastic=elastic_spec(np, ns.min_np, ns.max_np, ns.reset_limit, knobs,
+                             discovery_script=ns.host_discovery_script),
+        knobs=tuple(sorted(knobs.items())),
+        prefix_timestamp=bool(ns.prefix_output_with_timestamp),
+        warnings=tuple(flags.noop_warnings(ns)),
     )
 
 
@@ -135,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidArgumentError as e:
         sys.stderr.write(f"phalanxrun: error: {e}\n")
         return EXIT_USAGE
+    for warning in config.warnings:
+        sys.stderr.write(f"phalanxrun: warning: {warning}\n")
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
                         format="phalanxrun: %(message)s")
     try:

@@ -37,6 +37,19 @@ HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
 HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
 HOROVOD_TIMELINE = "HOROVOD_TIMELINE"
 HOROVOD_TIMELINE_MARK_CYCLES = "HOROVOD_TIMELINE_MARK_CYCLES"
+# Horovod's stall check: "1" turns it off; seconds before a stalled collective is reported; seconds
+# before the job is shut down for it (0: never). phalanxrun's --stall-check* flags set them.
+HOROVOD_STALL_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
+HOROVOD_STALL_CHECK_TIME_SECONDS = "HOROVOD_STALL_CHECK_TIME_SECONDS"
+HOROVOD_STALL_SHUTDOWN_TIME_SECONDS = "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"
+# Seconds a gloo operation may take (phalanx.torch's process groups; --gloo-timeout-seconds).
+HOROVOD_GLOO_TIMEOUT_SECONDS = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+# The phalanx loggers' level in a rank (TRACE, DEBUG, INFO, WARNING, ERROR, FATAL) and "1" to drop the
+# time from their lines (--log-level, --log-without-timestamp).
+HOROVOD_LOG_LEVEL = "HOROVOD_LOG_LEVEL"
+HOROVOD_LOG_HIDE_TIME = "HOROVOD_LOG_HIDE_TIME"
+# NCCL's own switch: "1" keeps NCCL off InfiniBand (horovodrun --tcp sets it).
+NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
 # phalanx timeline knobs: "1" makes every rank write its own trace (path with a ".rankN" suffix) so a
 # straggler shows; the cap (MB, both rotation segments together) bounds the trace for long runs.
 PHALANX_TIMELINE_ALL_RANKS = "PHALANX_TIMELINE_ALL_RANKS"

@@ -8,6 +8,7 @@ without a newline is still delivered. Console output is written to whatever ``sy
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -38,15 +39,22 @@ def pump_lines(pipe: IO[bytes], rank: int, stream: Stream, emit: Callable[[LogLi
 
 
 class ConsoleSink:
-    """Writes ``[rank]<stdout>:text`` lines (horovodrun's prefix) to the driver's own streams."""
+    """Writes ``[rank]<stdout>:text`` lines (horovodrun's prefix) to the driver's own streams.
 
-    def __init__(self, prefix: bool = True) -> None:
+    With ``timestamp`` the prefix starts with the local time as horovodrun's
+    ``--prefix-output-with-timestamp`` writes it (``time.asctime``: ``Tue Nov 24 22:40:05 2026[0]<stdout>:``).
+    """
+
+    def __init__(self, prefix: bool = True, timestamp: bool = False) -> None:
         self.prefix = prefix
+        self.timestamp = timestamp
 
     def write(self, line: LogLine) -> None:
         """Write one line to sys.stdout or sys.stderr."""
         out = sys.stdout if line.stream is Stream.STDOUT else sys.stderr
         head = f"[{line.rank}]<{line.stream.label}>:" if self.prefix else ""
+        if self.timestamp:
+            head = time.asctime() + head
         out.write(f"{head}{line.text}\n")
 
     def flush(self) -> None:

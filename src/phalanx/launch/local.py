@@ -50,6 +50,8 @@ class LocalJobSpec:
         start_timeout_s: seconds every rank has to reach the channel (function jobs).
         start_timeout_hint: the knob to name in a start-timeout error.
         prefix: prefix each output line with ``[rank]<stream>:``.
+        prefix_timestamp: start each output line with the local time (horovodrun's
+            ``--prefix-output-with-timestamp``).
         output_dir: also keep each rank's output under this directory.
         teardown_grace_s: seconds between SIGTERM and SIGKILL on teardown.
         warm_preload: for function jobs, the modules a warm-start template should import; None turns
@@ -63,6 +65,7 @@ class LocalJobSpec:
     start_timeout_s: float = 30.0
     start_timeout_hint: str = "start_timeout"
     prefix: bool = True
+    prefix_timestamp: bool = False
     output_dir: str | None = None
     teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
@@ -83,7 +86,7 @@ class LocalLauncher:
         channel = DriverChannel(self._channel_size(), self.spec.payload)
         store = RendezvousStore(self._channel_size())
         files = FileSink(self.spec.output_dir) if self.spec.output_dir else None
-        sinks: list[LogSink] = [ConsoleSink(prefix=self.spec.prefix)] + ([files] if files else [])
+        sinks: list[LogSink] = [ConsoleSink(self.spec.prefix, self.spec.prefix_timestamp)] + ([files] if files else [])
         monitor = self._monitor(channel, sinks)
         try:
             self._start(channel, store)

@@ -23,6 +23,7 @@ of step: the engine refuses further collectives on those memberships (``broken``
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -33,9 +34,10 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.env import names as N
-from phalanx.errors import CollectiveMismatchError
+from phalanx.errors import CollectiveMismatchError, HorovodInternalError
 from phalanx.torch.shm import _channel
 
+_log = logging.getLogger(__name__)
 DEFAULT_CHECK_S = 5.0
 POLL_S = 1.0  # between two reads of the records once a rank has published (at most the check interval)
 POLL_MAX_S = 10.0  # the back-off's limit
@@ -148,6 +150,7 @@ class Inspector:
 
     def __init__(self) -> None:
         self.check_s = 0.0  # 0: off
+        self.shutdown_s = 0.0  # 0: never
         self.check_td = self.poll_td = timedelta(0)
         self.store: Any = None
         self.rank, self.size = 0, 1
@@ -165,6 +168,7 @@ class Inspector:
         self.__init__()  # type: ignore[misc]
         self.counters = counters
         self.check_s = check_interval()
+        self.shutdown_s = shutdown_after()
         if self.check_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
             self.check_s = 0.0
             return
@@ -297,19 +301,39 @@ def stop() -> None:
     _channel.HOOKS.stalled = _channel.HOOKS.resumed = _channel.HOOKS.verdict = None
 
 
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds (0 turns it off)") from e
+
+
 def check_interval() -> float:
-    """``PHALANX_STALL_CHECK_S`` (seconds; 0 turns the inspector off).
+    """Seconds a wait lasts before the stall check acts (0: off): ``PHALANX_STALL_CHECK_S``, else Horovod's
+    ``HOROVOD_STALL_CHECK_DISABLE=1`` (off) and ``HOROVOD_STALL_CHECK_TIME_SECONDS``, else 5.
 
     Raises:
         ValueError: the value is not a number.
     """
-    raw = os.environ.get(N.PHALANX_STALL_CHECK_S, "").strip()
-    if not raw:
-        return DEFAULT_CHECK_S
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise ValueError(f"{N.PHALANX_STALL_CHECK_S}={raw!r} is not a number of seconds (0 turns it off)") from e
+    if os.environ.get(N.PHALANX_STALL_CHECK_S, "").strip():
+        return _seconds(N.PHALANX_STALL_CHECK_S, DEFAULT_CHECK_S)
+    if os.environ.get(N.HOROVOD_STALL_CHECK_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+        return 0.0
+    return _seconds(N.HOROVOD_STALL_CHECK_TIME_SECONDS, DEFAULT_CHECK_S)
+
+
+def shutdown_after() -> float:
+    """``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``: seconds of stall after which the waiting rank gives up with
+    :class:`HorovodInternalError` (0, the default: never). Horovod acts on it only when it exceeds the check
+    time; so does phalanx (a wait is looked at only once it has lasted the check time).
+
+    Raises:
+        ValueError: the value is not a number.
+    """
+    return _seconds(N.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, 0.0)
 
 
 def current_wait() -> dict[str, Any] | None:
@@ -325,7 +349,7 @@ def current_wait() -> dict[str, Any] | None:
             "psid": sig.process_set_id}  # fmt: skip
 
 
-def on_stall(waited: float) -> CollectiveMismatchError | None:
+def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | None:
     """A wait has lasted ``waited`` seconds: consult the inspector (the shared-memory channels call this).
 
     A store that fails (its host is gone, as when an elastic job loses ranks) turns the inspector off: the
@@ -336,6 +360,15 @@ def on_stall(waited: float) -> CollectiveMismatchError | None:
     wait = current_wait()
     if wait is None:
         return None
+    if INSPECTOR.mine is None:  # Horovod's stall warning, once per wait
+        _log.warning("stall check: %s %r on ranks %s has waited %.0f s for the other ranks (rank %d; "
+                     "HOROVOD_STALL_CHECK_TIME_SECONDS / PHALANX_STALL_CHECK_S)", wait["kind"], wait["name"],
+                     list(wait["ranks"]), waited, INSPECTOR.rank)  # fmt: skip
+    if 0 < INSPECTOR.shutdown_s <= waited:
+        INSPECTOR.resumed()
+        return HorovodInternalError(
+            f"stall check: {wait['kind']} {wait['name']!r} on ranks {list(wait['ranks'])} waited {waited:.0f} s, "
+            f"past {N.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={INSPECTOR.shutdown_s:g}: a rank never issued it")
     try:
         return INSPECTOR.stalled(wait)
     except (RuntimeError, OSError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -121,7 +122,8 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
         STATE.owns_group = True
     elif env.get(N.MASTER_ADDR):
         rank, size = _rank_and_size(env)
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size)
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
+                                timeout=gloo_timeout(env))
         STATE.owns_group = True
     else:
         # No launcher: one rank on a private in-process store (no TCP port, so no port race).
@@ -129,6 +131,25 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
         STATE.owns_group = True
     STATE.topology = topology_from_env(env, dist.get_rank(), dist.get_world_size())
     _share_cores(env, STATE.topology)
+
+
+def gloo_timeout(env: Mapping[str, str]) -> timedelta | None:
+    """``HOROVOD_GLOO_TIMEOUT_SECONDS`` (``phalanxrun --gloo-timeout-seconds``) as the default group's
+    timeout, or None (torch's default) when unset.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    raw = env.get(N.HOROVOD_GLOO_TIMEOUT_SECONDS, "").strip()
+    if not raw:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{N.HOROVOD_GLOO_TIMEOUT_SECONDS}={raw!r} is not a number of seconds") from e
+    if seconds <= 0:
+        raise ValueError(f"{N.HOROVOD_GLOO_TIMEOUT_SECONDS}={raw!r} must be a positive number of seconds")
+    return timedelta(seconds=seconds)
 
 
 def _share_cores(env: Mapping[str, str], topo: Topology) -> None:

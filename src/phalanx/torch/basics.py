@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx.timeline as timeline
-from phalanx.torch import _engine, _malloc, _state
+from phalanx.torch import _engine, _log, _malloc, _state
 from phalanx.torch import process_sets as P
 
 
@@ -30,6 +30,7 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | None = None) -
         raise ValueError("hvd.init(comm=...) (MPI communicators) is not supported by phalanx; call hvd.init()")
     if _state.STATE.topology is not None:
         return
+    _log.configure()  # HOROVOD_LOG_LEVEL / HOROVOD_LOG_HIDE_TIME (phalanxrun --log-level ...)
     _state.join_process_group()
     _malloc.tune()  # large tensors reuse heap memory instead of fresh page-faulted mmaps (PHALANX_MALLOC_TUNE)
     try:

@@ -30,7 +30,6 @@ def test_parse_full_command_line(tmp_path: Path) -> None:
         (["-np", "2", "-H", "otherhost:2", "true"], "names 'otherhost'"),
         (["-np", "4", "-H", "localhost:2", "true"], "has 2 slot"),
         (["-np", "2", "--start-timeout", "-1", "true"], "start_timeout must be positive"),
-        (["-np", "2", "--mpi", "true"], "phalanx does not use MPI|not MPI; drop --mpi"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(argv: list[str], message: str) -> None:

@@ -1,0 +1,219 @@
+"""phalanxrun parses every horovodrun flag (Horovod 0.28.1); the ones phalanx can use take effect."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx import HOROVOD_API_VERSION, __version__
+from phalanx.cli import build_info
+from phalanx.cli.main import main, parse_config
+from phalanx.errors import InvalidArgumentError
+from phalanx.job.logs import ConsoleSink
+from phalanx.job.records import LogLine, Stream
+
+# horovodrun's 61 arguments (its `horovodrun --help`), each with a value where it takes one. -H, --hostfile,
+# --slots-per-host, --check-build and --version are covered by their own tests below.
+HOROVODRUN_ARGS: list[list[str]] = [
+    ["-np", "2"], ["--num-proc", "2"], ["-H", "localhost:2"], ["--hosts", "localhost:2"], ["--disable-cache"],
+    ["--start-timeout", "40"],
+    ["--network-interfaces", "lo"], ["--network-interface", "lo"], ["--output-filename", "OUT"], ["--verbose"],
+    ["-p", "2222"], ["--ssh-port", "2222"], ["-i", "key"], ["--ssh-identity-file", "key"],
+    ["--fusion-threshold-mb", "32"], ["--cycle-time-ms", "2.5"], ["--cache-capacity", "512"],
+    ["--hierarchical-allreduce"], ["--no-hierarchical-allreduce"], ["--hierarchical-allgather"],
+    ["--no-hierarchical-allgather"], ["--torus-allreduce"], ["--no-torus-allreduce"], ["--autotune"],
+    ["--no-autotune"], ["--autotune-log-file", "a.csv"], ["--autotune-warmup-samples", "3"],
+    ["--autotune-steps-per-sample", "10"], ["--autotune-bayes-opt-max-samples", "20"],
+    ["--autotune-gaussian-process-noise", "0.8"], ["--min-np", "1"], ["--min-num-proc", "1"],
+    ["--max-np", "3"], ["--max-num-proc", "3"], ["--elastic-timeout", "600"], ["--reset-limit", "2"],
+    ["--blacklist-cooldown-range", "60", "300"], ["--timeline-filename", "t.json"], ["--timeline-mark-cycles"],
+    ["--no-timeline-mark-cycles"], ["--no-stall-check"], ["--stall-check"],
+    ["--stall-check-warning-time-seconds", "30"], ["--stall-check-shutdown-time-seconds", "90"],
+    ["--mpi-threads-disable"], ["--no-mpi-threads-disable"], ["--mpi-args=--map-by ppr:6:node"], ["--tcp"],
+    ["--binding-args=--rankfile f"], ["--num-nccl-streams", "2"], ["--thread-affinity", "1"],
+    ["--gloo-timeout-seconds", "45"], ["--log-level", "INFO"], ["--log-with-timestamp"],
+    ["--log-without-timestamp"], ["-prefix-timestamp"], ["--prefix-output-with-timestamp"],
+    ["--log-hide-timestamp"], ["--no-log-hide-timestamp"], ["--gloo"], ["--mpi"], ["--jsrun"],
+    ["--config-file", "CONFIG"],
+]  # fmt: skip
+
+
+@pytest.fixture
+def config_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "hvd.yaml"
+    path.write_text("params:\n  fusion_threshold_mb: 16\n  cycle_time_ms: 1\n"
+                    "stall_check:\n  enabled: true\n  warning_time_seconds: 20\n"
+                    "logging:\n  level: debug\n  with_timestamp: false\n"
+                    "timeline:\n  filename: tl.json\n  mark_cycles: true\n")
+    return path
+
+
+@pytest.mark.parametrize("flag", HOROVODRUN_ARGS, ids=lambda a: a[0].split("=")[0])
+def test_every_horovodrun_flag_parses(flag: list[str], config_yaml: Path, tmp_path: Path) -> None:
+    flag = [str(config_yaml) if a == "CONFIG" else str(tmp_path) if a == "OUT" else a for a in flag]
+    np_given = flag[0] in ("-np", "--num-proc")
+    cfg = parse_config(([] if np_given else ["-np", "2"]) + flag + ["true"])
+    assert cfg.np == 2 and cfg.command == ("true",)
+
+
+def test_effective_flags_set_horovods_variables_for_the_ranks() -> None:
+    cfg = parse_config(["-np", "2", "--fusion-threshold-mb", "4", "--stall-check-warning-time-seconds", "7",
+                        "--stall-check-shutdown-time-seconds", "20", "--gloo-timeout-seconds", "45",
+                        "--log-level", "debug", "--log-without-timestamp", "--tcp", "--elastic-timeout", "90",
+                        "true"])  # fmt: skip
+    env = cfg.job_env()
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(4 * 1024 * 1024)
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "7"
+    assert env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "20"
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "45"
+    assert env["HOROVOD_LOG_LEVEL"] == "DEBUG" and env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    assert env["NCCL_IB_DISABLE"] == "1" and env["PHALANX_ELASTIC_TIMEOUT_S"] == "90"
+    assert cfg.to_spec().env == env
+    assert cfg.warnings == ()
+
+
+def test_stall_check_switches() -> None:
+    assert parse_config(["-np", "2", "--no-stall-check", "true"]).job_env()["HOROVOD_STALL_CHECK_DISABLE"] == "1"
+    assert parse_config(["-np", "2", "--stall-check", "true"]).job_env()["HOROVOD_STALL_CHECK_DISABLE"] == "0"
+    assert "HOROVOD_STALL_CHECK_DISABLE" not in parse_config(["-np", "2", "true"]).job_env()
+
+
+def test_unset_flags_add_no_variables() -> None:
+    assert parse_config(["-np", "2", "true"]).job_env() == {}
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--autotune", "--autotune-log-file", "a.csv"], ["--autotune", "--autotune-log-file"]),
+        (["--mpi"], ["--mpi"]),
+        (["--jsrun"], ["--jsrun"]),
+        (["--cycle-time-ms", "5"], ["--cycle-time-ms"]),
+        (["--hierarchical-allreduce", "--num-nccl-streams", "2"], ["--hierarchical-allreduce", "--num-nccl-streams"]),
+        (["--blacklist-cooldown-range", "1", "2", "-p", "22"], ["--blacklist-cooldown-range", "--ssh-port"]),
+    ],
+)
+def test_noop_flags_warn_once_naming_the_flag(flags: list[str], named: list[str]) -> None:
+    warnings = parse_config(["-np", "2", *flags, "true"]).warnings
+    assert len(warnings) == len(named)
+    for warning, flag in zip(warnings, named, strict=True):
+        assert warning.startswith(f"{flag} changes nothing: ")
+
+
+def test_switching_off_what_phalanx_never_does_is_silent() -> None:
+    assert parse_config(["-np", "2", "--no-autotune", "--no-hierarchical-allreduce", "true"]).warnings == ()
+
+
+class _NoLaunch:
+    def __init__(self, spec: object) -> None:
+        self.spec = spec
+
+    def run(self) -> list[None]:
+        return []
+
+
+def test_main_prints_each_warning_once(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("phalanx.cli.main.LocalLauncher", _NoLaunch)
+    assert main(["-np", "1", "--autotune", "--mpi", "true"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("phalanxrun: warning: --autotune changes nothing") == 1
+    assert err.count("phalanxrun: warning: --mpi changes nothing") == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--fusion-threshold-mb", "-1"], "fusion-threshold-mb=-1 must be >= 0"),
+        (["--stall-check-warning-time-seconds", "-5"], "must be >= 0"),
+        (["--autotune-gaussian-process-noise", "1.5"], r"must be in \[0, 1\]"),
+        (["--hostfile", "hosts.txt"], "--hostfile 'hosts.txt': phalanxrun starts ranks on this machine only"),
+        (["--slots-per-host", "4"], "--slots-per-host"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_starts(argv: list[str], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse_config(["-np", "2", *argv, "true"])
+
+
+def test_log_level_choices_are_horovods() -> None:
+    with pytest.raises(SystemExit):
+        parse_config(["-np", "2", "--log-level", "LOUD", "true"])
+
+
+def test_min_and_max_num_proc_are_the_elastic_bounds() -> None:
+    cfg = parse_config(["-np", "2", "--min-num-proc", "1", "--max-num-proc", "4", "true"])
+    assert cfg.elastic is not None
+    assert (cfg.elastic.policy.min_np, cfg.elastic.policy.max_np) == (1, 4)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("-v", "--version"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config([flag])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert __version__ in out and HOROVOD_API_VERSION in out
+
+
+def test_check_build_needs_no_np_and_reports_what_is_installed(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--check-build"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"Horovod API v{HOROVOD_API_VERSION}" in out
+    assert "[X] PyTorch" in out and "[X] Gloo" in out and "[ ] MPI" in out and "[ ] MXNet" in out
+
+
+def test_check_build_report_marks_what_is_missing() -> None:
+    text = build_info.report(build_info.BuildInfo(tensorflow=False, torch=True, gloo=True, nccl=False, spark=False))
+    assert "[ ] TensorFlow" in text and "[ ] NCCL" in text and "[X] PyTorch" in text
+
+
+def test_config_file_fills_what_the_command_line_left_unset(config_yaml: Path) -> None:
+    cfg = parse_config(["-np", "2", "--config-file", str(config_yaml), "--fusion-threshold-mb", "2", "true"])
+    env = cfg.job_env()
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(2 * 1024 * 1024)  # the command line wins
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "20" and env["HOROVOD_STALL_CHECK_DISABLE"] == "0"
+    assert env["HOROVOD_LOG_LEVEL"] == "DEBUG" and env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    assert env["HOROVOD_TIMELINE"].endswith("tl.json") and env["HOROVOD_TIMELINE_MARK_CYCLES"] == "1"
+    assert [w.split(" ")[0] for w in cfg.warnings] == ["--cycle-time-ms"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("params:\n  fusion_threshold: 1\n", "unknown key params.fusion_threshold"),
+        ("tuning:\n  x: 1\n", "unknown section 'tuning'"),
+        ("params:\n  fusion_threshold_mb: lots\n", "params.fusion_threshold_mb must be int"),
+        ("stall_check:\n  enabled: 1\n", "stall_check.enabled must be bool"),
+        ("controller: nccl\n", "controller 'nccl' is not gloo or mpi"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("params: [\n", "not valid YAML"),
+    ],
+)
+def test_bad_config_file_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        parse_config(["-np", "2", "--config-file", str(path), "true"])
+
+
+def test_missing_config_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot be read"):
+        parse_config(["-np", "2", "--config-file", str(tmp_path / "none.yaml"), "true"])
+
+
+def test_prefix_output_with_timestamp(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_config(["-np", "2", "--prefix-output-with-timestamp", "true"]).to_spec().prefix_timestamp
+    assert not parse_config(["-np", "2", "true"]).to_spec().prefix_timestamp
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    ConsoleSink(prefix=True, timestamp=True).write(LogLine(rank=1, stream=Stream.STDOUT, text="hello"))
+    line = out.getvalue()
+    stamp, _, rest = line.partition("[1]<stdout>:")
+    assert rest == "hello\n"
+    time.strptime(stamp, "%a %b %d %H:%M:%S %Y")  # time.asctime's layout, as horovodrun writes it
