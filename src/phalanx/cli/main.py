@@ -19,6 +19,7 @@ from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, resolve_start_timeout, validate_hosts, validate_np
+from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 
@@ -59,7 +60,7 @@ class RunConfig:
             command=self.command,
             env=self.job_env(),
             start_timeout_s=self.start_timeout_s,
-            start_timeout_hint="--start-timeout (or HOROVOD_START_TIMEOUT)",
+            start_timeout_hint=start_timeout_hint("--start-timeout"),
             prefix=self.prefix,
             prefix_timestamp=self.prefix_timestamp,
             output_dir=self.output_dir,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from phalanx.env import DEFAULT_START_TIMEOUT_S
 from phalanx.env import names as N
@@ -14,18 +14,12 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy
 from phalanx.job.payload import serialize_call
 from phalanx.launch import warm
+from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.discovery import check_script
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 
 _LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
-
-
-class Launcher(Protocol):
-    """The seam every launcher implements: run one job, return per-rank values in rank order."""
-
-    def run(self) -> list[Any]:
-        """Run the job; raise a :class:`phalanx.errors.PhalanxError` subclass on failure."""
 
 
 def validate_np(np: object, name: str = "np") -> int:
@@ -157,7 +151,7 @@ def run(
         payload=serialize_call(fn, tuple(args), dict(kwargs or {})),
         env=validate_env(env),
         start_timeout_s=resolve_start_timeout(start_timeout),
-        start_timeout_hint="start_timeout= (or the HOROVOD_START_TIMEOUT variable)",
+        start_timeout_hint=start_timeout_hint("start_timeout="),
         prefix=prefix_output,
         output_dir=output_filename,
         warm_preload=warm.preload_for(fn),

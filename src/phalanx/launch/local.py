@@ -11,9 +11,7 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,15 +25,12 @@ from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.records import Stream
 from phalanx.launch import warm
+from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id, spawn_rank, worker_argv
 from phalanx.launch.proctree import terminate_tree
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.warm import RankProcess
 
 log = logging.getLogger(__name__)
-
-#: Seconds a rank's output pipes and channel may stay open after its process ended (a grandchild that
-#: inherited the pipe keeps it open) before the rank is judged on what arrived.
-DRAIN_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -79,12 +74,13 @@ class LocalLauncher:
         self._procs: list[RankProcess] = []
         self._threads: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
-        self._run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
+        self._run_id = new_run_id()
 
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for commands) in rank order."""
-        channel = DriverChannel(self._channel_size(), self.spec.payload)
-        store = RendezvousStore(self._channel_size())
+        address = self._address()
+        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=address)
+        store = RendezvousStore(self._channel_size(), bind_host=address)
         files = FileSink(self.spec.output_dir) if self.spec.output_dir else None
         sinks: list[LogSink] = [ConsoleSink(self.spec.prefix, self.spec.prefix_timestamp)] + ([files] if files else [])
         monitor = self._monitor(channel, sinks)
@@ -104,6 +100,10 @@ class LocalLauncher:
             if self.spec.command is None and self.spec.warm_preload is not None:
                 warm.prepare(self.spec.warm_preload)
 
+    def _address(self) -> str:
+        """The address the channel and the store listen on and the ranks connect to: loopback here."""
+        return "127.0.0.1"
+
     def _channel_size(self) -> int:
         """How many worker ids the channel accepts (subclasses that replace workers need more)."""
         return self.spec.np
@@ -112,20 +112,13 @@ class LocalLauncher:
         return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)  # type: ignore[arg-type]
 
     def _monitor_config(self) -> MonitorConfig:
-        function_job = self.spec.command is None
-        return MonitorConfig(
-            world_size=self.spec.np,
-            expect_results=function_job,
-            expect_hello=function_job,
-            start_timeout_s=self.spec.start_timeout_s,
-            start_timeout_hint=self.spec.start_timeout_hint,
-            stop_wait_s=self.spec.teardown_grace_s + DRAIN_WAIT_S + 2.0,
-        )
+        return monitor_config(self.spec.np, self.spec.command is None, self.spec.start_timeout_s,
+                              self.spec.start_timeout_hint, self.spec.teardown_grace_s)
 
     def _contract(self, channel: DriverChannel, store: RendezvousStore) -> JobContract:
         return JobContract(
             run_id=self._run_id,
-            master_addr="127.0.0.1",
+            master_addr=self._address(),
             master_port=store.port,
             channel=channel.address,
             secret=channel.secret,
@@ -133,9 +126,7 @@ class LocalLauncher:
         )
 
     def _argv(self) -> list[str]:
-        if self.spec.command is None:
-            return [sys.executable, "-m", "phalanx.worker"]
-        return [sys.executable, "-m", "phalanx.worker.exec", *self.spec.command]
+        return worker_argv(self.spec.command)
 
     def _template(self) -> warm.Template | None:
         if self.spec.command is not None or self.spec.warm_preload is None or not warm.enabled():
@@ -143,15 +134,7 @@ class LocalLauncher:
         return warm.ready_template()
 
     def _spawn(self, env: dict[str, str], template: warm.Template | None) -> RankProcess:
-        if template is not None:
-            try:
-                return template.spawn(env, os.getcwd())
-            except OSError as e:
-                log.debug("warm start failed, starting cold: %s", e)
-        return subprocess.Popen(
-            self._argv(), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-        )
+        return spawn_rank(self._argv(), env, template)
 
     def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
         job = self._contract(channel, store)

@@ -8,6 +8,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
+from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
 from phalanx.spark.session import every_slot, spark_context, wait_for_slots
@@ -22,7 +23,7 @@ log = logging.getLogger("phalanx")
 IGNORED_RUN_ARGS = frozenset({
     "extra_mpi_args", "use_mpi", "use_gloo", "nics", "prefix_output_with_timestamp", "executable",
 })
-_START_HINT = "start_timeout= (or the HOROVOD_START_TIMEOUT variable)"
+_START_HINT = start_timeout_hint("start_timeout=")
 
 
 def check_gpu_conf(sc: SparkContext, use_gpu: bool) -> None:

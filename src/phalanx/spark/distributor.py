@@ -17,6 +17,7 @@ from typing import Any
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.api import resolve_start_timeout, validate_np
+from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.spark.api import check_gpu_conf
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
@@ -24,7 +25,7 @@ from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_context
 from phalanx.spark.shipping import spark_payload
 
-_START_HINT = "the HOROVOD_START_TIMEOUT variable"
+_START_HINT = start_timeout_hint(None)
 
 
 def driver_gpus() -> list[str]:

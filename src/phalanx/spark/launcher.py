@@ -14,7 +14,6 @@ import json
 import logging
 import tempfile
 import threading
-import uuid
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
@@ -25,9 +24,10 @@ from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.logs import FileSink, LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.records import ErrorRecord, LogLine, Stream
+from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.spark.session import driver_host, executor_python, python_exec
-from phalanx.spark.task import DRAIN_WAIT_S, TaskSpec, barrier_task
+from phalanx.spark.task import TaskSpec, barrier_task
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -125,7 +125,7 @@ class SparkLauncher:
     def __init__(self, spec: SparkJobSpec, sc: SparkContext) -> None:
         self.spec = spec
         self.sc = sc
-        self.run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
+        self.run_id = new_run_id()
         self.rank0_stdout = Rank0Stdout()
         self.log_dir: str | None = None
         self.values: list[Any] = []
@@ -196,12 +196,8 @@ class SparkLauncher:
             return [r for r in range(self.spec.np) if r not in self._exited]
 
     def _monitor_config(self) -> MonitorConfig:
-        function_job = self.spec.command is None
-        return MonitorConfig(
-            world_size=self.spec.np, expect_results=function_job, expect_hello=function_job,
-            start_timeout_s=self.spec.start_timeout_s, start_timeout_hint=self.spec.start_timeout_hint,
-            stop_wait_s=self.spec.teardown_grace_s + DRAIN_WAIT_S + 2.0,
-        )
+        return monitor_config(self.spec.np, self.spec.command is None, self.spec.start_timeout_s,
+                              self.spec.start_timeout_hint, self.spec.teardown_grace_s)
 
     def _sinks(self) -> list[LogSink]:
         sinks: list[LogSink] = [self.rank0_stdout]

@@ -12,7 +12,6 @@ import json
 import os
 import queue
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -24,16 +23,10 @@ from phalanx.env import names as N
 from phalanx.errors import ChannelError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
-from phalanx.job.logs import pump_lines
-from phalanx.job.records import ErrorRecord, LogLine, Stream
+from phalanx.job.records import ErrorRecord
 from phalanx.launch import warm
-from phalanx.launch.proctree import terminate_tree
-from phalanx.launch.warm import RankProcess
-
-#: Seconds the output pipes may stay open after the worker ended (a grandchild may hold them).
-DRAIN_WAIT_S = 5.0
-#: Exit code reported when the task could not start its worker.
-EXIT_NOT_STARTED = 1
+from phalanx.launch.core import worker_argv
+from phalanx.launch.supervisor import EXIT_NOT_STARTED, RankSupervisor, exit_event
 
 
 @dataclass(frozen=True)
@@ -70,11 +63,6 @@ class TaskSpec:
         return self.command is None and self.warm_preload is not None and not off and warm.enabled()
 
 
-def exit_event(returncode: int) -> bytes:
-    """Body of the EVENT frame a task sends once its worker ended and its output was drained."""
-    return json.dumps({"exit": returncode}).encode()
-
-
 def task_host(environ: dict[str, str] | None = None) -> str:
     """The host this task runs on, as Spark names it: ``SPARK_LOCAL_HOSTNAME`` or ``SPARK_LOCAL_IP`` when
     the executor was given one (several workers on one machine), else the machine's hostname.
@@ -109,9 +97,7 @@ def _gpu_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], rank: int)
 
 
 def _argv(spec: TaskSpec) -> list[str]:
-    if spec.command is None:
-        return [sys.executable, "-m", "phalanx.worker"]
-    return [sys.executable, "-m", "phalanx.worker.exec", sys.executable, *spec.command]
+    return worker_argv(None if spec.command is None else (sys.executable, *spec.command))
 
 
 def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str],
@@ -122,76 +108,17 @@ def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str],
     return compose_env(os.environ, spec.env, {**worker_env(spec.job, who), **own}, os.cpu_count())
 
 
-class _Supervisor:
-    """One rank's worker process and its forwarding threads."""
+def _supervisor(spec: TaskSpec, channel: WorkerChannel, rank: int,
+                aborted: threading.Event | None = None) -> RankSupervisor:
+    return RankSupervisor(channel, rank, spec.teardown_grace_s, aborted)
 
-    def __init__(self, spec: TaskSpec, channel: WorkerChannel, rank: int,
-                 aborted: threading.Event | None = None) -> None:
-        self.spec = spec
-        self.channel = channel
-        self.rank = rank
-        self.proc: RankProcess | None = None
-        self.channel_ok = True
-        self._done = threading.Event()
-        #: Set by whoever reads the driver's frames (elastic tasks); None: this supervisor reads them.
-        self._aborted = aborted
 
-    def send(self, kind: Kind, body: bytes) -> None:
-        """Send a frame; after the driver went away, keep going silently (the pipes must be drained)."""
-        if not self.channel_ok:
-            return
-        try:
-            self.channel.send(kind, body)
-        except ChannelError:
-            self.channel_ok = False
-
-    def emit(self, line: LogLine) -> None:
-        """Forward one output line of the worker."""
-        self.send(Kind.LOG, line.encode())
-
-    def _spawn(self, env: dict[str, str]) -> RankProcess:
-        # Spark reuses its python workers between tasks, so a template started after an earlier job
-        # of this driver is still here: fork the rank from it (imports already paid).
-        template = warm.ready_template() if self.spec.warm() else None
-        if template is not None:
-            try:
-                return template.spawn(env, os.getcwd())
-            except OSError:
-                pass
-        # Started from the task's main thread: the worker's PR_SET_PDEATHSIG follows this thread.
-        return subprocess.Popen(
-            _argv(self.spec), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
-        )
-
-    def run(self, env: dict[str, str]) -> int:
-        """Start the worker, forward its output, stop it on abort; return its exit code."""
-        self.proc = self._spawn(env)
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        pumps = [
-            threading.Thread(target=pump_lines, args=(self.proc.stdout, self.rank, Stream.STDOUT, self.emit)),
-            threading.Thread(target=pump_lines, args=(self.proc.stderr, self.rank, Stream.STDERR, self.emit)),
-        ]
-        for t in pumps:
-            t.daemon = True
-            t.start()
-        threading.Thread(target=self._abort_watch, name="phalanx-abort", daemon=True).start()
-        try:
-            returncode = self.proc.wait()
-        finally:
-            self._done.set()
-            terminate_tree([self.proc.pid], 0.5)
-        for t in pumps:
-            t.join(DRAIN_WAIT_S)
-        return returncode
-
-    def _abort_watch(self) -> None:
-        if self._aborted is not None:
-            self._aborted.wait()
-        else:
-            self.channel.wait_for_abort()
-        if not self._done.is_set() and self.proc is not None:
-            terminate_tree([self.proc.pid], self.spec.teardown_grace_s)
+def _run_rank(spec: TaskSpec, supervisor: RankSupervisor, env: dict[str, str]) -> int:
+    # Spark reuses its python workers between tasks, so a template started after an earlier job of this
+    # driver is still here: fork the rank from it (imports already paid). Started from the task's main
+    # thread: the worker's PR_SET_PDEATHSIG follows this thread.
+    template = warm.ready_template() if spec.warm() else None
+    return supervisor.run(_argv(spec), env, template)
 
 
 def _status(rank: int, returncode: int, reported: bool, error: str = "") -> str:
@@ -212,10 +139,10 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]
                                         spec.job.start_timeout_s)
     except ChannelError as e:
         return _status(rank, EXIT_NOT_STARTED, False, str(e))
-    supervisor = _Supervisor(spec, channel, rank)
+    supervisor = _supervisor(spec, channel, rank)
     try:
         env = _rank_env(spec, assign_ranks(hosts)[rank], _gpu_env(spec, hosts, gpus, rank))
-        returncode = supervisor.run(env)
+        returncode = _run_rank(spec, supervisor, env)
     except (PhalanxError, OSError) as e:
         supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
         returncode = EXIT_NOT_STARTED
@@ -264,9 +191,9 @@ def _elastic_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], slot: 
 
 def _run_worker(spec: TaskSpec, channel: WorkerChannel, worker: int, env_for: Callable[[int], dict[str, str]],
                 aborted: threading.Event) -> int:
-    supervisor = _Supervisor(spec, channel, worker, aborted)
+    supervisor = _supervisor(spec, channel, worker, aborted)
     try:
-        returncode = supervisor.run(env_for(worker))
+        returncode = _run_rank(spec, supervisor, env_for(worker))
     except (PhalanxError, OSError) as e:
         supervisor.send(Kind.ERROR, ErrorRecord.from_exception(worker, e).encode())
         returncode = EXIT_NOT_STARTED

@@ -1,0 +1,85 @@
+"""What every launcher shares: the run id, how a rank's process starts, how the monitor judges a job.
+
+The local launcher (ranks are children of the driver), the Spark launcher (ranks are children of barrier
+tasks) and the hosts launcher (ranks are children of an agent started over ssh) differ only in *where*
+ranks start; the pieces below are the same for all three, so a rank starts, drains and is judged the same
+way wherever it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+
+from phalanx.env import names as N
+from phalanx.job.monitor import MonitorConfig
+from phalanx.launch import warm
+from phalanx.launch.warm import RankProcess
+
+log = logging.getLogger(__name__)
+
+#: Seconds a rank's output pipes and channel may stay open after its process ended (a grandchild that
+#: inherited the pipe keeps it open) before the rank is judged on what arrived.
+DRAIN_WAIT_S = 5.0
+#: Seconds the monitor waits, beyond the teardown grace and the drain, for stopped ranks to report.
+STOP_SLACK_S = 2.0
+
+
+def new_run_id() -> str:
+    """A fresh job id (``PHALANX_RUN_ID``, ``TORCHELASTIC_RUN_ID``; also marks the job's processes)."""
+    return f"phalanx-{uuid.uuid4().hex[:12]}"
+
+
+def start_timeout_hint(knob: str | None) -> str:
+    """How a start-timeout error names the way to raise it: the entry point's own knob, if it has one,
+    and ``HOROVOD_START_TIMEOUT``, which every entry point reads.
+
+    Args:
+        knob: the argument or flag of the entry point (``"start_timeout="``, ``"--start-timeout"``), or
+            None when the entry point has none.
+    """
+    variable = f"the {N.HOROVOD_START_TIMEOUT} variable"
+    return f"{knob} (or {variable})" if knob else variable
+
+
+def monitor_config(np: int, function_job: bool, start_timeout_s: float, hint: str,
+                   teardown_grace_s: float) -> MonitorConfig:
+    """The monitor's settings for a job of ``np`` ranks (a function job expects a hello and a result)."""
+    return MonitorConfig(
+        world_size=np,
+        expect_results=function_job,
+        expect_hello=function_job,
+        start_timeout_s=start_timeout_s,
+        start_timeout_hint=hint,
+        stop_wait_s=teardown_grace_s + DRAIN_WAIT_S + STOP_SLACK_S,
+    )
+
+
+def worker_argv(command: Sequence[str] | None, python: str = sys.executable) -> list[str]:
+    """The argv of a rank's process: the function-job worker, or the command wrapped by the exec worker."""
+    if command is None:
+        return [python, "-m", "phalanx.worker"]
+    return [python, "-m", "phalanx.worker.exec", *command]
+
+
+def spawn_rank(argv: Sequence[str], env: dict[str, str], template: warm.Template | None = None,
+               cwd: str | None = None) -> RankProcess:
+    """Start one rank: forked from a warm-start template when one is given and answers, else a fresh
+    process in its own session with stdout/stderr on pipes.
+
+    The worker sets ``PR_SET_PDEATHSIG`` itself, which follows the *thread* that started it: call this
+    from a thread that lives as long as the job (the launcher's main thread).
+    """
+    if template is not None:
+        try:
+            return template.spawn(env, cwd or os.getcwd())
+        except OSError as e:
+            log.debug("warm start failed, starting cold: %s", e)
+    return subprocess.Popen(
+        list(argv), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+    )

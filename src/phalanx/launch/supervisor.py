@@ -1,0 +1,110 @@
+"""One rank supervised away from the driver: its process, its output forwarded, its end reported.
+
+A supervisor (a Spark barrier task, or the agent a hosts job starts over ssh) connects to the driver's
+channel as ``Role.SUPERVISOR`` for the rank, starts the rank's process, forwards each output line as a
+``LOG`` frame, stops the process tree when the driver sends ABORT or goes away, and reports the exit
+code as an ``EVENT`` frame (:func:`exit_event`) once the output is drained. Lines are read from pipes by
+the supervisor, not by the rank, so a rank that is SIGKILLed cannot lose what it already wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+
+from phalanx.errors import ChannelError
+from phalanx.job.channel import WorkerChannel
+from phalanx.job.framing import Kind
+from phalanx.job.logs import pump_lines
+from phalanx.job.records import LogLine, Stream
+from phalanx.launch import warm
+from phalanx.launch.core import DRAIN_WAIT_S, spawn_rank
+from phalanx.launch.proctree import terminate_tree
+from phalanx.launch.warm import RankProcess
+
+#: Exit code reported when the supervisor could not start its rank.
+EXIT_NOT_STARTED = 1
+
+
+def exit_event(returncode: int) -> bytes:
+    """Body of the EVENT frame a supervisor sends once its rank ended and its output was drained."""
+    return json.dumps({"exit": returncode}).encode()
+
+
+def parse_exit_event(body: bytes) -> int | None:
+    """The exit code in a supervisor's EVENT body, or None when the body is not an exit event."""
+    try:
+        decoded = json.loads(body)
+        return int(decoded["exit"]) if isinstance(decoded, dict) and "exit" in decoded else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+class RankSupervisor:
+    """One rank's process and its forwarding threads.
+
+    Args:
+        channel: this rank's supervisor connection to the driver.
+        rank: the channel rank (worker id) whose output this forwards.
+        teardown_grace_s: seconds between SIGTERM and SIGKILL when the driver aborts the job.
+        aborted: set by whoever reads the driver's frames (elastic tasks); None: this supervisor reads them.
+    """
+
+    def __init__(self, channel: WorkerChannel, rank: int, teardown_grace_s: float,
+                 aborted: threading.Event | None = None) -> None:
+        self.channel = channel
+        self.rank = rank
+        self.teardown_grace_s = teardown_grace_s
+        self.proc: RankProcess | None = None
+        self.channel_ok = True
+        self._done = threading.Event()
+        self._aborted = aborted
+
+    def send(self, kind: Kind, body: bytes) -> None:
+        """Send a frame; after the driver went away, keep going silently (the pipes must be drained)."""
+        if not self.channel_ok:
+            return
+        try:
+            self.channel.send(kind, body)
+        except ChannelError:
+            self.channel_ok = False
+
+    def emit(self, line: LogLine) -> None:
+        """Forward one output line of the rank."""
+        self.send(Kind.LOG, line.encode())
+
+    def run(self, argv: Sequence[str], env: dict[str, str], template: warm.Template | None = None,
+            cwd: str | None = None) -> int:
+        """Start the rank (from the calling thread: its parent-death signal follows this thread), forward
+        its output, stop it on abort; return its exit code."""
+        self.proc = spawn_rank(argv, env, template, cwd)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        pumps = [
+            threading.Thread(target=pump_lines, args=(self.proc.stdout, self.rank, Stream.STDOUT, self.emit)),
+            threading.Thread(target=pump_lines, args=(self.proc.stderr, self.rank, Stream.STDERR, self.emit)),
+        ]
+        for t in pumps:
+            t.daemon = True
+            t.start()
+        threading.Thread(target=self._abort_watch, name="phalanx-abort", daemon=True).start()
+        try:
+            returncode = self.proc.wait()
+        finally:
+            self._done.set()
+            terminate_tree([self.proc.pid], 0.5)
+        for t in pumps:
+            t.join(DRAIN_WAIT_S)
+        return returncode
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Stop the rank's whole process tree now (SIGTERM, grace, SIGKILL)."""
+        if self.proc is not None and not self._done.is_set():
+            terminate_tree([self.proc.pid], self.teardown_grace_s if grace_s is None else grace_s)
+
+    def _abort_watch(self) -> None:
+        if self._aborted is not None:
+            self._aborted.wait()
+        else:
+            self.channel.wait_for_abort()
+        self.stop()
