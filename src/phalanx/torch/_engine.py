@@ -137,7 +137,7 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         )
     entry = _Entry(coll=coll, groups=groups, name=name)
     handle = next(ENGINE.counter)
-    entry.row = name or f"{coll.sig.kind}.noname.{handle}"
+    entry.row = f"{coll.sig.kind}.{name}" if name else f"{coll.sig.kind}.noname.{handle}"  # Horovod's op names
     n = len(groups.ranks)
     if n == 1:
         _finish_single(entry)

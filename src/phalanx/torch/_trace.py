@@ -22,10 +22,20 @@ def recording() -> bool:
     return timeline.current() is not None
 
 
+#: The activities that open a collective's negotiation round: phalanx's "cycle" (it has no background cycle).
+_CYCLE_OPENERS = frozenset(NEGOTIATE.values()) - {timeline.BARRIER}
+
+
 def begin(name: str, activity: str, args: dict[str, object] | None = None) -> None:
-    """Start ``activity`` on the row ``name`` when a timeline is recording."""
+    """Start ``activity`` on the row ``name`` when a timeline is recording.
+
+    A collective's negotiation (``NEGOTIATE_*``) first marks ``CYCLE_START`` when the timeline marks
+    cycles (``HOROVOD_TIMELINE_MARK_CYCLES``): each negotiation round is one cycle of phalanx's engine.
+    """
     tl = timeline.current()
     if tl is not None:
+        if activity in _CYCLE_OPENERS:
+            tl.mark_cycle()
         tl.begin(name, activity, args)
 
 

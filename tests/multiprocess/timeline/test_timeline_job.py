@@ -27,6 +27,7 @@ def _job(path: str) -> dict[str, Any]:
     hvd.init()
     t = torch.arange(8, dtype=torch.float32) + hvd.rank()
     hvd.allreduce(t, name="t.allreduce")
+    first = _flushed(timeline.current(), "allreduce.t.allreduce")
     hvd.allgather(t, name="t.allgather")
     hvd.broadcast(t, root_rank=0, name="t.broadcast")
     hvd.alltoall(t, name="t.alltoall")
@@ -46,16 +47,35 @@ def _job(path: str) -> dict[str, Any]:
     mid_run = len([e for e in load_events(tl.path) if e.get("ph") == "X"])
     hvd.shutdown()
     timeline.stop_timeline()  # hvd.shutdown() should have done it; stopping twice is harmless
-    return {"path": tl.path, "mid_run": mid_run}
+    return {"path": tl.path, "mid_run": mid_run, "first": first, "interval": tl._interval_s}
+
+
+def _flushed(tl: Any, row: str) -> str:
+    """The trace's text once the writer has flushed ``row``'s allreduce and a cycle mark (Horovod's timeline
+    test reads the file 0.1 s after the op returns: the writer flushes every 20 ms; the bound is for a loaded
+    host, and the test asserts the content, never the time)."""
+    deadline = time.monotonic() + 30.0
+    text = ""
+    while time.monotonic() < deadline:
+        text = Path(tl.path).read_text()
+        if f'"name":"ALLREDUCE","pid":{tl.rank}' in text and "CYCLE_START" in text and row in text:
+            break
+        time.sleep(0.005)
+    return text
 
 
 @pytest.mark.timeout(120)
 def test_trace_has_every_collective_and_bucket(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
-    env = {N.HOROVOD_TIMELINE: str(path), N.PHALANX_TIMELINE_ALL_RANKS: "1"}
+    env = {N.HOROVOD_TIMELINE: str(path), N.PHALANX_TIMELINE_ALL_RANKS: "1", N.HOROVOD_TIMELINE_MARK_CYCLES: "1"}
     results = phalanx.run(_job, args=(str(path),), np=2, env=env)
     assert [r["path"] for r in results] == [str(tmp_path / f"timeline.rank{r}.json") for r in (0, 1)]
     assert all(r["mid_run"] > 0 for r in results), results  # readable while the job runs
+    # Horovod's names right after the first allreduce returned: op-prefixed row, both phases, a cycle mark.
+    for r in results:
+        for name in ("allreduce.t.allreduce", "NEGOTIATE_ALLREDUCE", '"ALLREDUCE"', '"CYCLE_START"'):
+            assert name in r["first"], (name, r["first"])
+        assert r["interval"] <= 0.05  # flushed well within Horovod's 0.1 s
     trace = load_trace([r["path"] for r in results])
     assert {s.pid for s in trace.spans} == {0, 1}  # one process per rank
     table = summarize(trace.spans)
@@ -64,12 +84,17 @@ def test_trace_has_every_collective_and_bucket(tmp_path: Path) -> None:
     for rank in (0, 1):
         mine = [s for s in trace.spans if s.pid == rank]
         for op in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter"):
-            ops = [s for s in mine if s.row == f"t.{op}"]
+            ops = [s for s in mine if s.row == f"{op}.t.{op}"]  # Horovod's row names: op.name
             assert [s.name for s in ops] == [f"NEGOTIATE_{op.upper()}", op.upper()], (rank, op, ops)
             assert {"dtype", "shape"} <= set(ops[0].args) and all(s.nbytes > 0 for s in ops), ops
         # The optimizer's fused buckets: the copy into the buffer, then the allreduce, at each of 2 steps.
         buckets = [s for s in mine if s.row.startswith("DistributedOptimizer.bucket")]
         assert [s.name for s in buckets][:2] == ["MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE"], buckets
         assert sum(s.name == "ALLREDUCE" for s in buckets) >= 2 and all(s.nbytes > 0 for s in buckets)
+        # One CYCLE_START per negotiation round, each before its negotiation begins.
+        cycles = sorted(float(e["ts"]) for e in trace.instants if e.get("pid") == rank and e["name"] == "CYCLE_START")
+        negotiations = sorted(s.start_us for s in mine if s.name.startswith("NEGOTIATE_"))
+        assert len(cycles) == len(negotiations) and all(c <= n for c, n in zip(cycles, negotiations, strict=True))
     # Bytes reach the summary, so its bandwidth column is filled for every collective.
     assert all(table[a][0].nbytes > 0 for a in ("ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER"))
+
