@@ -33,7 +33,13 @@ PREFIX_ALIASES = {
 }
 # Synthetic packages: name -> {attribute: (phalanx module, attribute)}, resolved lazily on access.
 SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
-    "horovod": {"run": ("phalanx", "run")},
+    "horovod": {"run": ("phalanx.compat.horovod_run", "run")},
+    # Horovod's framework-neutral elastic base classes and exceptions.
+    "horovod.common": {},
+    "horovod.common.elastic": {"State": ("phalanx.torch.elastic.state", "State"),
+                               "ObjectState": ("phalanx.torch.elastic.state", "ObjectState")},
+    "horovod.common.exceptions": {"HorovodInternalError": ("phalanx.errors", "HorovodInternalError"),
+                                  "HostsUpdatedInterrupt": ("phalanx.errors", "HostsUpdatedInterrupt")},
     "sparkdl": {"HorovodRunner": ("phalanx.spark", "HorovodRunner")},
     "sparkdl.horovod": {"log_to_driver": ("phalanx.spark", "log_to_driver")},
     "sparkdl.horovod.tensorflow": {},
@@ -67,10 +73,10 @@ def _synthetic(name: str, attrs: dict[str, tuple[str, str]]) -> types.ModuleType
         raise AttributeError(f"module {name!r} (a phalanx alias) has no attribute {attr!r}")
 
     module.__getattr__ = __getattr__  # type: ignore[method-assign]
-    if name == "horovod":
-        from phalanx import __version__
+    if name == "horovod":  # Horovod's API version; phalanx's own stays phalanx.__version__
+        from phalanx import HOROVOD_API_VERSION
 
-        module.__version__ = __version__  # type: ignore[attr-defined]
+        module.__version__ = HOROVOD_API_VERSION  # type: ignore[attr-defined]
     return module
 
 

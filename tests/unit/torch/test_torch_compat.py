@@ -22,11 +22,12 @@ def test_finder_aliases_modules_without_copies() -> None:
     out = _python(
         "import phalanx.compat as c; c.install(); c.install()\n"
         "import horovod, horovod.torch as hvd, horovod.torch.mpi_ops as m, phalanx.torch, phalanx as api\n"
-        "import phalanx.torch.mpi_ops as pm\n"
-        "print(hvd is phalanx.torch, m is pm, horovod.run is api.run, hvd.__spec__.name,\n"
-        "      sum(type(f).__name__ == 'AliasFinder' for f in sys.meta_path))"
+        "import phalanx.torch.mpi_ops as pm, phalanx.compat.horovod_run as hr\n"
+        "print(hvd is phalanx.torch, m is pm, horovod.run is hr.run, hvd.__spec__.name,\n"
+        "      sum(type(f).__name__ == 'AliasFinder' for f in sys.meta_path), horovod.__version__,\n"
+        "      api.__version__ == api.HOROVOD_API_VERSION)"
     )
-    assert out == "True True True phalanx.torch 1"
+    assert out == "True True True phalanx.torch 1 0.28.1 False"  # Horovod's API version, phalanx's own apart
 
 
 def test_pth_hook_makes_unchanged_horovod_imports_work() -> None:

@@ -1,0 +1,105 @@
+"""``horovod.run`` under the alias: Horovod 0.28.1's signature, mapped onto :func:`phalanx.run`.
+
+Every parameter name of ``horovod.run`` is accepted. The ones phalanx has are passed on (``num_proc`` is
+``np``, ``min_num_proc`` / ``max_num_proc`` the elastic bounds...). The deprecated ``np`` / ``min_np`` /
+``max_np`` / ``network_interface`` warn with ``DeprecationWarning`` as in Horovod. A parameter that changes
+nothing for ranks on this machine (``ssh_port``, ``use_mpi``, ``cooldown_range``...) warns once, naming
+itself and the reason; one phalanx cannot honour (``hostfile``, ``slots``, another ``executable``) raises
+:class:`~phalanx.errors.InvalidArgumentError` before any process starts, unless :func:`phalanx.run`
+accepts it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import phalanx
+from phalanx.errors import InvalidArgumentError
+
+_LOCAL = "ranks run on this machine"
+#: Parameters that change nothing here -> why.
+_NOOP = {
+    "ssh_port": f"{_LOCAL}, without ssh",
+    "ssh_identity_file": f"{_LOCAL}, without ssh",
+    "network_interfaces": f"{_LOCAL}: loopback and shared memory",
+    "disable_cache": "phalanx keeps no cache of start-up checks",
+    "use_mpi": "phalanx runs on gloo (CPU) and NCCL (CUDA), never MPI; the job runs on gloo",
+    "mpi_args": "phalanx runs on gloo (CPU) and NCCL (CUDA), never MPI",
+    "cooldown_range": "phalanx does not blacklist hosts: a lost worker is replaced on a free slot at once",
+}
+#: Parameters phalanx.run may not have yet -> how to do without.
+_UNSUPPORTED = {
+    "hostfile": "phalanx.run starts ranks on this machine only; drop hostfile= (use num_proc=), or use "
+                "phalanx.spark for several machines",
+    "slots": "give the slots in the host discovery script's host:slots lines",
+}
+
+
+def _deprecated(old: str, new: str, old_value: Any, new_value: Any) -> Any:
+    if old_value is None:
+        return new_value
+    warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, stacklevel=4)
+    return old_value
+
+
+def _extra(given: dict[str, Any]) -> dict[str, Any]:
+    """The host-side parameters phalanx.run takes; warn for no-ops, refuse what cannot be honoured."""
+    accepted = inspect.signature(phalanx.run).parameters
+    passed: dict[str, Any] = {}
+    for name, value in given.items():
+        if value is None or value is False:
+            continue
+        if name in accepted:
+            passed[name] = value
+        elif name in _UNSUPPORTED:
+            raise InvalidArgumentError(f"horovod.run({name}={value!r}): {_UNSUPPORTED[name]}")
+        else:
+            warnings.warn(f"horovod.run({name}=...) changes nothing: {_NOOP[name]}", UserWarning, stacklevel=3)
+    return passed
+
+
+def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+        num_proc: int | None = 1, min_num_proc: int | None = None, max_num_proc: int | None = None,
+        slots: int | None = None, reset_limit: int | None = None, cooldown_range: tuple[int, int] | None = None,
+        hosts: str | None = None, hostfile: str | None = None, host_discovery_script: str | None = None,
+        start_timeout: float | None = None, ssh_port: int | None = None, ssh_identity_file: str | None = None,
+        disable_cache: bool | None = None, output_filename: str | None = None, verbose: bool | None = None,
+        use_gloo: bool | None = None, use_mpi: bool | None = None, mpi_args: str | None = None,
+        network_interface: str | None = None, network_interfaces: list[str] | None = None,
+        executable: str | None = None, np: int | None = None, min_np: int | None = None,
+        max_np: int | None = None) -> list[Any]:  # fmt: skip
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` ranks and return their results in rank order.
+
+    Horovod's ``horovod.run``; see the module docstring for how each parameter maps. ``func`` and its
+    arguments travel by cloudpickle, as in Horovod.
+
+    Raises:
+        ValueError: both ``hosts`` and ``hostfile``, or both ``use_gloo`` and ``use_mpi`` (Horovod's checks).
+        InvalidArgumentError: a parameter phalanx cannot honour (the message says what to do instead).
+        WorkerFailedError: a rank failed (root cause first).
+    """
+    num_proc = _deprecated("np", "num_proc", np, num_proc)
+    min_num_proc = _deprecated("min_np", "min_num_proc", min_np, min_num_proc)
+    max_num_proc = _deprecated("max_np", "max_num_proc", max_np, max_num_proc)
+    if network_interface:
+        network_interfaces = _deprecated("network_interface", "network_interfaces",
+                                         network_interface.split(","), network_interfaces)
+    if hosts is not None and hostfile is not None:
+        raise ValueError("Argument hosts and hostfile only allow one provided.")
+    if use_gloo and use_mpi:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    if executable is not None and executable != sys.executable:
+        raise InvalidArgumentError(f"horovod.run(executable={executable!r}): phalanx starts ranks with this "
+                                   f"interpreter ({sys.executable}); run the driver with the one you want")
+    extra = _extra({"hostfile": hostfile, "slots": slots, "ssh_port": ssh_port,
+                    "ssh_identity_file": ssh_identity_file, "network_interfaces": network_interfaces,
+                    "disable_cache": disable_cache, "use_mpi": use_mpi, "mpi_args": mpi_args,
+                    "cooldown_range": cooldown_range})  # fmt: skip
+    return phalanx.run(func, tuple(args), kwargs, np=num_proc, hosts=hosts, start_timeout=start_timeout,
+                       output_filename=output_filename, verbose=bool(verbose), min_np=min_num_proc,
+                       max_np=max_num_proc, reset_limit=reset_limit, host_discovery_script=host_discovery_script,
+                       **extra)

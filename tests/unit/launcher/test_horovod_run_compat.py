@@ -1,0 +1,111 @@
+"""``horovod.run`` under the alias: Horovod 0.28.1's parameter names map onto phalanx.run (no processes)."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import pytest
+
+from phalanx.compat import horovod_run
+from phalanx.errors import InvalidArgumentError
+
+
+def _train(x: int, scale: int = 1) -> int:
+    return x * scale
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+
+    def fake_run(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1,
+                 **options: Any) -> list[Any]:  # fmt: skip
+        seen.append({"fn": fn, "args": args, "kwargs": kwargs, "np": np, **options})
+        return [fn(*args, **(kwargs or {}))] * np
+
+    monkeypatch.setattr("phalanx.run", fake_run)
+    return seen
+
+
+def test_horovods_names_map_onto_phalanx_run(calls: list[dict[str, Any]]) -> None:
+    out = horovod_run.run(_train, args=(3,), kwargs={"scale": 2}, num_proc=2, min_num_proc=1, max_num_proc=4,
+                          reset_limit=3, hosts="localhost:4", start_timeout=40, output_filename="out",
+                          verbose=True, use_gloo=True, executable=sys.executable)  # fmt: skip
+    assert out == [6, 6]
+    call = calls[0]
+    assert (call["np"], call["min_np"], call["max_np"], call["reset_limit"]) == (2, 1, 4, 3)
+    assert (call["hosts"], call["start_timeout"], call["output_filename"], call["verbose"]) == (
+        "localhost:4", 40, "out", True)
+    assert call["args"] == (3,) and call["kwargs"] == {"scale": 2}
+
+
+def test_positional_call_as_in_horovod(calls: list[dict[str, Any]]) -> None:
+    assert horovod_run.run(_train, (5,), None, 3) == [5, 5, 5]
+    assert calls[0]["np"] == 3 and calls[0]["min_np"] is None and calls[0]["verbose"] is False
+
+
+def test_deprecated_names_warn_as_in_horovod(calls: list[dict[str, Any]]) -> None:
+    with pytest.warns(DeprecationWarning) as caught:
+        horovod_run.run(_train, (1,), np=2, min_np=1, max_np=2)
+    assert sorted(str(w.message) for w in caught) == [
+        "max_np is deprecated, use max_num_proc instead", "min_np is deprecated, use min_num_proc instead",
+        "np is deprecated, use num_proc instead"]
+    assert (calls[0]["np"], calls[0]["min_np"], calls[0]["max_np"]) == (2, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"ssh_port": 22}, "ssh_port"),
+        ({"ssh_identity_file": "id"}, "ssh_identity_file"),
+        ({"network_interfaces": ["lo"]}, "network_interfaces"),
+        ({"disable_cache": True}, "disable_cache"),
+        ({"use_mpi": True}, "use_mpi"),
+        ({"mpi_args": "--x"}, "mpi_args"),
+        ({"cooldown_range": (1, 2)}, "cooldown_range"),
+    ],
+)
+def test_noop_parameters_warn_naming_themselves(calls: list[dict[str, Any]], options: dict[str, Any],
+                                                named: str) -> None:  # fmt: skip
+    with pytest.warns(UserWarning, match=rf"horovod.run\({named}=...\) changes nothing: "):
+        assert horovod_run.run(_train, (1,), num_proc=1, **options) == [1]
+    assert named not in calls[0]
+
+
+def test_unset_parameters_warn_nothing(calls: list[dict[str, Any]]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        horovod_run.run(_train, (1,), num_proc=1, disable_cache=False, use_gloo=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"hosts": "localhost:2", "hostfile": "h"}, ValueError, "hosts and hostfile only allow one provided"),
+        ({"use_gloo": True, "use_mpi": True}, ValueError, "use_gloo and use_mpi only allow one set True"),
+        ({"executable": "/usr/bin/python2"}, InvalidArgumentError, "executable='/usr/bin/python2'"),
+        ({"slots": 4}, InvalidArgumentError, r"slots=4\): give the slots"),
+    ],
+)
+def test_refused_before_anything_starts(calls: list[dict[str, Any]], options: dict[str, Any],
+                                        error: type[Exception], message: str) -> None:  # fmt: skip
+    with pytest.raises(error, match=message):
+        horovod_run.run(_train, (1,), num_proc=2, **options)
+    assert calls == []
+
+
+def test_hostfile_is_refused_unless_phalanx_run_takes_it(calls: list[dict[str, Any]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match=r"horovod.run\(hostfile='hosts.txt'\): phalanx.run starts"):
+        horovod_run.run(_train, (1,), num_proc=2, hostfile="hosts.txt")
+
+    def run_with_hosts(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1, *,
+                       hostfile: str | None = None, **options: Any) -> list[Any]:  # fmt: skip
+        calls.append({"hostfile": hostfile})
+        return [fn(*args)]
+
+    monkeypatch.setattr("phalanx.run", run_with_hosts)  # multi-host launching: passed through as it is
+    assert horovod_run.run(_train, (1,), num_proc=1, hostfile="hosts.txt") == [1]
+    assert calls == [{"hostfile": "hosts.txt"}]
