@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from phalanx.errors import HorovodInternalError, HostsUpdatedInterrupt
 from phalanx.torch.elastic._run import run
+from phalanx.torch.elastic.handlers import (
+    ModelStateHandler,
+    OptimizerStateHandler,
+    SamplerStateHandler,
+    StateHandler,
+    get_handler_registry,
+    set_handler_registry,
+)
 from phalanx.torch.elastic.sampler import ElasticSampler
-from phalanx.torch.elastic.state import ObjectState, State, TorchState
+from phalanx.torch.elastic.state import HostUpdateResult, ObjectState, State, TorchState
 
-__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
-           "TorchState", "run"]
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostUpdateResult", "HostsUpdatedInterrupt",
+           "ModelStateHandler", "ObjectState", "OptimizerStateHandler", "SamplerStateHandler", "State",
+           "StateHandler", "TorchState", "get_handler_registry", "run", "set_handler_registry"]

@@ -1,4 +1,4 @@
-"""What an elastic job keeps across a lost worker: ``State``, ``ObjectState``, ``TorchState``.
+"""What an elastic job keeps across a lost worker: ``State``, ``ObjectState``, ``TorchState`` (Horovod's).
 
 ``commit()`` saves a copy in memory (and, with ``PHALANX_ELASTIC_CHECKPOINT_DIR``, on disk: rank 0
 writes a temporary file and renames it over ``state.pt``, so a reader never sees half a file);
@@ -8,8 +8,10 @@ writes a temporary file and renames it over ``state.pt``, so a reader never sees
 from __future__ import annotations
 
 import copy
+import enum
 import logging
 import os
+import queue
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,18 @@ import torch
 from phalanx.env import names as N
 from phalanx.errors import HostsUpdatedInterrupt
 from phalanx.torch import basics, functions
-from phalanx.torch.elastic import _rendezvous
+from phalanx.torch.elastic import _rendezvous, handlers
+from phalanx.torch.elastic.handlers import (  # Horovod's names in horovod.torch.elastic.state
+    ModelStateHandler,
+    OptimizerStateHandler,
+    SamplerStateHandler,
+    StateHandler,
+    get_handler_registry,
+    set_handler_registry,
+)
+
+__all__ = ["HostUpdateResult", "ModelStateHandler", "ObjectState", "OptimizerStateHandler", "SamplerStateHandler",
+           "State", "StateHandler", "TorchState", "get_handler_registry", "set_handler_registry"]
 
 log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "state.pt"
@@ -43,10 +56,29 @@ def write_atomically(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-class State:
-    """Base class: reset callbacks, commit / check_host_updates; subclasses define save/restore/sync."""
+class HostUpdateResult(enum.IntFlag):
+    """What a host update did (Horovod's values): hosts removed, added, or both."""
 
-    def __init__(self) -> None:
+    no_update = 0
+    removed = 1
+    added = 2
+    mixed = removed | added
+
+
+class State:
+    """Base class: reset callbacks, ``commit`` and the host-update check; subclasses save/restore/sync.
+
+    Args:
+        bcast_object: broadcasts a picklable object from rank 0 (default: ``hvd.broadcast_object``).
+        get_rank: returns this rank (default: ``hvd.rank``).
+    """
+
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
+                 get_rank: Callable[[], int] | None = None) -> None:  # fmt: skip
+        self._bcast_object = bcast_object or _broadcast_from_rank0
+        self._rank = get_rank or basics.rank
+        self._host_messages: queue.Queue[tuple[float, int]] = queue.Queue()
+        self._last_updated_timestamp = 0.0
         self._reset_callbacks: list[Callable[[], None]] = []
         self.commits = 0
 
@@ -55,9 +87,28 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
-        """Run the reset callbacks (called by ``hvd.elastic.run``)."""
+        """After a reset (called by ``hvd.elastic.run``): forget pending host messages, :meth:`reset`, then
+        run the reset callbacks."""
+        self._host_messages = queue.Queue()
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def reset(self) -> None:
+        """Reset objects and variables after a reset event, before the state is synced (override it)."""
+
+    def on_hosts_updated(self, timestamp: float, update_res: int) -> None:
+        """Record a host-update notification; the next :meth:`check_host_updates` raises for it.
+
+        Horovod's driver calls it on every worker; phalanx's driver publishes new worlds in the job's store
+        instead, which :meth:`check_host_updates` also reads. A notification is this rank's alone: call it
+        on every rank (Horovod broadcasts rank 0's view at each commit).
+
+        Args:
+            timestamp: when the update happened; only one newer than the last handled counts.
+            update_res: a :class:`HostUpdateResult` (``removed`` alone lets the interrupt skip the sync).
+        """
+        self._host_messages.put((timestamp, int(update_res)))
 
     def commit(self) -> None:
         """Save the state (memory, and disk when durable commits are on), then check for a new world.
@@ -68,16 +119,26 @@ class State:
         self.save()
         self.commits += 1
         path = checkpoint_path()
-        if path is not None and basics.rank() == 0:
+        if path is not None and self._rank() == 0:
             write_atomically(path, self.durable())
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Raise :class:`HostsUpdatedInterrupt` when the driver has published a new world.
+        """Raise :class:`HostsUpdatedInterrupt` when hosts were updated: a notification newer than the last
+        one handled (``skip_sync`` when hosts were only removed, as in Horovod), or a new world the driver
+        published.
 
         Raises:
             HostsUpdatedInterrupt: a new round is waiting.
         """
+        newest, update = self._last_updated_timestamp, HostUpdateResult.no_update
+        while not self._host_messages.empty():
+            timestamp, result = self._host_messages.get()
+            if timestamp > newest:
+                newest, update = timestamp, update | HostUpdateResult(result)
+        if newest > self._last_updated_timestamp:
+            self._last_updated_timestamp = newest
+            raise HostsUpdatedInterrupt(skip_sync=update == HostUpdateResult.removed)
         if _rendezvous.new_round_published():
             raise HostsUpdatedInterrupt(skip_sync=False)
 
@@ -108,7 +169,7 @@ class State:
             True when a checkpoint was loaded.
         """
         path = checkpoint_path()
-        if path is None or not path.exists() or basics.rank() != 0:
+        if path is None or not path.exists() or self._rank() != 0:
             return False
         self.load_durable(torch.load(path, weights_only=False))
         self.save()
@@ -116,39 +177,46 @@ class State:
         return True
 
 
+def _broadcast_from_rank0(value: Any) -> Any:
+    return functions.broadcast_object(value, root_rank=0, name="elastic.object_state")
+
+
 class ObjectState(State):
     """Plain Python attributes (``epoch=0, batch=0``...), broadcast from rank 0 by pickling.
 
+    Horovod's signature: ``ObjectState(bcast_object, get_rank, **kwargs)``; both functions may be left out
+    (``ObjectState(epoch=0)``: ``hvd.broadcast_object`` and ``hvd.rank``).
+
     Args:
-        **kwargs: the attributes and their initial values.
+        bcast_object: broadcasts a picklable object from rank 0.
+        get_rank: returns this rank.
+        **kwargs: the attributes and their initial values (the first saved state).
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._names = list(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
-        self._saved: dict[str, Any] = {}
-        self.save()
+    def __init__(self, bcast_object: Callable[[Any], Any] | None = None, get_rank: Callable[[], int] | None = None,
+                 **kwargs: Any) -> None:  # fmt: skip
+        self._saved: dict[str, Any] = copy.deepcopy(kwargs)
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
-    def _values(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self._names}
-
-    def save(self) -> None:
-        """Keep a deep copy of the attributes."""
-        self._saved = copy.deepcopy(self._values())
-
-    def restore(self) -> None:
-        """Set the attributes back to the last saved copy."""
+    def _set_attrs(self) -> None:
         for name, value in copy.deepcopy(self._saved).items():
             setattr(self, name, value)
 
+    def save(self) -> None:
+        """Keep a deep copy of the attributes."""
+        self._saved = copy.deepcopy({name: getattr(self, name) for name in self._saved})
+
+    def restore(self) -> None:
+        """Set the attributes back to the last saved copy."""
+        self._set_attrs()
+
     def sync(self) -> None:
-        """Every rank takes rank 0's attributes (as currently set) and saves them."""
-        values = functions.broadcast_object(self._values(), root_rank=0, name="elastic.object_state")
-        for name, value in values.items():
-            setattr(self, name, value)
-        self.save()
+        """Every rank takes rank 0's last saved attributes (Horovod's rule: uncommitted changes are not
+        synced)."""
+        if self._saved:
+            self._saved = self._bcast_object(self._saved)
+            self._set_attrs()
 
     def durable(self) -> dict[str, Any]:
         """The attributes as last committed."""
@@ -157,58 +225,65 @@ class ObjectState(State):
     def load_durable(self, value: dict[str, Any]) -> None:
         """Set the attributes from a checkpoint."""
         for name, item in value.get("objects", {}).items():
-            setattr(self, name, item)
+            if name in self._saved:  # an attribute of this state (a handled one is loaded by its handler)
+                setattr(self, name, item)
 
 
 class TorchState(ObjectState):
-    """A model, an optimizer and plain attributes (Horovod's ``TorchState``).
+    """Models, optimizers, samplers and plain attributes (Horovod's ``TorchState``).
+
+    Every keyword argument becomes an attribute. One whose value has a handler in the registry
+    (``phalanx.torch.elastic.handlers``: modules, optimizers, :class:`ElasticSampler`) is saved, restored
+    and synced by it; assigning a new object to such an attribute hands it to the handler and saves it.
+    The others are plain objects, as in :class:`ObjectState`.
 
     Args:
         model: a ``torch.nn.Module`` (or None).
         optimizer: a ``torch.optim.Optimizer`` (or None).
-        **kwargs: plain attributes, as in :class:`ObjectState`.
+        **kwargs: more attributes.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self._model_saved: dict[str, Any] = {}
-        self._opt_saved: dict[str, Any] = {}
-        super().__init__(**kwargs)
+        kwargs.update(model=model, optimizer=optimizer)
+        self._handlers, plain = handlers.split(kwargs)
+        for name, handler in self._handlers.items():
+            setattr(self, name, handler.value)
+        super().__init__(bcast_object=_broadcast_from_rank0, get_rank=basics.rank, **plain)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in getattr(self, "_handlers", {}) and hasattr(self, name):
+            self._handlers[name].set_value(value)
+        super().__setattr__(name, value)
 
     def save(self) -> None:
-        """Deep-copy the model's and optimizer's state dicts and the attributes."""
-        if self.model is not None:
-            self._model_saved = copy.deepcopy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._opt_saved = copy.deepcopy(self.optimizer.state_dict())
+        """Save every handled attribute, then the plain ones."""
+        for handler in self._handlers.values():
+            handler.save()
         super().save()
 
     def restore(self) -> None:
-        """Load the last saved state dicts and attributes."""
-        if self.model is not None and self._model_saved:
-            self.model.load_state_dict(self._model_saved)
-        if self.optimizer is not None and self._opt_saved:
-            self.optimizer.load_state_dict(self._opt_saved)
+        """Restore every handled attribute, then the plain ones."""
+        for handler in self._handlers.values():
+            handler.restore()
         super().restore()
 
     def sync(self) -> None:
-        """Broadcast rank 0's parameters, optimizer state and attributes; save them."""
-        if self.model is not None:
-            functions.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
-            functions.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        """Sync every handled attribute from rank 0 (parameters, optimizer state, sampler), then the plain
+        ones."""
+        for handler in self._handlers.values():
+            handler.sync()
         super().sync()
 
     def durable(self) -> dict[str, Any]:
-        """Model, optimizer and attributes as last committed."""
-        return {"model": self._model_saved, "optimizer": self._opt_saved, **super().durable()}
+        """Handled attributes (those whose handler has a durable form) and plain ones as last committed."""
+        saved = {name: h.durable() for name, h in self._handlers.items()}
+        return {"handlers": {name: v for name, v in saved.items() if v is not None}, **super().durable()}
 
     def load_durable(self, value: dict[str, Any]) -> None:
-        """Load a checkpoint into the model, the optimizer and the attributes."""
-        if self.model is not None and value.get("model"):
-            self.model.load_state_dict(value["model"])
-        if self.optimizer is not None and value.get("optimizer"):
-            self.optimizer.load_state_dict(value["optimizer"])
+        """Load a checkpoint into the handled attributes and the plain ones."""
+        saved_by = value.get("handlers") or {k: value[k] for k in ("model", "optimizer") if value.get(k)}
+        for name, saved in saved_by.items():
+            if name in self._handlers:
+                self._handlers[name].load_durable(saved)
         super().load_durable(value)
