@@ -90,14 +90,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--jsrun",), "use_jsrun", "on", "phalanxrun starts its ranks itself (no jsrun, no MPI)"),
 )
 
-#: Host flags (multi-host launching). Where cli/main.py does not define one, it parses here: a flag that
-#: changes nothing for ranks on this machine warns; one that names other machines is refused.
+#: Host flags (multi-host launching; cli/main.py turns them into the hosts launcher's spec and warns when
+#: every host is this machine, where ssh options change nothing).
 HOST_FLAGS: tuple[Flag, ...] = (
     Flag(("-hostfile", "--hostfile"), "hostfile", "str"),
-    Flag(("-p", "--ssh-port"), "ssh_port", "int", "ranks run on this machine, without ssh"),
-    Flag(("-i", "--ssh-identity-file"), "ssh_identity_file", "str", "ranks run on this machine, without ssh"),
-    Flag(("--network-interfaces",), "nics", "str", "ranks on this machine talk over loopback and shared memory"),
-    Flag(("--network-interface",), "nic", "str", "ranks on this machine talk over loopback and shared memory"),
+    Flag(("-p", "--ssh-port"), "ssh_port", "int"),
+    Flag(("-i", "--ssh-identity-file"), "ssh_identity_file", "str"),
+    Flag(("--network-interfaces",), "nics", "str"),
+    Flag(("--network-interface",), "nic", "str"),
     Flag(("--slots-per-host",), "slots", "int"),
     Flag(("--disable-cache",), "disable_cache", "on", "phalanxrun keeps no cache of start-up checks"),
 )
@@ -161,10 +161,6 @@ def validate(ns: argparse.Namespace) -> None:
     noise = ns.autotune_gaussian_process_noise
     if noise is not None and not 0 <= noise <= 1:
         raise InvalidArgumentError(f"--autotune-gaussian-process-noise={noise} must be in [0, 1]")
-    if ns.hostfile is not None:
-        raise InvalidArgumentError(
-            f"--hostfile {ns.hostfile!r}: phalanxrun starts ranks on this machine only; "
-            "drop --hostfile (use -np N), or launch on several machines with phalanx.spark")
     if ns.slots is not None:
         raise InvalidArgumentError(
             "--slots-per-host: phalanxrun's host discovery reads host:slots lines; give the slots there")

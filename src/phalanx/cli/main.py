@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
-from phalanx.launch.api import elastic_spec, resolve_start_timeout, validate_hosts, validate_np
+from phalanx.launch.api import elastic_spec, resolve_hosts, resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
+from phalanx.launch.remote import HostsLauncher, HostsSpec
+from phalanx.launch.ssh import SshOptions
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -43,6 +45,8 @@ class RunConfig:
     knobs: tuple[tuple[str, str], ...] = ()
     prefix_timestamp: bool = False
     warnings: tuple[str, ...] = ()
+    hosts: HostsSpec | None = None
+    check_hosts_only: bool = False
 
     def job_env(self) -> dict[str, str]:
         """Variables the command's ranks get on top of the contract (the timeline and the flags' knobs)."""
@@ -88,7 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show which frameworks and operations phalanx supports here, and exit")
     p.add_argument("--config-file", default=None,
                    help="horovodrun's YAML file of parameters; flags on the command line win over it")
-    p.add_argument("-H", "--hosts", default=None, help="localhost:N (only this machine is supported)")
+    p.add_argument("-H", "--hosts", default=None,
+                   help="host:slots,host:slots; each host's slots are filled in turn (other hosts over ssh)")
+    p.add_argument("--python", default=None,
+                   help="the interpreter of the ranks on every host (default: this one's path)")
+    p.add_argument("-x", "--env", dest="forward_env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a variable for every rank on every host (NAME alone: this environment's value)")
+    p.add_argument("--check-hosts", action="store_true",
+                   help="check that every host answers over ssh and imports phalanx, then exit")
     p.add_argument("--start-timeout", type=float, default=None,
                    help="seconds for all ranks to start (default: HOROVOD_START_TIMEOUT or 30)")
     p.add_argument("--output-filename", default=None,
@@ -136,9 +147,10 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
         config_file.apply(ns, ns.config_file)
     flags.validate(ns)
     np = validate_np(ns.np, "-np")
-    validate_hosts(ns.hosts, np)
+    hosts = _hosts_spec(ns, np)
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
-    _check_command(command)
+    if not ns.check_hosts:
+        _check_command(command)
     knobs = flags.knob_env(ns)
     return RunConfig(
         np=np,
@@ -153,8 +165,66 @@ def parse_config(argv: Sequence[str]) -> RunConfig:
                              discovery_script=ns.host_discovery_script),
         knobs=tuple(sorted(knobs.items())),
         prefix_timestamp=bool(ns.prefix_output_with_timestamp),
-        warnings=tuple(flags.noop_warnings(ns)),
+        warnings=tuple(flags.noop_warnings(ns) + _local_host_warnings(ns, hosts)),
+        hosts=hosts,
+        check_hosts_only=bool(ns.check_hosts),
     )
+
+
+def _forward_env(items: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not name or not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise InvalidArgumentError(f"-x/--env {item!r}: give NAME or NAME=VALUE")
+        if not sep and name not in os.environ:
+            raise InvalidArgumentError(f"-x/--env {name}: not set in this environment; give {name}=VALUE")
+        env[name] = value if sep else os.environ[name]
+    return env
+
+
+def _hosts_spec(ns: argparse.Namespace, np: int) -> HostsSpec | None:
+    """The multi-host part of the job, or None when every host is this machine."""
+    remote = resolve_hosts(ns.hosts, np, ns.hostfile)
+    forward = _forward_env(ns.forward_env)
+    if remote is None:
+        return None
+    if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
+        raise InvalidArgumentError(f"-p/--ssh-port {ns.ssh_port} is not a port number (1-65535)")
+    if ns.ssh_identity_file is not None and not os.path.isfile(ns.ssh_identity_file):
+        raise InvalidArgumentError(f"-i/--ssh-identity-file {ns.ssh_identity_file!r} does not exist")
+    nics = [n.strip() for n in (ns.nics or ns.nic or "").split(",") if n.strip()]
+    timeout = resolve_start_timeout(ns.start_timeout)
+    return HostsSpec(hosts=tuple(remote), ssh=SshOptions(ns.ssh_port, ns.ssh_identity_file, min(timeout, 30.0)),
+                     interfaces=tuple(nics), python=ns.python, forward_env=forward)
+
+
+def _local_host_warnings(ns: argparse.Namespace, hosts: HostsSpec | None) -> list[str]:
+    if hosts is not None:
+        return []
+    given = [name for name, value in (("--ssh-port", ns.ssh_port), ("--ssh-identity-file", ns.ssh_identity_file),
+                                      ("--network-interfaces", ns.nics or ns.nic)) if value is not None]
+    return [f"{name} changes nothing: every host is this machine (no ssh; loopback and shared memory)"
+            for name in given]
+
+
+def _launch(config: RunConfig) -> None:
+    spec = config.to_spec()
+    if config.hosts is not None:
+        if config.elastic is not None:
+            raise InvalidArgumentError("an elastic job runs on this machine only (-H naming other hosts); "
+                                       "drop --min-np/--max-np or the other hosts")
+        launcher = HostsLauncher(spec, config.hosts)
+        if config.check_hosts_only:
+            launcher.check()
+            sys.stdout.write("phalanxrun: every host answered and imports phalanx\n")
+            return
+        launcher.run()
+        return
+    if config.check_hosts_only:
+        sys.stdout.write("phalanxrun: every host is this machine; nothing to check over ssh\n")
+        return
+    (ElasticLocalLauncher(spec, config.elastic) if config.elastic else LocalLauncher(spec)).run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -169,8 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
                         format="phalanxrun: %(message)s")
     try:
-        spec = config.to_spec()
-        (ElasticLocalLauncher(spec, config.elastic) if config.elastic else LocalLauncher(spec)).run()
+        _launch(config)
     except WorkerFailedError as e:
         sys.stderr.write(f"phalanxrun: {e}\n")
         return e.exit_code

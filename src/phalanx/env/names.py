@@ -113,3 +113,6 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 # --- Python runtime: workers stream their output line by line, so it must not be block-buffered.
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+#: Forwarded by the hosts launcher to every rank on every host (as horovodrun forwards it).
+PYTHONPATH = "PYTHONPATH"
+

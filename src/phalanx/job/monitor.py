@@ -54,6 +54,8 @@ class MonitorConfig:
         start_timeout_s: seconds for every rank to say hello.
         start_timeout_hint: the argument or variable that raises the start timeout, for the error.
         stop_wait_s: after a failure, seconds to wait for the other ranks to go.
+        rank_hosts: the host of each rank when the job spans several machines (failures name it); empty
+            for a job on one machine.
     """
 
     world_size: int
@@ -62,6 +64,7 @@ class MonitorConfig:
     start_timeout_s: float
     start_timeout_hint: str
     stop_wait_s: float = 10.0
+    rank_hosts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -187,6 +190,8 @@ class JobMonitor:
             summary = f"process ended with {describe_exit(rc)}"
         else:
             summary = "process exited with code 0 without reporting a result (did it call os._exit?)"
+        if rank < len(self.config.rank_hosts):
+            summary = f"{summary} [on host {self.config.rank_hosts[rank]}]"
         return RankFailure(
             rank=rank,
             summary=summary,

@@ -17,9 +17,9 @@ from phalanx.launch import warm
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.discovery import check_script
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
+from phalanx.launch.hosts import HostSlots, only_this_machine, parse_hostfile, parse_hosts, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
-
-_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1"}
+from phalanx.launch.remote import HostsLauncher, HostsSpec
 
 
 def validate_np(np: object, name: str = "np") -> int:
@@ -70,25 +70,30 @@ def validate_env(env: Mapping[str, object] | None) -> dict[str, str]:
     return dict(env)  # type: ignore[arg-type]
 
 
-def validate_hosts(hosts: str | None, np: int) -> None:
-    """Accept only this host (``localhost:N``); other hosts need ``phalanx.spark``.
+def resolve_hosts(hosts: str | None, np: int, hostfile: str | None = None) -> list[HostSlots] | None:
+    """The job's hosts from ``-H``/``hosts=`` or ``--hostfile``; None when the job runs on this machine only.
 
     Raises:
-        InvalidArgumentError: a remote host, or fewer slots than ``np``.
+        InvalidArgumentError: both given, a malformed entry, or fewer slots than ``np`` (before any process
+            starts).
     """
-    if hosts is None:
-        return
-    slots = 0
-    for item in hosts.split(","):
-        host, _, count = item.strip().partition(":")
-        if host not in _LOCAL_HOSTS:
-            raise InvalidArgumentError(
-                f"hosts={hosts!r} names {host!r}; phalanx.run and phalanxrun start ranks on this machine only "
-                "(use localhost:N), and phalanx.spark for several machines"
-            )
-        slots += int(count) if count.isdigit() else 1
-    if slots < np:
-        raise InvalidArgumentError(f"hosts={hosts!r} has {slots} slot(s) but np={np}; give localhost:{np}")
+    if hosts is not None and hostfile is not None:
+        raise InvalidArgumentError("give -H/--hosts or --hostfile, not both")
+    if hosts is None and hostfile is None:
+        return None
+    parsed = parse_hosts(hosts) if hosts is not None else parse_hostfile(str(hostfile))
+    place(parsed, np)
+    return None if only_this_machine(parsed) else parsed
+
+
+def validate_hosts(hosts: str | None, np: int) -> None:
+    """Check a ``hosts`` string (``h1:2,h2:2``) against ``np``.
+
+    Raises:
+        InvalidArgumentError: a malformed entry, or fewer slots than ``np``.
+    """
+    if hosts is not None:
+        place(parse_hosts(hosts), np)
 
 
 def run(
@@ -120,7 +125,9 @@ def run(
         args: positional arguments for ``fn``.
         kwargs: keyword arguments for ``fn``.
         np: number of ranks (> 0).
-        hosts: ``"localhost:N"`` (accepted for horovod.run compatibility; other hosts are refused).
+        hosts: ``"h1:2,h2:2"``: run on these hosts, each host's slots filled in turn (horovodrun's
+            placement). Hosts other than this machine are reached with the system ``ssh`` client
+            (BatchMode) and need the same interpreter path and phalanx; see docs/hosts.md.
         env: extra environment variables for every rank.
         start_timeout: seconds every rank has to start (default: ``HOROVOD_START_TIMEOUT`` or 30).
         output_filename: also keep each rank's output in ``DIR/rank.N/{stdout,stderr}``.
@@ -145,7 +152,7 @@ def run(
         StartTimeoutError: ranks did not start in time; the message names them.
     """
     np = validate_np(np)
-    validate_hosts(hosts, np)
+    remote = resolve_hosts(hosts, np)
     spec = LocalJobSpec(
         np=np,
         payload=serialize_call(fn, tuple(args), dict(kwargs or {})),
@@ -159,6 +166,10 @@ def run(
     if verbose:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
     elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env, host_discovery_script)
+    if remote is not None:
+        if elastic is not None:
+            raise InvalidArgumentError("an elastic job runs on this machine only; drop hosts= or min_np/max_np")
+        return HostsLauncher(spec, HostsSpec(tuple(remote))).run()
     return (ElasticLocalLauncher(spec, elastic) if elastic else LocalLauncher(spec)).run()
 
 

@@ -130,7 +130,7 @@ def test_main_prints_each_warning_once(capsys: pytest.CaptureFixture[str], monke
         (["--fusion-threshold-mb", "-1"], "fusion-threshold-mb=-1 must be >= 0"),
         (["--stall-check-warning-time-seconds", "-5"], "must be >= 0"),
         (["--autotune-gaussian-process-noise", "1.5"], r"must be in \[0, 1\]"),
-        (["--hostfile", "hosts.txt"], "--hostfile 'hosts.txt': phalanxrun starts ranks on this machine only"),
+        (["--hostfile", "hosts.txt"], "--hostfile 'hosts.txt' cannot be read"),
         (["--slots-per-host", "4"], "--slots-per-host"),
     ],
 )

@@ -109,9 +109,26 @@ def _float_env(name: str, default: float) -> float:
         raise ValueError(f"{name}={text!r} is not a number; unset it or give seconds/bytes") from e
 
 
+def _machine_id() -> str:
+    """This machine's boot id and the identity of the /dev/shm it sees: ranks share a segment only when
+    both match (two containers may share a hostname but not a /dev/shm; two machines, not a boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        st = os.stat(_segment.SHM_DIR)
+        shm = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        shm = ""
+    return f"{boot}/{shm}"
+
+
 def _host_key() -> int:
     host = os.environ.get(N.HOROVOD_HOSTNAME) or socket.gethostname()
-    return int.from_bytes(hashlib.blake2b(host.encode(), digest_size=7).digest(), "little")
+    key = f"{host}\0{_machine_id()}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
 
 def _world_hosts() -> list[tuple[int, int]]:

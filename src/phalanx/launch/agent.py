@@ -1,0 +1,168 @@
+"""The host agent: ``python -m phalanx.launch.agent``, started by the hosts launcher (over ssh, or as a
+child on the driver's own machine) to run one host's ranks.
+
+It reads its plan as one JSON line on stdin — the job's secret travels there, never on a command line,
+where ``ps`` on the host would show it — then supervises each of the host's ranks as a Spark task does
+(:class:`~phalanx.launch.supervisor.RankSupervisor`: one channel connection per rank, output forwarded,
+exit reported). Stdin stays open for the job's life: its end (the driver died, ssh dropped, the driver
+stopped the job) stops every rank's process tree and ends the agent. Ranks die with the agent too
+(their parent-death signal), and with the driver's channel (the supervisor's abort watch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
+from phalanx.env import names as N
+from phalanx.errors import ChannelError, InvalidArgumentError, PhalanxError
+from phalanx.job.channel import Role, WorkerChannel
+from phalanx.job.framing import Kind
+from phalanx.job.records import ErrorRecord
+from phalanx.launch.core import worker_argv
+from phalanx.launch.supervisor import EXIT_NOT_STARTED, RankSupervisor, exit_event
+
+#: Most bytes of the plan line (the plan holds the user's forwarded variables, not the payload).
+MAX_PLAN_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    """What one host's agent runs.
+
+    Attributes:
+        job: where the job meets (channel, store, secret).
+        hosts: the host of every rank, in rank order (local and cross ranks follow from it).
+        ranks: the ranks this agent runs.
+        command: the command each rank runs, or None for a function job.
+        env: the user's variables forwarded from the driver.
+        cwd: the working directory of the ranks.
+        python: the interpreter of the ranks.
+        teardown_grace_s: seconds between SIGTERM and SIGKILL when the job stops.
+    """
+
+    job: JobContract
+    hosts: tuple[str, ...]
+    ranks: tuple[int, ...]
+    command: tuple[str, ...] | None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = "."
+    python: str = sys.executable
+    teardown_grace_s: float = 3.0
+
+    def encode(self) -> bytes:
+        """One JSON line (the plan's only wire form)."""
+        body: dict[str, Any] = {
+            "job": self.job.__dict__, "hosts": list(self.hosts), "ranks": list(self.ranks),
+            "command": None if self.command is None else list(self.command), "env": self.env,
+            "cwd": self.cwd, "python": self.python, "teardown_grace_s": self.teardown_grace_s,
+        }
+        return json.dumps(body).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes) -> AgentPlan:
+        """Parse and type-check a plan line.
+
+        Raises:
+            InvalidArgumentError: not a plan (the field is named).
+        """
+        try:
+            raw = json.loads(line)
+            job = JobContract(**{k: raw["job"][k] for k in JobContract.__dataclass_fields__ if k in raw["job"]})
+            plan = cls(job=job, hosts=tuple(raw["hosts"]), ranks=tuple(raw["ranks"]),
+                       command=None if raw["command"] is None else tuple(raw["command"]), env=dict(raw["env"]),
+                       cwd=raw["cwd"], python=raw["python"], teardown_grace_s=float(raw["teardown_grace_s"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgumentError(f"the agent's plan on stdin is malformed: {type(e).__name__}: {e}") from e
+        _check_types(plan)
+        return plan
+
+
+def _check_types(plan: AgentPlan) -> None:
+    strings = [*plan.hosts, *(plan.command or ()), *plan.env, *plan.env.values(), plan.cwd, plan.python]
+    if not all(isinstance(s, str) for s in strings) or not all(isinstance(r, int) for r in plan.ranks):
+        raise InvalidArgumentError("the agent's plan has a non-string name or a non-integer rank")
+    if any(not 0 <= r < len(plan.hosts) for r in plan.ranks):
+        raise InvalidArgumentError(f"the agent's plan names ranks {plan.ranks} outside 0..{len(plan.hosts) - 1}")
+
+
+class Agent:
+    """Runs one host's ranks to their end (see the module docstring)."""
+
+    def __init__(self, plan: AgentPlan) -> None:
+        self.plan = plan
+        self._supervisors: list[RankSupervisor] = []
+        self._lock = threading.Lock()
+
+    def run(self) -> int:
+        """Supervise every rank in a thread of its own; return 0 once all ended (their exits went to the
+        driver)."""
+        threads = [threading.Thread(target=self._rank, args=(r,), name=f"phalanx-rank-{r}") for r in self.plan.ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return 0
+
+    def stop(self) -> None:
+        """Stop every rank's process tree (SIGTERM, grace, SIGKILL)."""
+        with self._lock:
+            supervisors = list(self._supervisors)
+        for s in supervisors:
+            s.stop()
+
+    def _env(self, rank: int) -> dict[str, str]:
+        who = assign_ranks(self.plan.hosts)[rank]
+        own = {N.PHALANX_PARENT_PID: str(os.getpid())}
+        return compose_env(os.environ, self.plan.env, {**worker_env(self.plan.job, who), **own}, os.cpu_count())
+
+    def _rank(self, rank: int) -> None:
+        job = self.plan.job
+        try:
+            channel = WorkerChannel.connect(job.channel, job.secret, rank, Role.SUPERVISOR, job.start_timeout_s)
+        except ChannelError as e:
+            sys.stderr.write(f"phalanx agent: rank {rank} cannot reach the driver: {e}\n")
+            return
+        supervisor = RankSupervisor(channel, rank, self.plan.teardown_grace_s)
+        with self._lock:
+            self._supervisors.append(supervisor)
+        try:
+            argv = worker_argv(self.plan.command, self.plan.python)
+            returncode = supervisor.run(argv, self._env(rank), None, self.plan.cwd)
+        except (PhalanxError, OSError) as e:
+            supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
+            returncode = EXIT_NOT_STARTED
+        supervisor.send(Kind.EVENT, exit_event(returncode))
+        channel.close()
+
+
+def _watch_stdin(agent: Agent) -> None:
+    # The driver never writes after the plan: EOF (or an error) means it is gone or wants the job stopped.
+    try:
+        while sys.stdin.buffer.read(4096):
+            pass
+    except OSError:
+        pass
+    agent.stop()
+    os._exit(0)
+
+
+def main() -> int:
+    """Entry point: read the plan, run the ranks, end when they end or stdin closes."""
+    try:
+        plan = AgentPlan.decode(sys.stdin.buffer.readline(MAX_PLAN_BYTES))
+    except InvalidArgumentError as e:
+        sys.stderr.write(f"phalanx agent: {e}\n")
+        return 2
+    agent = Agent(plan)
+    threading.Thread(target=_watch_stdin, args=(agent,), name="phalanx-stdin", daemon=True).start()
+    return agent.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

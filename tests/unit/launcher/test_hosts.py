@@ -1,0 +1,81 @@
+"""Host lists, hostfiles, placement and locality (no processes)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from phalanx.env import assign_ranks
+from phalanx.errors import InvalidArgumentError
+from phalanx.launch.hosts import HostSlots, is_local, parse_hostfile, parse_hosts, place
+from phalanx.launch.ssh import SshOptions, agent_command, route_address, ssh_argv
+
+
+def test_parse_hosts_with_and_without_slots() -> None:
+    assert parse_hosts("a:2, b:3,c") == [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 1)]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("a:0", "slots '0'"), ("a:x", "slots 'x'"), ("a:2,,b:1", "empty entry"), ("a:1,a:2", "named twice"),
+    ("-oProxyCommand=x:1", "not a host name"), ("a b:1", "not a host name"), ("a;rm:1", "not a host name"),
+])
+def test_parse_hosts_refuses_bad_entries(text: str, needle: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=needle):
+        parse_hosts(text)
+
+
+def test_hostfile_format(tmp_path: Path) -> None:
+    f = tmp_path / "hosts"
+    f.write_text("# cluster\nnode1 slots=4\n\nnode2   # one slot\n10.0.0.3 slots=2\n")
+    assert parse_hostfile(str(f)) == [HostSlots("node1", 4), HostSlots("node2", 1), HostSlots("10.0.0.3", 2)]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("node1 slots=two\n", ":1: 'node1 slots=two' is not"), ("a slots=1\nb cpus=2\n", ":2:"),
+    ("# nothing\n", "names no host"), ("a slots=0\n", "slots '0'"),
+])
+def test_hostfile_errors_name_the_line(tmp_path: Path, text: str, needle: str) -> None:
+    f = tmp_path / "hosts"
+    f.write_text(text)
+    with pytest.raises(InvalidArgumentError, match=needle):
+        parse_hostfile(str(f))
+
+
+def test_missing_hostfile() -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot be read"):
+        parse_hostfile("/nonexistent/hostfile")
+
+
+def test_placement_fills_each_host_in_order() -> None:
+    hosts = [HostSlots("a", 2), HostSlots("b", 2)]
+    assert place(hosts, 4) == ["a", "a", "b", "b"]
+    assert place(hosts, 3) == ["a", "a", "b"]
+    layout = assign_ranks(place(hosts, 4))
+    assert [(w.local_rank, w.local_size, w.cross_rank, w.cross_size) for w in layout] == [
+        (0, 2, 0, 2), (1, 2, 0, 2), (0, 2, 1, 2), (1, 2, 1, 2)]
+
+
+def test_placement_refuses_more_ranks_than_slots() -> None:
+    with pytest.raises(InvalidArgumentError, match="np=5 is more than the 4 slot"):
+        place([HostSlots("a", 2), HostSlots("b", 2)], 5)
+
+
+def test_this_machine_is_local_by_any_of_its_names() -> None:
+    for name in ("localhost", "127.0.0.1", socket.gethostname()):
+        assert is_local(name)
+    assert not is_local("host.invalid")
+
+
+def test_ssh_command_line_holds_no_secret_and_quotes_the_remote_command() -> None:
+    argv = ssh_argv("b", SshOptions(port=2222, identity_file="/k"), agent_command("/py thon", "/w d"))
+    assert argv[:2] == ["ssh", "-T"] and "BatchMode=yes" in argv
+    assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-i") + 1] == "/k"
+    assert argv[-2:] == ["b", "cd '/w d' && exec '/py thon' -m phalanx.launch.agent"]
+
+
+def test_route_address_of_loopback() -> None:
+    assert route_address("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(InvalidArgumentError, match=r"host\.invalid"):
+        route_address("host.invalid")
