@@ -2,11 +2,12 @@
 
 Every parameter name of ``horovod.run`` is accepted. The ones phalanx has are passed on (``num_proc`` is
 ``np``, ``min_num_proc`` / ``max_num_proc`` the elastic bounds...). The deprecated ``np`` / ``min_np`` /
-``max_np`` / ``network_interface`` warn with ``DeprecationWarning`` as in Horovod. A parameter that changes
-nothing for ranks on this machine (``ssh_port``, ``use_mpi``, ``cooldown_range``...) warns once, naming
-itself and the reason; one phalanx cannot honour (``hostfile``, ``slots``, another ``executable``) raises
-:class:`~phalanx.errors.InvalidArgumentError` before any process starts, unless :func:`phalanx.run`
-accepts it.
+``max_np`` / ``network_interface`` warn with ``DeprecationWarning`` as in Horovod; ``hostfile`` (Horovod's
+``host slots=N`` lines) becomes ``hosts``. A parameter that changes nothing here (``use_mpi``,
+``cooldown_range``, ``disable_cache``; the ssh options when every host is this machine) warns once, naming
+itself and the reason; one phalanx cannot honour (``slots``, ssh options for remote hosts, another
+``executable``) raises :class:`~phalanx.errors.InvalidArgumentError` before any process starts, unless
+:func:`phalanx.run` accepts it.
 """
 
 from __future__ import annotations
@@ -19,24 +20,36 @@ from typing import Any
 
 import phalanx
 from phalanx.errors import InvalidArgumentError
+from phalanx.launch.hosts import only_this_machine, parse_hostfile, parse_hosts
 
-_LOCAL = "ranks run on this machine"
 #: Parameters that change nothing here -> why.
 _NOOP = {
-    "ssh_port": f"{_LOCAL}, without ssh",
-    "ssh_identity_file": f"{_LOCAL}, without ssh",
-    "network_interfaces": f"{_LOCAL}: loopback and shared memory",
     "disable_cache": "phalanx keeps no cache of start-up checks",
     "use_mpi": "phalanx runs on gloo (CPU) and NCCL (CUDA), never MPI; the job runs on gloo",
     "mpi_args": "phalanx runs on gloo (CPU) and NCCL (CUDA), never MPI",
     "cooldown_range": "phalanx does not blacklist hosts: a lost worker is replaced on a free slot at once",
 }
-#: Parameters phalanx.run may not have yet -> how to do without.
+#: ssh-side parameters: nothing to do when every host is this machine; phalanx.run cannot pass them on.
+_SSH = ("ssh_port", "ssh_identity_file", "network_interfaces")
+#: Parameters phalanx.run may not have -> how to do without.
 _UNSUPPORTED = {
-    "hostfile": "phalanx.run starts ranks on this machine only; drop hostfile= (use num_proc=), or use "
-                "phalanx.spark for several machines",
     "slots": "give the slots in the host discovery script's host:slots lines",
+    "ssh_port": "phalanx.run has no ssh options: use phalanxrun -p, or a Port line in ~/.ssh/config",
+    "ssh_identity_file": "phalanx.run has no ssh options: use phalanxrun -i, or IdentityFile in ~/.ssh/config",
+    "network_interfaces": "phalanx.run picks the route to the first remote host: use phalanxrun "
+                          "--network-interfaces to choose",
 }
+
+
+def _hosts_from(hosts: str | None, hostfile: str | None) -> str | None:
+    """``hosts`` as it is, or Horovod's hostfile (``host slots=N`` lines) as ``h1:2,h2:2``."""
+    if hostfile is None:
+        return hosts
+    return ",".join(f"{h.host}:{h.slots}" for h in parse_hostfile(hostfile))
+
+
+def _remote(hosts: str | None) -> bool:
+    return hosts is not None and not only_this_machine(parse_hosts(hosts))
 
 
 def _deprecated(old: str, new: str, old_value: Any, new_value: Any) -> Any:
@@ -46,7 +59,7 @@ def _deprecated(old: str, new: str, old_value: Any, new_value: Any) -> Any:
     return old_value
 
 
-def _extra(given: dict[str, Any]) -> dict[str, Any]:
+def _extra(given: dict[str, Any], remote: bool) -> dict[str, Any]:
     """The host-side parameters phalanx.run takes; warn for no-ops, refuse what cannot be honoured."""
     accepted = inspect.signature(phalanx.run).parameters
     passed: dict[str, Any] = {}
@@ -55,6 +68,9 @@ def _extra(given: dict[str, Any]) -> dict[str, Any]:
             continue
         if name in accepted:
             passed[name] = value
+        elif name in _SSH and not remote:
+            warnings.warn(f"horovod.run({name}=...) changes nothing: every host is this machine (no ssh)",
+                          UserWarning, stacklevel=3)
         elif name in _UNSUPPORTED:
             raise InvalidArgumentError(f"horovod.run({name}={value!r}): {_UNSUPPORTED[name]}")
         else:
@@ -95,10 +111,11 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     if executable is not None and executable != sys.executable:
         raise InvalidArgumentError(f"horovod.run(executable={executable!r}): phalanx starts ranks with this "
                                    f"interpreter ({sys.executable}); run the driver with the one you want")
-    extra = _extra({"hostfile": hostfile, "slots": slots, "ssh_port": ssh_port,
-                    "ssh_identity_file": ssh_identity_file, "network_interfaces": network_interfaces,
-                    "disable_cache": disable_cache, "use_mpi": use_mpi, "mpi_args": mpi_args,
-                    "cooldown_range": cooldown_range})  # fmt: skip
+    hosts = _hosts_from(hosts, hostfile)
+    extra = _extra({"slots": slots, "ssh_port": ssh_port, "ssh_identity_file": ssh_identity_file,
+                    "network_interfaces": network_interfaces, "disable_cache": disable_cache,
+                    "use_mpi": use_mpi, "mpi_args": mpi_args, "cooldown_range": cooldown_range},
+                   _remote(hosts))  # fmt: skip
     return phalanx.run(func, tuple(args), kwargs, np=num_proc, hosts=hosts, start_timeout=start_timeout,
                        output_filename=output_filename, verbose=bool(verbose), min_np=min_num_proc,
                        max_np=max_num_proc, reset_limit=reset_limit, host_discovery_script=host_discovery_script,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,7 +60,7 @@ def test_deprecated_names_warn_as_in_horovod(calls: list[dict[str, Any]]) -> Non
     ("options", "named"),
     [
         ({"ssh_port": 22}, "ssh_port"),
-        ({"ssh_identity_file": "id"}, "ssh_identity_file"),
+        ({"ssh_identity_file": "id", "hosts": "localhost:2"}, "ssh_identity_file"),
         ({"network_interfaces": ["lo"]}, "network_interfaces"),
         ({"disable_cache": True}, "disable_cache"),
         ({"use_mpi": True}, "use_mpi"),
@@ -96,16 +97,29 @@ def test_refused_before_anything_starts(calls: list[dict[str, Any]], options: di
     assert calls == []
 
 
-def test_hostfile_is_refused_unless_phalanx_run_takes_it(calls: list[dict[str, Any]],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    with pytest.raises(InvalidArgumentError, match=r"horovod.run\(hostfile='hosts.txt'\): phalanx.run starts"):
-        horovod_run.run(_train, (1,), num_proc=2, hostfile="hosts.txt")
+def test_hostfile_becomes_hosts(calls: list[dict[str, Any]], tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=2\n")
+    assert horovod_run.run(_train, (1,), num_proc=2, hostfile=str(hostfile)) == [1, 1]
+    assert calls[0]["hosts"] == "localhost:2"
 
-    def run_with_hosts(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1, *,
-                       hostfile: str | None = None, **options: Any) -> list[Any]:  # fmt: skip
-        calls.append({"hostfile": hostfile})
+
+@pytest.mark.parametrize("option", [{"ssh_port": 2222}, {"ssh_identity_file": "id"}, {"network_interfaces": ["eth1"]}])
+def test_ssh_options_for_remote_hosts_are_refused(calls: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+                                                  option: dict[str, Any]) -> None:  # fmt: skip
+    monkeypatch.setattr(horovod_run, "only_this_machine", lambda hosts: False)  # as if h1, h2 were other machines
+    with pytest.raises(InvalidArgumentError, match=r"phalanx.run (has no ssh options|picks the route)"):
+        horovod_run.run(_train, (1,), num_proc=2, hosts="h1:1,h2:1", **option)
+    assert calls == []
+
+
+def test_parameters_phalanx_run_takes_are_passed_through(calls: list[dict[str, Any]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    def run_with_ssh(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1, *,
+                     ssh_port: int | None = None, **options: Any) -> list[Any]:  # fmt: skip
+        calls.append({"ssh_port": ssh_port})
         return [fn(*args)]
 
-    monkeypatch.setattr("phalanx.run", run_with_hosts)  # multi-host launching: passed through as it is
-    assert horovod_run.run(_train, (1,), num_proc=1, hostfile="hosts.txt") == [1]
-    assert calls == [{"hostfile": "hosts.txt"}]
+    monkeypatch.setattr("phalanx.run", run_with_ssh)
+    assert horovod_run.run(_train, (1,), num_proc=1, ssh_port=2222) == [1]
+    assert calls == [{"ssh_port": 2222}]
