@@ -23,9 +23,10 @@ ALLOWED: dict[str, set[str]] = {
     "timeline": {"env", "errors"},
     "torch": {"env", "timeline", "errors"},
     "tensorflow": {"torch", "env", "timeline", "errors"},
+    "lightning": {"torch", "env", "errors"},
     "spark": {"launch", "job", "env", "errors", "worker"},
     "cli": {"launch", "env", "errors", "timeline", "job", "__init__"},
-    "compat": {"torch", "tensorflow", "spark", "launch", "env", "errors", "__init__"},
+    "compat": {"torch", "tensorflow", "spark", "launch", "lightning", "env", "errors", "__init__"},
     "__init__": {"launch"},
 }
 
@@ -77,6 +78,7 @@ def test_every_module_belongs_to_a_layer() -> None:
         ("phalanx.cli.main", ["torch", "pyspark"]),
         ("phalanx.torch", ["pyspark", "tensorflow", "keras"]),
         ("phalanx.compat", ["tensorflow", "keras", "torch"]),
+        ("phalanx.lightning", ["torch", "lightning", "pytorch_lightning", "pyspark"]),
         ("phalanx.timeline", ["torch", "pyspark"]),
         ("phalanx.spark", ["pyspark", "torch", "tensorflow", "keras"]),
     ],

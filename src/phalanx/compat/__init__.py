@@ -15,4 +15,14 @@ from __future__ import annotations
 
 from phalanx.compat._finder import install, installed, uninstall
 
-__all__ = ["install", "installed", "uninstall"]
+__all__ = ["install", "install_rank_hooks", "installed", "uninstall"]
+
+
+def install_rank_hooks() -> None:
+    """What every rank of a phalanx function job gets (the worker entry calls this): the aliases, and
+    ``Trainer(strategy="horovod")`` once Lightning is imported (:mod:`phalanx.lightning.hook`, which imports
+    nothing heavy). Command ranks get the latter from the wheel's ``phalanx-lightning.pth``."""
+    install()
+    from phalanx.lightning import hook
+
+    hook.install()

@@ -47,12 +47,14 @@ def _watchdog(channel: WorkerChannel) -> None:
 
 
 def _install_compat() -> None:
-    """Make ``import horovod.torch`` resolve to phalanx inside workers, when the compat layer exists."""
+    """Make ``import horovod.torch`` resolve to phalanx inside workers, and ``Trainer(strategy="horovod")`` work,
+    when the compat layer exists."""
     try:
         compat = importlib.import_module("phalanx.compat")
     except ImportError:
         return
-    install = getattr(compat, "install", None)
+    # install_rank_hooks adds Trainer(strategy="horovod") to the aliases (phalanx.lightning.hook).
+    install = getattr(compat, "install_rank_hooks", None) or getattr(compat, "install", None)
     if callable(install):
         install()
 
