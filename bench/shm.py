@@ -4,7 +4,7 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
 
 * allreduce fp32, 4 KB .. 64 MB: raw ``dist.all_reduce`` on gloo, ``hvd.allreduce_`` (shared memory, the
   whole phalanx.torch path: signature check, control block, payload) and the bare transport
-  (``phalanx.torch.shm.all_reduce`` on the payload group), interleaved round by round; medians.
+  (``phalanx.transport.all_reduce`` on the payload group), interleaved round by round; medians.
 * training (bench/train.py's CNN and MLP): DistributedOptimizer with shared memory vs DDP on gloo, steps/s
   per rank, and the scaling efficiency = 2-rank steps/s over one process alone (plain optimizer). Every
   baseline is a trainer interleaved in the same job (so the host's drift hits all alike): rank 0 alone on all
@@ -55,8 +55,8 @@ def _allreduce(rounds: int) -> list[dict[str, float]]:
     import torch.distributed as dist
 
     import phalanx.torch as hvd
-    from phalanx.torch import shm
     from phalanx.torch.process_sets import global_process_set, groups_of
+    from phalanx.transport import api as shm
 
     hvd.init()
     data = groups_of(global_process_set).data
@@ -89,9 +89,9 @@ def _hosts_allreduce(hosts: list[str], rounds: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import phalanx.torch as hvd
-    from phalanx.torch import shm
     from phalanx.torch.process_sets import global_process_set, groups_of
-    from phalanx.torch.shm import _dispatch
+    from phalanx.transport import _dispatch
+    from phalanx.transport import api as shm
 
     os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
     hvd.init()
@@ -174,7 +174,7 @@ class _Floor:
         self.inner.zero_grad()
 
     def step(self) -> None:
-        from phalanx.torch import shm
+        from phalanx.transport import api as shm
 
         shm.grad_barrier(self.group).wait()
         for p, peer in zip(self.params, self.peer):
@@ -266,7 +266,7 @@ def _ddp_ab(steps: int, rounds: int, hosts: list[str] | None = None) -> dict[str
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from phalanx.torch.shm import backend
+    from phalanx.transport import backend
 
     if hosts is not None:
         os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]

@@ -21,13 +21,20 @@ ALLOWED: dict[str, set[str]] = {
     "launch": {"job", "env", "errors"},
     "worker": {"job", "env", "errors"},
     "timeline": {"env", "errors"},
-    "torch": {"env", "timeline", "errors"},
+    "transport": {"env", "errors"},
+    "torch": {"transport", "env", "timeline", "errors"},
     "tensorflow": {"torch", "env", "timeline", "errors"},
     "lightning": {"torch", "env", "errors"},
     "spark": {"launch", "job", "env", "errors", "worker"},
     "cli": {"launch", "env", "errors", "timeline", "job", "__init__"},
     "compat": {"torch", "tensorflow", "spark", "launch", "lightning", "env", "errors", "__init__"},
     "__init__": {"launch"},
+}
+
+# layer -> the only modules of it that other layers may import (its interface); a layer not named here
+# exposes every module
+INTERFACE: dict[str, set[str]] = {
+    "transport": {"phalanx.transport.api", "phalanx.transport.backend"},
 }
 
 
@@ -37,18 +44,32 @@ def _layer(path: Path) -> str:
 
 
 def _phalanx_imports(path: Path) -> set[str]:
+    return {_layer_of(name) for name in _phalanx_modules(path)}
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _phalanx_modules(path: Path) -> set[str]:
+    """The phalanx modules ``path`` imports (``from phalanx.x import y``: ``phalanx.x.y`` when that is a
+    module, else ``phalanx.x``)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "phalanx":
-                found.add(parts[1] if len(parts) > 1 else "__init__")
+            names = [_submodule(node.module, a.name) for a in node.names]
+        found.update(name for name in names if name.split(".")[0] == "phalanx")
     return found
+
+
+def _submodule(module: str, name: str) -> str:
+    """``module.name`` when that is a module of phalanx, else ``module``."""
+    rel = Path(*f"{module}.{name}".split(".")[1:])
+    return f"{module}.{name}" if (PKG / rel).is_dir() or (PKG / rel).with_suffix(".py").is_file() else module
 
 
 def _modules() -> list[Path]:
@@ -60,6 +81,14 @@ def test_imports_flow_one_way(path: Path) -> None:
     layer = _layer(path)
     bad = _phalanx_imports(path) - ALLOWED[layer] - {layer}
     assert not bad, f"{path.relative_to(PKG)} (layer {layer}) imports {sorted(bad)}; allowed: {sorted(ALLOWED[layer])}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def test_other_layers_use_only_a_layers_interface(path: Path) -> None:
+    layer = _layer(path)
+    outside = {m for m in _phalanx_modules(path) if _layer_of(m) != layer and _layer_of(m) in INTERFACE}
+    bad = sorted(m for m in outside if m not in INTERFACE[_layer_of(m)])
+    assert not bad, f"{path.relative_to(PKG)} imports {bad}, outside their layer's interface {INTERFACE}"
 
 
 def test_every_module_belongs_to_a_layer() -> None:
@@ -77,6 +106,7 @@ def test_every_module_belongs_to_a_layer() -> None:
         ("phalanx.worker.exec", ["torch", "pyspark", "cloudpickle"]),
         ("phalanx.cli.main", ["torch", "pyspark"]),
         ("phalanx.torch", ["pyspark", "tensorflow", "keras"]),
+        ("phalanx.transport.backend", ["phalanx.torch", "pyspark", "tensorflow", "keras"]),
         ("phalanx.compat", ["tensorflow", "keras", "torch"]),
         ("phalanx.lightning", ["torch", "lightning", "pytorch_lightning", "pyspark"]),
         ("phalanx.timeline", ["torch", "pyspark"]),

@@ -73,7 +73,7 @@ PHALANX_ELASTIC_CHECKPOINT_DIR = "PHALANX_ELASTIC_CHECKPOINT_DIR"
 # --- phalanx.spark: "1" when log_to_driver() should send its message on the channel (Spark jobs).
 PHALANX_LOG_TO_DRIVER = "PHALANX_LOG_TO_DRIVER"
 
-# --- same-host shared-memory transport (phalanx.torch.shm): "0" turns it off (gloo carries everything);
+# --- same-host shared-memory transport (phalanx.transport): "0" turns it off (gloo carries everything);
 # the seconds a rank waits for its peers inside one shared-memory step before it raises; the bytes of each
 # rank's staging slot (larger tensors go through in chunks of this size).
 PHALANX_SHM = "PHALANX_SHM"
@@ -81,10 +81,10 @@ PHALANX_SHM_TIMEOUT_S = "PHALANX_SHM_TIMEOUT_S"
 PHALANX_SHM_SLOT_BYTES = "PHALANX_SHM_SLOT_BYTES"
 PHALANX_SHM_CMA = "PHALANX_SHM_CMA"
 PHALANX_SHM_GRAD_ASYNC = "PHALANX_SHM_GRAD_ASYNC"
-#: "0": no transparent-huge-page advice for the memory peers read by cross-memory attach (phalanx/torch/shm/_thp.py).
+#: "0": no transparent-huge-page advice for the memory peers read by cross-memory attach (phalanx/transport/_thp.py).
 PHALANX_SHM_THP = "PHALANX_SHM_THP"
 #: "0" turns off the early gradient reduction of a 2-rank one-host DistributedOptimizer (the rank that finished
-#: backward first reduces the gradients final on both ranks while it waits; see phalanx/torch/shm/_early.py).
+#: backward first reduces the gradients final on both ranks while it waits; see phalanx/transport/_early.py).
 PHALANX_SHM_EARLY_REDUCE = "PHALANX_SHM_EARLY_REDUCE"
 #: "0" keeps gloo for torch-native code in a one-host job (``init_process_group("gloo")`` in a rank started by
 #: the worker entry), which otherwise gets the phalanx_shm backend (on by default; see docs/shm.md).

@@ -32,9 +32,12 @@ _MAX_MESSAGE_BYTES = 1 << 20
 READY_WAIT_S = 3.0
 #: Seconds the template has to answer a spawn request.
 SPAWN_TIMEOUT_S = 10.0
-#: phalanx.torch.shm.backend: a one-host job's ``init_process_group("gloo")`` becomes ``phalanx_shm`` (docs/shm.md),
-#: whose module (and phalanx.torch under it) would otherwise be imported by every rank of every job.
-_ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.torch.shm.backend")
+#: phalanx.transport.backend: a one-host job's ``init_process_group("gloo")`` becomes ``phalanx_shm`` (docs/shm.md),
+#: whose module every such rank would otherwise import itself.
+_ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.transport.backend")
+#: phalanx's installed API packages, preloaded when the job's function references one of their modules
+#: (phalanx's own code, unlike the user's, does not change between jobs).
+_APIS = ("phalanx.torch",)
 
 
 class RankProcess(Protocol):
@@ -199,10 +202,14 @@ def preload_for(fn: Callable[..., Any]) -> tuple[str, ...]:
     for name in code.co_names if code is not None else ():
         value = scope.get(name)
         module = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", ""))
-        top = _third_party(module) if isinstance(module, types.ModuleType) else None
+        top = _third_party(module) or _api(module) if isinstance(module, types.ModuleType) else None
         if top and top not in names:
             names.append(top)
     return tuple(names)
+
+
+def _api(module: types.ModuleType) -> str | None:
+    return next((api for api in _APIS if module.__name__ == api or module.__name__.startswith(f"{api}.")), None)
 
 
 _pool_lock = threading.Lock()

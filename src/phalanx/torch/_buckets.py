@@ -15,7 +15,7 @@ different paths still meet.
 
 On a grad channel of two ranks on one host, the first bucket may be partly reduced before its allreduce:
 the hooks mark its gradients final (``mark_early``) and, in ``synchronize``, the rank that arrives first
-reduces the marked ones while it waits for the other (``launch_early``, ``shm/_early.py``); the allreduce then
+reduces the marked ones while it waits for the other (``launch_early``, ``transport/_early.py``); the allreduce then
 covers only the rest.
 """
 
@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch import _stall, shm
+from phalanx.torch import _stall
 from phalanx.torch.compression import Compression, Compressor
+from phalanx.transport import api as shm
 
 
 @dataclass
@@ -172,7 +173,7 @@ def _eligible(g: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def early_area(buckets: list[Bucket], compression: type[Compressor], group: Any, key: tuple[int, int]) -> Any:
-    """The grad channel's early-reduction area for the first bucket (``shm._early``), or None when it does not
+    """The grad channel's early-reduction area for the first bucket (``transport._early``), or None when it does not
     apply (compression, a dtype or device the direct path does not reduce, a channel that cannot)."""
     if compression is not Compression.none or not buckets:
         return None
@@ -193,7 +194,7 @@ def mark_early(area: Any, bucket: Bucket, i: int, scale: float) -> None:
 
 
 def launch_early(bucket: Bucket, area: Any, group: Any, prescale: float) -> bool:
-    """Agree with the peer on the bytes of the first bucket reduced early (``shm._early``) and start the
+    """Agree with the peer on the bytes of the first bucket reduced early (``transport._early``) and start the
     allreduce of the rest, straight from the gradients (zeros for a missing one; a gradient that cannot be
     reduced in place is copied into the bucket's buffer).
 

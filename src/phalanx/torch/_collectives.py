@@ -15,9 +15,10 @@ import torch.distributed as dist
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch import _speculate as S
-from phalanx.torch import _state, shm
+from phalanx.torch import _state
 from phalanx.torch._engine import Collective
 from phalanx.torch.process_sets import _Groups
+from phalanx.transport import api as shm
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

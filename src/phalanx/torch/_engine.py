@@ -24,8 +24,9 @@ import torch
 
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
-from phalanx.torch import _stall, _state, _trace, shm
+from phalanx.torch import _stall, _state, _trace
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
+from phalanx.transport import api as shm
 
 
 class Collective:

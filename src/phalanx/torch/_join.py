@@ -27,10 +27,11 @@ from phalanx.errors import CollectiveMismatchError
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch import _speculate as S
-from phalanx.torch import _state, shm
+from phalanx.torch import _state
 from phalanx.torch._collectives import Allreduce, Barrier
 from phalanx.torch._engine import ENGINE, _Entry
 from phalanx.torch.compression import Compressor
+from phalanx.transport import api as shm
 
 # (process set id) -> layouts of the DistributedOptimizers built on it, in construction order (same on
 # every member): each a list of buckets (elements, dtype, device) and the compression.

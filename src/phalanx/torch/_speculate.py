@@ -26,7 +26,7 @@ import torch
 
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
-from phalanx.torch import shm
+from phalanx.transport import api as shm
 
 HISTORY = 16
 MAX_PERIOD = 8

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from phalanx.env import names as N
 from phalanx.errors import CollectiveMismatchError, HorovodInternalError
-from phalanx.torch.shm import _channel
+from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)
 DEFAULT_CHECK_S = 5.0
@@ -174,7 +174,7 @@ class Inspector:
             return
         self.check_td = timedelta(seconds=self.check_s)
         self.poll_td = timedelta(seconds=min(POLL_S, self.check_s))
-        _channel.HOOKS.stalled, _channel.HOOKS.resumed, _channel.HOOKS.verdict = on_stall, self.resumed, self.verdict
+        transport.set_wait_hooks(transport.WaitHooks(on_stall, self.resumed, self.verdict))
         self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.store.set(f"rec/{self.rank}", "")
@@ -298,7 +298,7 @@ def stop() -> None:
     """Turn the inspector off and forget its state (``hvd.shutdown``)."""
     INSPECTOR.__init__()  # type: ignore[misc]
     WATCH.entry = None
-    _channel.HOOKS.stalled = _channel.HOOKS.resumed = _channel.HOOKS.verdict = None
+    transport.set_wait_hooks(None)
 
 
 def _seconds(name: str, default: float) -> float:

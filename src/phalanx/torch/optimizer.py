@@ -19,11 +19,12 @@ import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.errors import CollectiveMismatchError, NotInitializedError
 from phalanx.torch import _buckets as B
-from phalanx.torch import _join, _state, _trace, shm
+from phalanx.torch import _join, _state, _trace
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
+from phalanx.transport import api as shm
 
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
@@ -142,7 +143,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._layout = _join.register_layout(ps.process_set_id or 0, layout, compression)
         self._early = None
         # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(), and a
-        # collective only it issues would not match theirs; early reduction (shm/_early.py) is off there too
+        # collective only it issues would not match theirs; early reduction (transport/_early.py) is off there too
         # (a re-formed world's ranks would claim anew).
         if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
             key = (ps.process_set_id or 0, self._layout)

@@ -18,7 +18,8 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.env import names as N
-from phalanx.torch import _state, shm
+from phalanx.torch import _state
+from phalanx.transport import api as shm
 
 
 @dataclass
@@ -27,7 +28,7 @@ class _Groups:
     data: Any
     grad: Any  # the DistributedOptimizer's buckets: their order never interleaves with explicit collectives
     ranks: tuple[int, ...]
-    shm: bool = False  # CPU payloads travel through shared memory (grad: deferred to wait(), see shm._dispatch)
+    shm: bool = False  # CPU payloads travel through shared memory (grad: deferred to wait(), see transport._dispatch)
 
 
 class ProcessSet:

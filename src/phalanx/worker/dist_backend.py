@@ -7,7 +7,7 @@ job's ``PHALANX_RUN_ID`` in its environment. It wraps
 ``torch.distributed.init_process_group`` (now if torch is already imported, else right after
 ``torch.distributed`` is first imported, through a one-shot import hook) so that a request for gloo, on a
 job where some host runs two or more ranks, becomes a request for ``phalanx_shm``
-(:mod:`phalanx.torch.shm.backend`): allreduce, broadcast, barrier, all-gather-into-tensor and
+(:mod:`phalanx.transport.backend`): allreduce, broadcast, barrier, all-gather-into-tensor and
 reduce-scatter-tensor of CPU tensors go through shared memory among each host's ranks (across hosts,
 hierarchically: gloo among the hosts' first ranks) and everything else through the gloo group it wraps.
 ``"gloo"`` becomes ``"phalanx_shm"`` and ``"cpu:gloo,cuda:nccl"`` becomes ``"cpu:phalanx_shm,cuda:nccl"``;
@@ -35,7 +35,7 @@ from typing import Any
 from phalanx.env import names as N
 
 SHM_BACKEND = "phalanx_shm"
-_BACKEND_MODULE = "phalanx.torch.shm.backend"
+_BACKEND_MODULE = "phalanx.transport.backend"
 _TARGET = "torch.distributed"
 _MARK = "__phalanx_shm_wrapped__"
 

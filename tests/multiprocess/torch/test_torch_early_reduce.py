@@ -1,4 +1,4 @@
-"""Early gradient reduction (``phalanx/torch/shm/_early.py``): the rank that finished backward first reduces the
+"""Early gradient reduction (``phalanx/transport/_early.py``): the rank that finished backward first reduces the
 gradients already final on both ranks while it waits. Checked against the single-process reference and, bit
 for bit, against the plain allreduce; a lagging rank makes the early path run (full or partial) for sure."""
 
@@ -58,7 +58,7 @@ def _early_job() -> list[str]:
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch.shm import _early
+    from phalanx.transport import _early
 
     hvd.init()
     me, fail, T = hvd.rank(), [], _helpers()
@@ -102,7 +102,7 @@ def _join_after_backward_job() -> dict[str, Any]:
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch.shm import _early
+    from phalanx.transport import _early
 
     hvd.init()
     me = hvd.rank()
@@ -144,7 +144,7 @@ def _peer_dies_job(how: str, lag: str) -> str:
 
     import phalanx.torch as hvd
     from phalanx.errors import ShmTransportError
-    from phalanx.torch.shm import _early
+    from phalanx.transport import _early
 
     hvd.init()
     me, T = hvd.rank(), _helpers()

@@ -261,7 +261,7 @@ def _in_place_job(pack_on: int) -> list[str]:
     import phalanx.torch as hvd
     from phalanx.torch import _buckets as B
     from phalanx.torch.process_sets import global_process_set, groups_of
-    from phalanx.torch.shm import _dispatch
+    from phalanx.transport import _dispatch
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
@@ -310,7 +310,7 @@ def test_gradients_reduced_in_place_match_the_reference(np: int, pack_on: int) -
     assert phalanx.run(_in_place_job, args=(pack_on,), np=np) == [[]] * np
 
 
-HUGE = 1024  # a 1024 x 1024 layer: 4 MB of gradient, whole 2 MiB blocks advised for huge pages (shm/_thp.py)
+HUGE = 1024  # a 1024 x 1024 layer: 4 MB of gradient, whole 2 MiB blocks advised for huge pages (transport/_thp.py)
 
 
 def _huge_pages_job() -> tuple[list[str], bool, int]:
@@ -319,7 +319,7 @@ def _huge_pages_job() -> tuple[list[str], bool, int]:
 
     import phalanx.torch as hvd
     from phalanx.torch.process_sets import global_process_set, groups_of
-    from phalanx.torch.shm import _dispatch, _thp
+    from phalanx.transport import _dispatch, _thp
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()

@@ -143,7 +143,7 @@ def _reduce_scatter_checks() -> list[str]:
 def _ops_job(hosts: list[str]) -> list[str]:
     import torch.distributed as dist
 
-    from phalanx.torch.shm import _hier, _ops, backend
+    from phalanx.transport import _hier, _ops, backend
 
     _hier.PART_BYTES = 4096  # the part-by-part crossing (allreduce, reduce-scatter) for every cross-memory size
     parts, inner = [], _ops.allreduce_cma_
@@ -238,7 +238,7 @@ def _peer_leaves(hosts: list[str], n: int) -> str:
     import torch
     import torch.distributed as dist
 
-    from phalanx.torch.shm import _hier, backend
+    from phalanx.transport import _hier, backend
 
     _hier.PART_BYTES = 4096  # 400 KB crosses part by part
     _as_host(hosts)
@@ -287,7 +287,7 @@ def _attach_fails(hosts: list[str]) -> tuple[bool, list[float]]:
     import torch
     import torch.distributed as dist
 
-    from phalanx.torch.shm import _segment, backend
+    from phalanx.transport import _segment, backend
 
     def refuse(name: str, nbytes: int) -> Any:
         raise OSError(f"no room to map {name}")

@@ -24,9 +24,9 @@ import struct
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _cma
-from phalanx.torch.shm._channel import Channel
-from phalanx.torch.shm._ops import SMALL_BYTES, _Combine, _combiner, _kind, _parts, _reduce_into
+from phalanx.transport import _cma
+from phalanx.transport._channel import Channel
+from phalanx.transport._ops import SMALL_BYTES, _Combine, _combiner, _kind, _parts, _reduce_into
 
 TABLE_ENTRIES = 64  # segments a peer reads with the table's first read (more take a second read)
 _HEAD = 2  # table words before the segments: the count, the scale (float64 bits)

@@ -49,7 +49,7 @@ def _allreduce_checks(hosts: list[str] | None = None, cma: bool = True) -> list[
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch.shm import _dispatch
+    from phalanx.transport import _dispatch
 
     if hosts is not None:
         os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
@@ -77,7 +77,7 @@ def _other_checks(hosts: list[str] | None = None) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch.shm import _hier
+    from phalanx.transport import _hier
 
     calls = {"allgather_": 0, "broadcast_": 0}
     for name in calls:  # count the hierarchical calls across hosts (control blocks are allgathers; small
@@ -179,7 +179,7 @@ def _switch_off() -> bool:
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch.shm import _dispatch
+    from phalanx.transport import _dispatch
 
     hvd.init()
     ok = not _dispatch._ROUTES and torch.equal(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), 2.0))

@@ -1,4 +1,4 @@
-"""The streamed allreduce (``shm/_stream.py``) between threads of one process, one channel per thread on a
+"""The streamed allreduce (``transport/_stream.py``) between threads of one process, one channel per thread on a
 shared segment: two and three ranks, chunk counts that wrap the rings many times, uneven parts, several ops
 and dtypes, steps of other kinds in between, and the fallback for slots too small to stream."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _ops, _segment, _stream
-from phalanx.torch.shm._channel import Channel, layout
+from phalanx.transport import _ops, _segment, _stream
+from phalanx.transport._channel import Channel, layout
 
 R = dist.ReduceOp
 

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.env import names as N
-from phalanx.torch.shm import _cma, _thp
-from phalanx.torch.shm._channel import HOOKS, LINE, SPIN, Channel, control_lines, layout
-from phalanx.torch.shm._many import _chunks, eligible, lerp_owner
+from phalanx.transport import _cma, _thp
+from phalanx.transport._channel import HOOKS, LINE, SPIN, Channel, control_lines, layout
+from phalanx.transport._many import _chunks, eligible, lerp_owner
 
 PIECE_BYTES = 256 * 1024  # bytes reduced before the worker looks again whether the peer has arrived
 WAIT_S = 0.02  # longest wait for the peer's next gradient while the peer has not arrived

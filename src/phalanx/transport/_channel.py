@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from phalanx.errors import ShmTransportError
-from phalanx.torch.shm import _cma
-from phalanx.torch.shm._segment import Segment
+from phalanx.transport import _cma
+from phalanx.transport._segment import Segment
 
 LINE = 64
 PAGE = 4096
@@ -52,12 +52,10 @@ COUNTERS = 4  # chunk counters per rank for streamed steps (see ``_stream``)
 
 
 class _Hooks:
-    """The stall inspector's callbacks (``phalanx.torch._stall`` installs them; None: off).
+    """The caller's wait callbacks (installed by ``api.set_wait_hooks``, see ``api.WaitHooks``; None: off).
 
-    ``stalled(waited)`` is called at every check of a slow wait and returns an error to raise (the channel
-    is then broken) or None; ``resumed()`` once the wait has ended; ``verdict()`` before a failure is
-    raised (a deadlocked peer that raised and exited is not a dead peer). ``paused`` > 0 skips them (the
-    optimizer's deferred bucket work, which no engine entry describes).
+    ``paused`` > 0 skips them: deferred grad-channel work and an early-reduction wait run inside a wait the
+    caller did not start as one of its own collectives, so there is nothing for its callbacks to describe.
     """
 
     stalled: Callable[[float], Exception | None] | None = None
@@ -117,7 +115,7 @@ class Channel:
         self.gen = 0
         self.words[self._pid(me)] = os.getpid()
         self.broken: str | None = None
-        self.inspected = True  # consult the stall inspector (False: waits run on a worker thread, see _serial)
+        self.inspected = True  # consult the wait hooks (False: waits run on a worker thread, see _serial)
         self.wake_r = -1  # this rank's wake-up FIFO (read end), and the peers' (write ends; -1 for self)
         self.wake_w: list[int] = []
         self._view_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -197,7 +195,7 @@ class Channel:
             HOOKS.resumed()
 
     def _inspect(self, waited: float, g: int, what: str) -> bool:
-        """Consult the stall inspector; True when it was consulted (raises its error, breaking the channel)."""
+        """Consult the wait hooks; True when they were consulted (raises their error, breaking the channel)."""
         hook = HOOKS.stalled
         if hook is None or HOOKS.paused or not self.inspected:
             return False

@@ -1,4 +1,4 @@
-"""The in-place multi-tensor allreduce's address arithmetic (``shm/_many.py``, ``_cma.readv``), in one process."""
+"""The in-place multi-tensor allreduce's address arithmetic (``transport/_many.py``, ``_cma.readv``), in one process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from phalanx.torch.shm import _cma, _many
+from phalanx.transport import _cma, _many
 
 
 def _segments(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:

@@ -1,7 +1,7 @@
 """Collectives of a group whose ranks may span hosts: shared memory within each host, gloo among the hosts'
 leaders (Horovod's hierarchical allreduce).
 
-The ranks of the group on one host share a :class:`~phalanx.torch.shm._channel.Channel` (None when the host
+The ranks of the group on one host share a :class:`~phalanx.transport._channel.Channel` (None when the host
 has only one of them); the first of them is the host's *leader*, the only one that talks to other hosts,
 through ``leaders``: a gloo process group of every host's leader, ranked by host (None on the other ranks and
 on a single-host group). Used by phalanx.torch's payload collectives (``_dispatch``) and by the
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import CollectiveMismatchError, ShmTransportError
-from phalanx.torch.shm import _ops, _rs
-from phalanx.torch.shm._channel import HOOKS, Channel
+from phalanx.transport import _ops, _rs
+from phalanx.transport._channel import HOOKS, Channel
 
 R = dist.ReduceOp
 # From this size on, allreduces cross hosts part by part (when ``cross`` is set). Measured on simulated
@@ -67,7 +67,7 @@ class Hierarchy:
         """Run a leaders' gloo call to its end; on failure break this host's channel and raise naming it."""
         try:
             call()
-        except CollectiveMismatchError as e:  # the stall inspector's verdict: raised as is, peers fail too
+        except CollectiveMismatchError as e:  # the wait hooks' verdict: raised as is, peers fail too
             if self.ch is not None:
                 self.ch.abort(f"the {what} across hosts was abandoned: {e}")
             raise
@@ -231,11 +231,11 @@ class Hierarchy:
                     _ops.broadcast_(self.ch, part, 0)
 
 
-SLICE = timedelta(seconds=1)  # a leader's gloo wait consults the stall inspector this often once slow
+SLICE = timedelta(seconds=1)  # a leader's gloo wait consults the wait hooks this often once slow
 
 
 def wait(work: Any) -> None:
-    """``work.wait()`` of a leaders' gloo step, consulting the stall inspector (``HOOKS``) as the channel's own
+    """``work.wait()`` of a leaders' gloo step, consulting the wait hooks (``HOOKS``) as the channel's own
     waits do: a leader blocked among hosts publishes what it waits for, so a deadlock across process sets
     that involves it is found and raised (``CollectiveMismatchError``) instead of waiting out gloo's time-out."""
     if HOOKS.stalled is None or HOOKS.paused:
@@ -255,7 +255,7 @@ def wait(work: Any) -> None:
 
 def _timed_wait(work: Any) -> bool:
     """``work.wait(SLICE)``; False when the slice ran out (a failed work raises its own error, or the
-    inspector's verdict when a deadlocked peer raised and left first)."""
+    hooks' verdict when a deadlocked peer raised and left first)."""
     try:
         work.wait(SLICE)
         return True

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from phalanx.torch.shm._channel import Channel
+from phalanx.transport._channel import Channel
 
 RING = 2  # entries per ring (measured: 2 x 512 KiB beat deeper or larger rings, which leave the L2)
 RAW_OUT, RAW_IN, RED_OUT, RED_IN = range(4)  # the chunk counters (``Channel.count`` kinds)

@@ -1,6 +1,6 @@
 """A ``torch.distributed`` backend, ``"phalanx_shm"``, for torch-native code (DDP, FSDP, Lightning).
 
-``import phalanx.torch.shm.backend`` registers it; then
+``import phalanx.transport.backend`` registers it; then
 ``dist.init_process_group("phalanx_shm")`` (or ``backend="cpu:phalanx_shm"``) gives a process group that
 answers allreduce, broadcast, barrier, all-gather-into-tensor and reduce-scatter-tensor of CPU tensors
 through shared memory among the ranks of each host, and forwards every other call to a gloo process group
@@ -25,10 +25,10 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from phalanx.env import names as N
-from phalanx.torch.shm import _ops, _segment, _setup
-from phalanx.torch.shm._channel import Channel, _pid_dead, layout
-from phalanx.torch.shm._hier import Hierarchy
-from phalanx.torch.shm._serial import Serial
+from phalanx.transport import _ops, _segment, _setup
+from phalanx.transport._channel import Channel, _pid_dead, layout
+from phalanx.transport._hier import Hierarchy
+from phalanx.transport._serial import Serial
 
 NAME = "phalanx_shm"
 

@@ -1,4 +1,4 @@
-"""The transport worker thread (``shm/_serial.py``) without processes: order, inline calls, errors, close."""
+"""The transport worker thread (``transport/_serial.py``) without processes: order, inline calls, errors, close."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from phalanx.torch.shm._serial import Serial
+from phalanx.transport._serial import Serial
 
 
 def test_calls_run_in_order_off_the_caller_thread_with_inline_calls_in_the_waiter() -> None:

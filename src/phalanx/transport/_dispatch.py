@@ -1,11 +1,11 @@
-"""The seam below phalanx.torch's collectives: ``all_reduce`` / ``all_gather_single`` / ``broadcast`` with
-``torch.distributed``'s signatures, carried by shared memory when the group has a transport and the tensor
-qualifies (CPU, contiguous, a supported op), by ``torch.distributed`` otherwise.
+"""Routing of registered groups' calls (exported by ``api``): ``all_reduce`` / ``all_gather_single`` /
+``broadcast`` with ``torch.distributed``'s signatures, carried by shared memory when the group has a
+transport and the tensor qualifies (CPU, contiguous, a supported op), by ``torch.distributed`` otherwise.
 
 Shared-memory work runs in the caller's thread and is complete when the call returns, except on a
-``grad`` channel (the ``DistributedOptimizer``'s buckets), whose calls never block the caller: a bucket
-launched from a gradient hook must not block backward waiting for a rank that has not produced that
-gradient yet (and is perhaps itself waiting in an explicit collective). On a single-host transport they run
+``grad`` channel (gradient buckets), whose calls never block the caller: a call launched from a gradient
+hook must not block backward waiting for a rank that has not produced that gradient yet (and is perhaps
+itself waiting in an explicit collective). On a single-host transport they run
 *asynchronously* on the transport's grad worker thread (``_serial``), in launch order, so a bucket is reduced
 while backward goes on; across hosts they are *deferred* to ``wait()``, in launch order, in the caller's
 thread (the leaders' gloo group is shared with the caller's other collectives, whose order a second thread
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _channel, _early, _many, _ops, _thp
-from phalanx.torch.shm._hier import Hierarchy
-from phalanx.torch.shm._setup import Transport
+from phalanx.transport import _channel, _early, _many, _ops, _thp
+from phalanx.transport._hier import Hierarchy
+from phalanx.transport._setup import Transport
 
 # id(torch group) -> (transport, channel kind); filled by ``register``, emptied by ``clear``.
 _ROUTES: dict[int, tuple[Transport, str]] = {}
@@ -55,14 +55,14 @@ class _Deferred:
 
     def wait(self, timeout: Any = None) -> bool:
         """Run the queued work up to this one; raise its error, also on a later wait (as torch's ``Work``)."""
-        _channel.HOOKS.paused += 1  # no engine entry describes a bucket: the stall inspector skips it
+        _channel.HOOKS.paused += 1  # the caller's wait hooks describe its own collectives, not queued grad work
         try:
             while not self.done:
                 head = self.queue.popleft()
                 head.done = True
                 try:
                     head.fn()
-                except BaseException as e:  # any: kept for a later wait() (_stall waits twice on a failure)
+                except BaseException as e:  # any: kept for a later wait() (a caller may wait twice on a failure)
                     head.error = e
                     raise
         finally:
@@ -79,7 +79,7 @@ def register(groups: dict[str, Any], transport: Transport) -> None:
 
 
 def clear() -> None:
-    """Forget every route and close the transports (``hvd.shutdown``)."""
+    """Forget every route and close the transports (the caller's shutdown)."""
     for transport, _kind in list(_ROUTES.values()):
         transport.close()
     _ROUTES.clear()
@@ -189,13 +189,13 @@ def _early_channel(group: Any) -> _channel.Channel | None:
 
 
 def early_claim(group: Any, key: tuple[int, int], sizes: list[int], fingerprint: int) -> _early.Area | None:
-    """The early-reduction area of ``group``'s grad channel for the optimizer ``key`` (see ``_early.claim``);
+    """The early-reduction area of ``group``'s grad channel for the caller's ``key`` (see ``_early.claim``);
     None when the group has no such channel (or runs its buckets on the grad worker thread)."""
     return _early.claim(_early_channel(group), key, sizes, fingerprint)
 
 
 def early_find(group: Any, key: tuple[int, int]) -> _early.Area | None:
-    """The area the optimizer ``key`` claimed on ``group`` (a joined rank answers its steps), or None."""
+    """The area ``key`` claimed on ``group`` (a rank that no longer contributes answers its steps), or None."""
     return _early.find(_early_channel(group), key)
 
 

@@ -1,4 +1,4 @@
-"""Collectives over one :class:`~phalanx.torch.shm._channel.Channel`, chunked to the slot size.
+"""Collectives over one :class:`~phalanx.transport._channel.Channel`, chunked to the slot size.
 
 Each function works on flat contiguous CPU tensors and finishes before it returns (the work objects
 phalanx hands out for them are already complete).
@@ -11,8 +11,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _cma, _stream
-from phalanx.torch.shm._channel import Channel
+from phalanx.transport import _cma, _stream
+from phalanx.transport._channel import Channel
 
 _Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 

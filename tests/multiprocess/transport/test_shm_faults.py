@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx.errors import ShmTransportError, WorkerFailedError
-from phalanx.torch.shm import _ops, _segment
-from phalanx.torch.shm._channel import Channel, layout
-from phalanx.torch.shm._serial import Serial
+from phalanx.transport import _ops, _segment
+from phalanx.transport._channel import Channel, layout
+from phalanx.transport._serial import Serial
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -27,8 +27,8 @@ SLOT = 4096
 PEER = textwrap.dedent(
     """
     import os, signal, sys, time, torch, torch.distributed as dist
-    from phalanx.torch.shm import _ops, _segment
-    from phalanx.torch.shm._channel import Channel, layout
+    from phalanx.transport import _ops, _segment
+    from phalanx.transport._channel import Channel, layout
     name, mode = sys.argv[1], sys.argv[2]
     seg = _segment.attach(name, layout(2, 4096)[1])
     ch = Channel(seg, 0, 2, 1, 4096, 60.0, "peer")

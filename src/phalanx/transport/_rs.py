@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.torch.shm import _cma
-from phalanx.torch.shm._channel import Channel
-from phalanx.torch.shm._ops import CMA_CHUNK, SMALL_BYTES, _combiner, _reduce_into
+from phalanx.transport import _cma
+from phalanx.transport._channel import Channel
+from phalanx.transport._ops import CMA_CHUNK, SMALL_BYTES, _combiner, _reduce_into
 
 
 def eligible(ch: Channel, nbytes: int) -> bool:

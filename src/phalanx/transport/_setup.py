@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.env import names as N
-from phalanx.torch.shm import _segment
-from phalanx.torch.shm._channel import Channel, _pid_dead, layout
-from phalanx.torch.shm._serial import Serial
+from phalanx.transport import _segment
+from phalanx.transport._channel import Channel, _pid_dead, layout
+from phalanx.transport._serial import Serial
 
 CTRL_SLOT_BYTES = 64 * 1024
 DEFAULT_SLOT_BYTES = 2 * 1024 * 1024
@@ -45,7 +45,7 @@ class Transport:
         leader: whether this rank is its host's first member.
         ranks: the group's global ranks; local: those on this host, in order.
         hosts: the group's ranks of each host as indices into ``ranks``, hosts ordered by their first rank
-            (the leaders' order); what :class:`~phalanx.torch.shm._hier.Hierarchy` needs across hosts.
+            (the leaders' order); what :class:`~phalanx.transport._hier.Hierarchy` needs across hosts.
     """
 
     channels: dict[str, Channel]
@@ -73,7 +73,7 @@ class Transport:
         hosts the leaders' gloo group is shared with the caller's thread, whose order must not interleave)."""
         if self.worker is None and self.grad_async and self.single_host and "grad" in self.channels:
             self.worker = Serial(f"phalanx shm grad ranks {list(self.local)}")
-            # The stall inspector describes the caller's engine wait: it runs in the caller's thread, which
+            # The wait hooks describe the caller's own wait: they run in the caller's thread, which
             # waits for the worker's calls with time-outs (``Pending.wait``), not in the worker's.
             self.channels["grad"].inspected = False
         return self.worker

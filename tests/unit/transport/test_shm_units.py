@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.torch.shm import _ops, _segment, _setup
-from phalanx.torch.shm._channel import LINE, PAGE, Channel, layout
+from phalanx.transport import _ops, _segment, _setup
+from phalanx.transport._channel import LINE, PAGE, Channel, layout
 
 
 def test_segment_create_attach_unlink() -> None:
@@ -76,7 +76,7 @@ def test_cma_reads_another_process_and_reports_errors() -> None:
     import errno
     import time
 
-    from phalanx.torch.shm import _cma
+    from phalanx.transport import _cma
 
     if not _cma.supported():
         pytest.skip("process_vm_readv needs Linux")
@@ -156,7 +156,7 @@ def test_auto_backend_choice() -> None:
 def test_two_ranks_exchange_whole_tensors_up_to_a_larger_size() -> None:
     from types import SimpleNamespace
 
-    from phalanx.torch.shm import _ops
+    from phalanx.transport import _ops
 
     def limit(n: int, slot: int) -> int:
         return _ops.small_limit(SimpleNamespace(n=n, slot_bytes=slot))  # type: ignore[arg-type]

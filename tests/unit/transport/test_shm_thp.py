@@ -1,4 +1,4 @@
-"""Transparent-huge-page advice for memory peers read by cross-memory attach (``shm/_thp.py``), in one process."""
+"""Transparent-huge-page advice for memory peers read by cross-memory attach (``transport/_thp.py``), in one process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from phalanx.torch.shm import _thp
+from phalanx.transport import _thp
 
 MB = 1 << 20
 

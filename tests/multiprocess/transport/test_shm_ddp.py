@@ -61,7 +61,7 @@ def _ddp_job() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from phalanx.torch.shm import backend
+    from phalanx.transport import backend
 
     dist.init_process_group(backend.NAME)
     r, bad = dist.get_rank(), []
