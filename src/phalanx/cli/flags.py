@@ -41,10 +41,12 @@ class Flag:
     dest: str
     kind: str
     noop: str | None = None
+    doc: str = "as horovodrun"
 
 
 FLAGS: tuple[Flag, ...] = (
-    Flag(("--fusion-threshold-mb",), "fusion_threshold_mb", "int"),
+    Flag(("--fusion-threshold-mb",), "fusion_threshold_mb", "int",
+         doc="largest fused gradient bucket in MiB (HOROVOD_FUSION_THRESHOLD)"),
     Flag(("--cycle-time-ms",), "cycle_time_ms", "float",
          "phalanx has no background cycle: each collective starts when every rank has called it"),
     Flag(("--cache-capacity",), "cache_capacity", "int",
@@ -62,30 +64,37 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--autotune-steps-per-sample",), "autotune_steps_per_sample", "int", _AUTOTUNE),
     Flag(("--autotune-bayes-opt-max-samples",), "autotune_bayes_opt_max_samples", "int", _AUTOTUNE),
     Flag(("--autotune-gaussian-process-noise",), "autotune_gaussian_process_noise", "float", _AUTOTUNE),
-    Flag(("--elastic-timeout",), "elastic_timeout", "int"),
+    Flag(("--elastic-timeout",), "elastic_timeout", "int",
+         doc="seconds a worker waits for a new round (PHALANX_ELASTIC_TIMEOUT_S)"),
     Flag(("--blacklist-cooldown-range",), "cooldown_range", "pair",
          "phalanx does not blacklist hosts: a lost worker is replaced on a free slot at once"),
-    Flag(("--no-timeline-mark-cycles",), "timeline_mark_cycles", "off"),
-    Flag(("--no-stall-check",), "no_stall_check", "on"),
-    Flag(("--stall-check",), "no_stall_check", "off"),
-    Flag(("--stall-check-warning-time-seconds",), "stall_check_warning_time_seconds", "int"),
-    Flag(("--stall-check-shutdown-time-seconds",), "stall_check_shutdown_time_seconds", "int"),
+    Flag(("--no-timeline-mark-cycles",), "timeline_mark_cycles", "off", doc="no CYCLE_START marks (the default)"),
+    Flag(("--no-stall-check",), "no_stall_check", "on", doc="turn the stall check off (HOROVOD_STALL_CHECK_DISABLE=1)"),
+    Flag(("--stall-check",), "no_stall_check", "off", doc="keep the stall check on (the default)"),
+    Flag(("--stall-check-warning-time-seconds",), "stall_check_warning_time_seconds", "int",
+         doc="seconds before a stalled collective is logged and inspected (default 5)"),
+    Flag(("--stall-check-shutdown-time-seconds",), "stall_check_shutdown_time_seconds", "int",
+         doc="seconds of stall after which the waiting rank raises HorovodInternalError (default 0: never)"),
     Flag(("--mpi-threads-disable",), "mpi_threads_disable", "on", _MPI),
     Flag(("--no-mpi-threads-disable",), "mpi_threads_disable", "off", _MPI),
     Flag(("--mpi-args",), "mpi_args", "str", _MPI),
-    Flag(("--tcp",), "tcp_flag", "on"),
+    Flag(("--tcp",), "tcp_flag", "on", doc="keep NCCL off InfiniBand (NCCL_IB_DISABLE=1)"),
     Flag(("--binding-args",), "binding_args", "str", "phalanx does not bind processes (that is mpirun's option)"),
     Flag(("--num-nccl-streams",), "num_nccl_streams", "int",
          "phalanx's CUDA collectives run on torch's NCCL process group, which manages its own streams"),
     Flag(("--thread-affinity",), "thread_affinity", "int",
          "phalanx has no pinned background thread (set OMP_NUM_THREADS or taskset for CPU placement)"),
-    Flag(("--gloo-timeout-seconds",), "gloo_timeout_seconds", "int"),
-    Flag(("--log-level",), "log_level", "level"),
-    Flag(("--log-with-timestamp",), "log_with_timestamp", "on"),
-    Flag(("--log-without-timestamp",), "log_with_timestamp", "off"),
-    Flag(("--log-hide-timestamp",), "log_with_timestamp", "off"),
-    Flag(("--no-log-hide-timestamp",), "log_with_timestamp", "on"),
-    Flag(("-prefix-timestamp", "--prefix-output-with-timestamp"), "prefix_output_with_timestamp", "on"),
+    Flag(("--gloo-timeout-seconds",), "gloo_timeout_seconds", "int",
+         doc="timeout of one gloo operation on the default group (default: torch's)"),
+    Flag(("--log-level",), "log_level", "level", doc="level of the phalanx loggers in the ranks (HOROVOD_LOG_LEVEL)"),
+    Flag(("--log-with-timestamp",), "log_with_timestamp", "on",
+         doc="time in the ranks' phalanx log lines (the default)"),
+    Flag(("--log-without-timestamp",), "log_with_timestamp", "off",
+         doc="no time in the ranks' phalanx log lines (HOROVOD_LOG_HIDE_TIME=1)"),
+    Flag(("--log-hide-timestamp",), "log_with_timestamp", "off", doc="deprecated spelling of --log-without-timestamp"),
+    Flag(("--no-log-hide-timestamp",), "log_with_timestamp", "on", doc="deprecated spelling of --log-with-timestamp"),
+    Flag(("-prefix-timestamp", "--prefix-output-with-timestamp"), "prefix_output_with_timestamp", "on",
+         doc="start each output line with the local time"),
     Flag(("--mpi",), "use_mpi", "on", _MPI + "; the job runs on gloo"),
     Flag(("--jsrun",), "use_jsrun", "on", "phalanxrun starts its ranks itself (no jsrun, no MPI)"),
 )
@@ -119,7 +128,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add every horovodrun flag ``parser`` does not define yet (one argument group, help per flag)."""
     group = parser.add_argument_group("horovodrun flags (the ones phalanx cannot use warn once)")
     for flag in FLAGS + HOST_FLAGS:
-        why = f"accepted; changes nothing: {flag.noop}" if flag.noop else "as horovodrun"
+        why = f"accepted; changes nothing: {flag.noop}" if flag.noop else flag.doc
         try:
             group.add_argument(*flag.names, dest=flag.dest, help=why, **_kwargs(flag.kind))
         except argparse.ArgumentError:
