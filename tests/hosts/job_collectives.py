@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 import phalanx.torch as hvd
-from phalanx.torch.shm._setup import _machine_id
+from phalanx.transport._setup import _machine_id
 
 
 def collectives(ps: Any, members: list[int], n: int) -> dict[str, Any]:
