@@ -1,51 +1,42 @@
 """The authenticated channel between the driver and the job's workers.
 
-The driver listens; each worker (or the supervisor that forwards a worker's logs) connects and proves it
-holds the per-job secret: the driver sends a random nonce, the peer answers
-``HMAC-SHA256(secret, nonce + rank + role)``, compared in constant time. A peer that fails, sends garbage
-or is too slow is closed and leaves no trace: no event reaches the job. Afterwards the driver sends the
-payload and the peer streams hellos, log lines, its result or its error.
+The driver listens; each worker (or the supervisor that forwards a worker's logs) connects, and both sides
+prove they hold the per-job secret (:mod:`phalanx.job.handshake`: a challenge each way, one deadline for
+the whole exchange). A peer that fails, sends garbage or is too slow is closed and leaves no trace: no
+event reaches the job; a worker reads nothing from a server that could not prove itself. Afterwards the
+driver sends the payload and the peer streams hellos, log lines, its result or its error.
+
+At most :data:`MAX_PENDING_HANDSHAKES` connections may be unauthenticated at once (each holds a thread for
+at most the handshake's deadline); further ones are closed at once, and a worker retries until its start
+timeout. The accepting thread survives any error but the channel's own close.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
+import logging
 import queue
-import secrets
 import socket
-import struct
 import threading
+import time
 from dataclasses import dataclass
-from enum import IntEnum
 
 from phalanx.errors import ChannelError
+from phalanx.job import handshake
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
+from phalanx.job.handshake import Role, new_secret
 from phalanx.job.records import ErrorRecord, Hello, LogLine
 
-_AUTH = struct.Struct(">IB32s")
-_NONCE_BYTES = 32
-#: Seconds an unauthenticated peer has to answer the nonce.
-AUTH_TIMEOUT_S = 10.0
+__all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "WorkerChannel", "new_secret"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds an unauthenticated peer has for the whole handshake.
+AUTH_TIMEOUT_S = handshake.HANDSHAKE_TIMEOUT_S
+#: Connections that may be in their handshake at once; more are closed on arrival.
+MAX_PENDING_HANDSHAKES = 32
 ACCEPTER_JOIN_S = 5.0  # close() waits this long for the accepting thread to end (it is woken at once)
-
-
-class Role(IntEnum):
-    """What an authenticated peer is: the rank's own process, or a supervisor forwarding its output."""
-
-    WORKER = 0
-    SUPERVISOR = 1
-
-
-def new_secret() -> str:
-    """A fresh per-job secret (hex)."""
-    return secrets.token_hex(32)
-
-
-def _mac(secret: str, nonce: bytes, rank: int, role: Role) -> bytes:
-    msg = nonce + struct.pack(">IB", rank, int(role))
-    return hmac.new(bytes.fromhex(secret), msg, hashlib.sha256).digest()
+_ACCEPT_RETRY_S = 0.05  # pause after a failed accept (EMFILE, ENOBUFS) before the next one
+_CONNECT_RETRY_S = 0.2  # a worker's pause before it retries a busy or unreachable driver
 
 
 @dataclass(frozen=True)
@@ -97,6 +88,7 @@ class DriverChannel:
         self._peers: dict[tuple[int, Role], FrameWriter] = {}
         self._closed = {r: threading.Event() for r in range(world_size)}
         self._stopping = False
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._accepter = threading.Thread(target=self._accept_loop, name="phalanx-channel", daemon=True)
         self._accepter.start()
 
@@ -162,24 +154,34 @@ class DriverChannel:
         while not self._stopping:
             try:
                 conn, _ = self._server.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stopping:
+                    return
+                log.warning("the channel could not accept a connection (retrying): %s", e)
+                time.sleep(_ACCEPT_RETRY_S)
+                continue
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Hand a new connection to a thread of its own, or close it: never raises."""
+        if not self._pending.acquire(blocking=False):
+            close_socket(conn)
+            return
+        try:
             threading.Thread(target=self._serve, args=(conn,), name="phalanx-peer", daemon=True).start()
+        except Exception as e:  # a thread that cannot start must not end the accepting loop
+            log.warning("the channel could not serve a connection: %s", e)
+            self._pending.release()
+            close_socket(conn)
+
+    def _admits(self, rank: int, role: Role) -> bool:
+        return rank < self.world_size and role in (Role.WORKER, Role.SUPERVISOR)
 
     def _authenticate(self, conn: socket.socket) -> tuple[int, Role] | None:
-        nonce = os.urandom(_NONCE_BYTES)
-        conn.settimeout(AUTH_TIMEOUT_S)
-        FrameWriter(conn).send(Kind.NONCE, nonce)
-        frame = read_frame(conn, limit=_AUTH.size)
-        if frame is None or frame[0] is not Kind.AUTH or len(frame[1]) != _AUTH.size:
-            return None
-        rank, role_raw, mac = _AUTH.unpack(frame[1])
-        if rank >= self.world_size or role_raw not in (0, 1):
-            return None
-        role = Role(role_raw)
-        if not hmac.compare_digest(mac, _mac(self.secret, nonce, rank, role)):
-            return None
-        return rank, role
+        try:
+            return handshake.serve(conn, self.secret, self._admits, AUTH_TIMEOUT_S)
+        finally:
+            self._pending.release()
 
     def _serve(self, conn: socket.socket) -> None:
         who: tuple[int, Role] | None = None
@@ -222,6 +224,10 @@ class DriverChannel:
                 self.events.put(event)
 
 
+class _Busy(ChannelError):
+    """The driver was not reachable, or closed the connection before its challenge (worth a retry)."""
+
+
 def _decode(rank: int, kind: Kind, body: bytes) -> Event | None:
     """Turn a frame from an authenticated peer into an event; frames naming another rank are dropped."""
     event: Event
@@ -252,23 +258,50 @@ class WorkerChannel:
 
     @classmethod
     def connect(cls, address: str, secret: str, rank: int, role: Role, timeout_s: float) -> WorkerChannel:
-        """Connect, authenticate and receive the payload.
+        """Connect, authenticate both ways and receive the payload, within ``timeout_s`` in all.
+
+        A driver that is busy (it closed the connection before its challenge) or not yet reachable is
+        retried until the timeout.
 
         Raises:
-            ChannelError: the driver is unreachable, refused the secret, or did not answer in time.
+            ChannelError: the driver is unreachable, refused the secret, could not prove it holds the
+                secret, or did not answer in time.
         """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls._connect_once(address, secret, rank, role, deadline)
+            except _Busy as e:
+                if time.monotonic() + _CONNECT_RETRY_S >= deadline:
+                    raise ChannelError(
+                        f"rank {rank} could not reach the driver's channel at {address} within "
+                        f"{timeout_s:g} s: {e.__cause__ or e}"
+                    ) from e
+                time.sleep(_CONNECT_RETRY_S)
+
+    @classmethod
+    def _connect_once(cls, address: str, secret: str, rank: int, role: Role, deadline: float) -> WorkerChannel:
         host, _, port = address.rpartition(":")
         try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
-            nonce = read_frame(sock, limit=_NONCE_BYTES)
-            if nonce is None or nonce[0] is not Kind.NONCE:
-                raise ChannelError(f"the driver at {address} did not send a nonce")
-            FrameWriter(sock).send(Kind.AUTH, _AUTH.pack(rank, int(role), _mac(secret, nonce[1], rank, role)))
-            payload = read_frame(sock)
+            sock = socket.create_connection((host.strip("[]"), int(port)),
+                                            timeout=max(0.001, deadline - time.monotonic()))
         except OSError as e:
-            raise ChannelError(f"rank {rank} could not reach the driver's channel at {address}: {e}") from e
+            raise _Busy(str(e)) from e
+        try:
+            try:
+                first = read_frame(sock, limit=handshake.NONCE_BYTES, deadline=deadline)
+            except (ChannelError, OSError) as e:
+                raise _Busy(f"no challenge from {address}: {e}") from e
+            if first is None:
+                raise _Busy(f"{address} closed the connection before its challenge")
+            handshake.answer(sock, first, secret, rank, role, deadline, address)
+            payload = read_frame(sock, deadline=deadline)
+        except BaseException:
+            close_socket(sock)
+            raise
         if payload is None or payload[0] is not Kind.PAYLOAD:
-            raise ChannelError(f"the driver at {address} refused rank {rank} (wrong job secret?)")
+            close_socket(sock)
+            raise ChannelError(f"the driver at {address} refused rank {rank} (already connected?)")
         sock.settimeout(None)
         return cls(sock, payload[1])
 

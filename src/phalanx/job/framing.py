@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from enum import IntEnum
 
 from phalanx.errors import ChannelError
@@ -20,8 +21,8 @@ MAX_FRAME_BYTES = 4 << 30
 
 
 class Kind(IntEnum):
-    """Frame kinds. Driver -> worker: NONCE, PAYLOAD, ABORT (and EVENT: a command to an elastic Spark task's
-    supervisor). Worker -> driver: the others."""
+    """Frame kinds. Driver -> worker: NONCE, PROOF, PAYLOAD, ABORT (and EVENT: a command to an elastic Spark
+    task's supervisor). Worker -> driver: the others."""
 
     NONCE = 1
     AUTH = 2
@@ -32,13 +33,25 @@ class Kind(IntEnum):
     ERROR = 7
     ABORT = 8
     EVENT = 9
+    PROOF = 10
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    """One ``recv``; with a deadline (``time.monotonic()`` seconds) the socket's timeout is what is left of it,
+    so a peer that dribbles a byte at a time cannot stretch the wait past the deadline."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ChannelError("the peer did not finish its frame before the deadline")
+        sock.settimeout(left)
+    return sock.recv(n)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks: list[bytes] = []
     remaining = n
     while remaining:
-        chunk = sock.recv(min(remaining, 1 << 20))
+        chunk = _recv(sock, min(remaining, 1 << 20), deadline)
         if not chunk:
             raise ChannelError(f"connection closed with {remaining} of {n} bytes still expected")
         chunks.append(chunk)
@@ -46,23 +59,33 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[Kind, bytes] | None:
+def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES,
+               deadline: float | None = None) -> tuple[Kind, bytes] | None:
     """Read one frame.
 
     Args:
         sock: a connected stream socket.
         limit: the largest body accepted, in bytes.
+        deadline: ``time.monotonic()`` by which the whole frame must have arrived (None: the socket's own
+            timeout applies to each ``recv``).
 
     Returns:
         ``(kind, body)``, or None when the peer closed the connection cleanly between frames.
 
     Raises:
-        ChannelError: unknown kind, body over ``limit``, or a connection closed mid-frame.
+        ChannelError: unknown kind, body over ``limit``, a connection closed mid-frame, or the deadline
+            passed.
+        TimeoutError: the socket's own timeout expired (no deadline given).
     """
-    first = sock.recv(1)
-    if not first:
-        return None
-    header = first + _recv_exact(sock, _HEADER.size - 1)
+    try:
+        first = _recv(sock, 1, deadline)
+        if not first:
+            return None
+        header = first + _recv_exact(sock, _HEADER.size - 1, deadline)
+    except TimeoutError as e:
+        if deadline is None:
+            raise
+        raise ChannelError("the peer did not finish its frame before the deadline") from e
     kind_raw, length = _HEADER.unpack(header)
     try:
         kind = Kind(kind_raw)
@@ -70,7 +93,12 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> tuple[Kind,
         raise ChannelError(f"unknown frame kind {kind_raw}") from e
     if length > limit:
         raise ChannelError(f"{kind.name} frame of {length} bytes is over the limit of {limit} bytes")
-    return kind, _recv_exact(sock, length)
+    try:
+        return kind, _recv_exact(sock, length, deadline)
+    except TimeoutError as e:
+        if deadline is None:
+            raise
+        raise ChannelError("the peer did not finish its frame before the deadline") from e
 
 
 class FrameWriter:

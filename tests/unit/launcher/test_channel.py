@@ -1,15 +1,20 @@
 from __future__ import annotations
 
+import pickle
 import queue
 import socket
 import struct
-from collections.abc import Iterator
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from phalanx.errors import ChannelError
+from phalanx.job import channel as channel_mod
 from phalanx.job.channel import Closed, DriverChannel, Result, Role, WorkerChannel
-from phalanx.job.framing import Kind, read_frame
+from phalanx.job.framing import FrameWriter, Kind, read_frame
 from phalanx.job.records import ErrorRecord, Hello, LogLine, Stream
 
 
@@ -111,3 +116,122 @@ def test_close_ends_the_accepting_thread_and_frees_the_port() -> None:
     assert {t.ident for t in threading.enumerate() if t.name == "phalanx-channel"} <= before
     with pytest.raises(OSError):
         socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def _fake_driver(reply: Callable[[socket.socket], None]) -> tuple[str, threading.Thread]:
+    """A server that sends a challenge, reads the worker's answer, then does ``reply`` (it lacks the secret)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            FrameWriter(conn).send(Kind.NONCE, b"\x01" * 32)
+            read_frame(conn, limit=1 << 10)
+            reply(conn)
+            conn.recv(1)  # hold the connection until the worker gives up
+        server.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"127.0.0.1:{server.getsockname()[1]}", t
+
+
+@pytest.mark.parametrize("proof", [b"\x00" * 32, None])
+def test_a_driver_without_the_secret_gets_nothing_unpickled(proof: bytes | None) -> None:
+    """The worker checks the driver's proof before it reads the payload, so a fake driver's pickle is never
+    read, let alone unpickled (the fake skips the proof, or forges one)."""
+    bomb = pickle.dumps(_Bomb())
+
+    def reply(conn: socket.socket) -> None:
+        if proof is not None:
+            FrameWriter(conn).send(Kind.PROOF, proof)
+        FrameWriter(conn).send(Kind.PAYLOAD, bomb)
+
+    address, t = _fake_driver(reply)
+    with pytest.raises(ChannelError, match="secret"):
+        WorkerChannel.connect(address, "ab" * 32, 0, Role.WORKER, timeout_s=5)
+    t.join(5)
+    assert not _Bomb.exploded
+
+
+class _Bomb:
+    exploded = False
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_Bomb.explode, ())
+
+    @staticmethod
+    def explode() -> None:
+        _Bomb.exploded = True
+
+
+def test_the_handshake_deadline_covers_the_whole_exchange(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that dribbles its answer a byte at a time is closed at the handshake's deadline (the timeout
+    used to apply per recv, so one byte every few seconds held the connection for good)."""
+    monkeypatch.setattr(channel_mod, "AUTH_TIMEOUT_S", 1.0)
+    ch = DriverChannel(world_size=1, payload=b"p")
+    try:
+        host, port = ch.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            assert read_frame(s, limit=64) is not None
+            frame = struct.pack(">BQ", int(Kind.AUTH), 73) + b"\x00" * 73
+            sent = 0
+            with pytest.raises(OSError):  # the driver closed the connection under the dribbling peer
+                for byte in frame[:40]:  # 40 bytes at 0.25 s: 10 s, ten times the deadline
+                    s.sendall(bytes([byte]))
+                    sent += 1
+                    time.sleep(0.25)
+                    s.settimeout(0.001)
+                    try:
+                        if s.recv(1) == b"":
+                            raise ConnectionResetError("closed")
+                    except TimeoutError:
+                        pass
+        assert sent < 40
+        assert _events(ch) == []
+    finally:
+        ch.close()
+
+
+def test_unauthenticated_connections_are_bounded_and_workers_still_get_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel_mod, "MAX_PENDING_HANDSHAKES", 3)
+    monkeypatch.setattr(channel_mod, "AUTH_TIMEOUT_S", 1.0)
+    ch = DriverChannel(world_size=1, payload=b"p")
+    host, port = ch.address.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+    try:
+        for s in idle:
+            assert read_frame(s, limit=64) is not None  # each holds a handshake slot
+        with socket.create_connection((host, int(port)), timeout=5) as extra:
+            assert read_frame(extra, limit=64) is None  # over the bound: closed with no challenge
+        # The idle peers are cut off at the deadline; the worker retries until it is served.
+        peer = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=20)
+        assert peer.payload == b"p"
+        peer.close()
+    finally:
+        for s in idle:
+            s.close()
+        ch.close()
+
+
+def test_the_accept_loop_survives_a_thread_that_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    ch = DriverChannel(world_size=1, payload=b"p")
+    failures = [RuntimeError("can't start new thread")]
+
+    class Flaky(threading.Thread):
+        def start(self) -> None:
+            if failures:
+                raise failures.pop()
+            super().start()
+
+    shim = types.SimpleNamespace(Thread=Flaky, current_thread=threading.current_thread)
+    monkeypatch.setattr(channel_mod, "threading", shim)
+    try:
+        host, port = ch.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as first:
+            assert read_frame(first, limit=64) is None  # its thread could not start: closed
+        assert not failures
+        peer = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=10)
+        peer.close()
+    finally:
+        ch.close()
