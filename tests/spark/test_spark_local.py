@@ -34,7 +34,23 @@ def _contract(tag: str) -> dict[str, Any]:
     dist.all_reduce(t)
     dist.destroy_process_group()
     return {"tag": tag, "sum": t.item(), "python": sys.executable, "pid": os.getpid(), "backend": backend,
+            "listening": _listening_on([int(os.environ["PHALANX_CHANNEL"].rsplit(":", 1)[1]),
+                                        int(os.environ["MASTER_PORT"])]),
             **{k: os.environ.get(k) for k in KEYS}}
+
+
+def _listening_on(ports: list[int]) -> list[str]:
+    """The local addresses (hex, as in /proc/net/tcp) of the listening sockets on ``ports`` (the driver runs
+    on this host in local mode)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                addr, port = local.rsplit(":", 1)
+                if state == "0A" and int(port, 16) in ports:
+                    found.append(addr)
+    return found
 
 
 @pytest.mark.timeout(120)
@@ -51,6 +67,8 @@ def test_run_returns_every_rank_in_order_with_the_contract() -> None:
     assert {o["USER_VAR"] for o in out} == {"u"} and {o["HOROVOD_TIMELINE"] for o in out} == {"/tmp/tl.json"}
     assert len({o["pid"] for o in out} | {os.getpid()}) == 3
     assert all(o["CUDA_VISIBLE_DEVICES"] is None for o in out)
+    # The channel and the store listen on the driver's address only, not on every interface.
+    assert len(out[0]["listening"]) == 2 and not {"00000000", "0" * 32} & set(out[0]["listening"])
 
 
 def _rank_value() -> int:

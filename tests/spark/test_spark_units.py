@@ -66,6 +66,14 @@ class _FakeContext:
         return self._slots.pop(0) if len(self._slots) > 1 else self._slots[0]
 
 
+def test_the_driver_listens_where_spark_binds_it_never_on_every_interface() -> None:
+    sc: Any = _FakeContext("spark://m:7077", [1], {"spark.driver.host": "10.1.2.3"})
+    assert session.bind_address(sc) == "10.1.2.3"
+    sc = _FakeContext("spark://m:7077", [1], {"spark.driver.host": "node-a", "spark.driver.bindAddress": "10.9.9.9"})
+    assert session.bind_address(sc) == "10.9.9.9"
+    assert session.bind_address(_FakeContext("local[2]", [1])) == "127.0.0.1"
+
+
 @pytest.fixture
 def fake_slots(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(session, "task_slots", lambda sc: sc.next_slots())

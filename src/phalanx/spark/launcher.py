@@ -1,8 +1,9 @@
 """The driver side of a Spark job: one barrier stage whose tasks start and supervise the ranks.
 
 The driver hosts the job's channel and its torch.distributed TCPStore (as the local launcher does), both
-listening on every interface and advertised at ``spark.driver.host``: executors must reach the driver
-anyway, the store's port is bound before any task starts (no free-port race on an executor), and the
+listening on the address Spark binds the driver to (``spark.driver.bindAddress``, by default
+``spark.driver.host``, never every interface) and advertised at ``spark.driver.host``: executors must
+reach the driver anyway, the store's port is bound before any task starts (no free-port race on an executor), and the
 store outlives every rank. The barrier stage runs in a background thread under its own job group while
 the :class:`~phalanx.job.monitor.JobMonitor` runs in the caller's thread. On the first failure the
 driver sends ABORT to every task (each stops its worker's process tree), then cancels the job group.
@@ -26,7 +27,7 @@ from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id
 from phalanx.launch.rendezvous import RendezvousStore
-from phalanx.spark.session import driver_host, executor_python, python_exec
+from phalanx.spark.session import bind_address, driver_host, executor_python, python_exec
 from phalanx.spark.task import TaskSpec, barrier_task
 
 if TYPE_CHECKING:
@@ -147,9 +148,9 @@ class SparkLauncher:
             StartTimeoutError: ranks did not start in time.
             SparkJobError: Spark failed the stage for a reason outside the user's code.
         """
-        host = driver_host(self.sc)
-        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host="0.0.0.0", advertise_host=host)
-        store = RendezvousStore(self._channel_size(), bind_host="0.0.0.0")
+        host, bind = driver_host(self.sc), bind_address(self.sc)
+        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=bind, advertise_host=host)
+        store = RendezvousStore(self._channel_size(), channel.secret, bind_host=bind)
         self._channel = channel
         job = JobContract(run_id=self.run_id, master_addr=host, master_port=store.port,
                           channel=channel.address, secret=channel.secret,

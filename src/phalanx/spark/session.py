@@ -96,6 +96,13 @@ def driver_host(sc: SparkContext) -> str:
     return host or "127.0.0.1"
 
 
+def bind_address(sc: SparkContext) -> str:
+    """The address the driver's channel and store listen on: Spark's own choice for the driver's sockets
+    (``spark.driver.bindAddress``, which defaults to ``spark.driver.host``), never every interface."""
+    conf = sc.getConf()
+    return conf.get("spark.driver.bindAddress") or driver_host(sc)
+
+
 def task_slots(sc: SparkContext) -> int:
     """How many tasks of the default resource profile the cluster can run at once right now."""
     jsc = sc._jsc.sc()
