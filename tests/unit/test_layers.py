@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "worker": {"job", "env", "errors"},
     "timeline": {"env", "errors"},
     "transport": {"env", "errors"},
-    "torch": {"transport", "env", "timeline", "errors"},
+    "torch": {"transport", "job", "env", "timeline", "errors"},
     "tensorflow": {"torch", "env", "timeline", "errors"},
     "lightning": {"torch", "env", "errors"},
     "spark": {"launch", "job", "env", "errors", "worker"},

@@ -30,18 +30,8 @@ from phalanx.launch.rendezvous import RendezvousStore
 
 log = logging.getLogger(__name__)
 
-#: Seconds the driver waits for its own store to start before publishing round 0.
-STORE_READY_TIMEOUT_S = 60.0
-
-
 def publish_round(store: RendezvousStore, round_no: int, world: list[int]) -> None:
-    """Publish round ``round_no`` (worker ids in rank order) in the driver's store.
-
-    Raises:
-        PhalanxError: the store did not start within ``STORE_READY_TIMEOUT_S``.
-    """
-    if not store.wait_ready(STORE_READY_TIMEOUT_S) or store.error is not None:
-        raise PhalanxError(f"the rendezvous store did not start within {STORE_READY_TIMEOUT_S:g} s: {store.error}")
+    """Publish round ``round_no`` (worker ids in rank order) in the driver's store."""
     for key, value in K.round_plan(round_no, world):
         store.set(key, value)
     log.debug("published elastic round %d: workers %s", round_no, world)

@@ -26,6 +26,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -38,6 +39,7 @@ SHM_BACKEND = "phalanx_shm"
 _BACKEND_MODULE = "phalanx.transport.backend"
 _TARGET = "torch.distributed"
 _MARK = "__phalanx_shm_wrapped__"
+_CLIENTS: list[Any] = []  # the job-store clients this process made (see job_store_arguments)
 
 
 def _shares_a_host(environ: Mapping[str, str]) -> bool:
@@ -70,7 +72,38 @@ def choose(backend: Any, environ: Mapping[str, str]) -> Any:
     return backend
 
 
+def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``init_process_group``'s keyword arguments with the job's authenticated store in place of an
+    ``env://`` rendezvous (which would connect a ``TCPStore`` client to ``MASTER_ADDR:MASTER_PORT``).
+
+    The store gets torchrun's agent-store prefix (``/worker/attempt_<restart>``), the timeout asked for
+    (torch's default otherwise), and the rank and world size from the contract when not given. A call
+    with a store or another ``init_method`` (``tcp://``, ``file://``), or outside a phalanx rank, is left
+    alone.
+    """
+    if call.get("store") is not None or call.get("init_method") not in (None, "env://"):
+        return call
+    if not environ.get(N.PHALANX_SECRET) or not environ.get(N.MASTER_ADDR):
+        return call
+    c10d: Any = sys.modules[f"{_TARGET}.distributed_c10d"]
+    from phalanx.job.store_client import from_env  # imports torch, loaded by now
+
+    timeout = call.get("timeout") or c10d.default_pg_timeout
+    restart = environ.get(N.TORCHELASTIC_RESTART_COUNT, "0")
+    client = from_env(environ, timeout)
+    # torch keeps only the C++ half of a Python store: the Python object (its methods) must stay alive.
+    _CLIENTS.append(client)
+    store = c10d.PrefixStore(f"/worker/attempt_{restart}", client)
+    rank = call.get("rank", -1)
+    size = call.get("world_size", -1)
+    return {**call, "init_method": None, "store": store,
+            "rank": int(environ[N.RANK]) if rank in (None, -1) else rank,
+            "world_size": int(environ[N.WORLD_SIZE]) if size in (None, -1) else size}
+
+
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
@@ -78,7 +111,8 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         chosen = backend if caller.startswith("phalanx.") else choose(backend, os.environ)
         if chosen is not backend:
             importlib.import_module(_BACKEND_MODULE)  # registers the backend with torch.distributed
-        return original(chosen, *args, **kwargs)
+        call = dict(signature.bind_partial(chosen, *args, **kwargs).arguments)
+        return original(**job_store_arguments(call, os.environ))
 
     setattr(init_process_group, _MARK, True)
     return init_process_group

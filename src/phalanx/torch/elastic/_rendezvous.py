@@ -22,6 +22,7 @@ from phalanx.env import assign_ranks
 from phalanx.env import elastic as K
 from phalanx.env import names as N
 from phalanx.errors import ElasticTimeoutError, WorkerContractError
+from phalanx.job import store_client
 
 
 class _Round:
@@ -59,10 +60,7 @@ def timeout_s(env: Mapping[str, str] | None = None) -> float:
 
 def _client(env: Mapping[str, str]) -> Any:
     if ROUND.store is None:
-        ROUND.store = dist.TCPStore(
-            env[N.MASTER_ADDR], int(env[N.MASTER_PORT]), is_master=False,
-            timeout=timedelta(seconds=timeout_s(env)), wait_for_workers=False,
-        )
+        ROUND.store = store_client.from_env(env, timedelta(seconds=timeout_s(env)))
     return ROUND.store
 
 

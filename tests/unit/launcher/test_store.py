@@ -1,0 +1,121 @@
+"""The job's store: TCPStore's semantics for the job's ranks, nothing at all for anyone without the secret."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import pytest
+
+from phalanx.errors import ChannelError
+from phalanx.job.framing import FrameWriter, Kind, read_frame
+from phalanx.job.handshake import new_secret
+from phalanx.launch.rendezvous import RendezvousStore
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def store() -> Iterator[tuple[RendezvousStore, str]]:
+    secret = new_secret()
+    s = RendezvousStore(2, secret)
+    yield s, secret
+    s.close()
+
+
+def _client(port: int, secret: str, timeout_s: float = 5.0) -> object:
+    from phalanx.job.store_client import StoreClient
+
+    return StoreClient("127.0.0.1", port, secret, 0, timedelta(seconds=timeout_s))
+
+
+def test_the_client_has_tcpstores_semantics(store: tuple[RendezvousStore, str]) -> None:
+    import torch.distributed as dist
+
+    server, secret = store
+    c: dist.Store = _client(server.port, secret)  # type: ignore[assignment]
+    c.set("a", b"1")
+    assert c.get("a") == b"1" and c.check(["a"]) and not c.check(["a", "b"])
+    assert (c.add("n", 3), c.add("n", -1)) == (3, 2)
+    assert c.compare_set("x", "", "v") == b"v"  # a missing key is set when nothing was expected
+    assert c.compare_set("y", "w", "v") == b"w" and not c.check(["y"])  # ... and left alone otherwise
+    assert c.compare_set("x", "v", "z") == b"z" and c.compare_set("x", "q", "r") == b"z"
+    c.multi_set(["m1", "m2"], [b"1", b"2"])
+    assert c.multi_get(["m1", "m2"]) == [b"1", b"2"]
+    c.append("m1", b"x")
+    assert c.get("m1") == b"1x" and c.delete_key("m1") and not c.delete_key("m1")
+    assert c.num_keys() == 4  # a, n, x, m2
+    with pytest.raises(dist.DistStoreError, match=r"waited 0.2 s for keys \[never\]"):
+        c.wait(["never"], timedelta(seconds=0.2))
+    prefixed = dist.PrefixStore("p", c)
+    prefixed.set("k", "v")
+    assert c.get("p/k") == b"v"
+    assert server.check("a") and not server.check("never")
+    server.set("from-driver", "d")
+    assert c.get("from-driver") == b"d"
+
+
+def test_a_wrong_secret_is_refused_at_once(store: tuple[RendezvousStore, str]) -> None:
+    server, _ = store
+    with pytest.raises(ChannelError, match="refused"):
+        _client(server.port, new_secret(), timeout_s=30)
+
+
+def _as_nobody(attack: Callable[[], int]) -> int:
+    """Run ``attack`` in a forked child that has become uid/gid 65534 (another local user); its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = attack() if os.getuid() == NOBODY else 98
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _tcpstore_set(port: int) -> int:
+    """What a torch TCPStore client sends to set a key (validate, then SET): 0 if the store never
+    answered anything but its challenge."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.settimeout(10)
+        first = read_frame(s, limit=64)
+        if first is None or first[0] is not Kind.NONCE:
+            return 1
+        key, value = b"/worker/attempt_0/shm/0/attached", b"0"
+        s.sendall(b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x01" + struct.pack("<Q", len(key)) + key
+                  + struct.pack("<Q", len(value)) + value)
+        try:
+            return 0 if s.recv(100) == b"" else 2
+        except ConnectionResetError:
+            return 0
+
+
+def _forged_answer(port: int) -> int:
+    """An answer to the challenge without the secret: 0 if the store closed without its proof."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.settimeout(10)
+        read_frame(s, limit=64)
+        FrameWriter(s).send(Kind.AUTH, struct.pack(">IB32s32s", 0, 2, b"\x00" * 32, b"\x01" * 32))
+        try:
+            return 0 if read_frame(s, limit=64) is None else 3
+        except (ChannelError, ConnectionResetError):
+            return 0
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="becoming another local user (uid 65534) needs root")
+@pytest.mark.timeout(60)
+def test_another_local_user_can_neither_write_nor_read_the_store(store: tuple[RendezvousStore, str]) -> None:
+    """The attack of issue 24: another user finds the store's port and rewrites the keys ranks meet by."""
+    server, secret = store
+    server.set("/worker/attempt_0/shm/0/attached", "2")
+    assert _as_nobody(lambda: _tcpstore_set(server.port)) == 0
+    assert _as_nobody(lambda: _forged_answer(server.port)) == 0
+    c = _client(server.port, secret)
+    assert c.get("/worker/attempt_0/shm/0/attached") == b"2"  # type: ignore[attr-defined]
+    assert c.num_keys() == 1  # type: ignore[attr-defined]
