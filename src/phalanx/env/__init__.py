@@ -10,7 +10,7 @@ GROUP_RANK,               index of this host among the job's hosts, and their nu
 GROUP_WORLD_SIZE
 ROLE_RANK,                as RANK / WORLD_SIZE (torchrun sets them; some libraries read them)
 ROLE_WORLD_SIZE
-MASTER_ADDR, MASTER_PORT  the TCPStore the driver hosts; every rank connects as a client
+MASTER_ADDR, MASTER_PORT  the store the driver hosts; every rank connects as an authenticated client
 TORCHELASTIC_RUN_ID       the job's id; Lightning detects a torchrun-style job by it
 TORCHELASTIC_RESTART_*    restart count (0 unless elastic) and max restarts
 TORCHELASTIC_USE_AGENT_   "True": env:// rendezvous connects to the driver's store instead of starting

@@ -51,8 +51,8 @@ class JobContract:
 
     Attributes:
         run_id: unique id of this job (also ``TORCHELASTIC_RUN_ID``).
-        master_addr: host of the torch.distributed TCPStore.
-        master_port: port of the TCPStore.
+        master_addr: host of the job's rendezvous store.
+        master_port: port of the store.
         channel: ``host:port`` of the driver's channel.
         secret: hex per-job secret that authenticates workers on the channel.
         start_timeout_s: seconds a rank may take to start and reach the channel.
@@ -119,7 +119,7 @@ def _torch_vars(job: JobContract, who: RankIdentity) -> dict[str, str]:
         N.TORCHELASTIC_RUN_ID: job.run_id,
         N.TORCHELASTIC_RESTART_COUNT: str(job.restart_count),
         N.TORCHELASTIC_MAX_RESTARTS: "0",
-        # The driver hosts the TCPStore (as torchrun's agent does), so every rank connects as a client
+        # The driver hosts the store (as torchrun's agent does), so every rank connects as a client
         # and no port is probed, released and hoped for.
         N.TORCHELASTIC_USE_AGENT_STORE: "True",
     }

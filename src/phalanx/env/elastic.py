@@ -1,6 +1,6 @@
 """The store keys of an elastic job: how the driver tells workers who is in each round.
 
-The driver (the TCPStore's host) publishes round ``r`` by setting, in this order, every member's
+The driver (the store's host) publishes round ``r`` by setting, in this order, every member's
 assignment ``assign_key(r, worker_id) = "rank,size"``, then ``LATEST_KEY = r``, then ``round_key(r)``.
 A worker waits for ``round_key(its round + 1)`` (``store.wait`` with a timeout), reads ``LATEST_KEY`` and
 its assignment in that round. Pure functions, shared by ``phalanx.launch`` and ``phalanx.torch.elastic``.

@@ -1,6 +1,6 @@
 """The driver side of a Spark job: one barrier stage whose tasks start and supervise the ranks.
 
-The driver hosts the job's channel and its torch.distributed TCPStore (as the local launcher does), both
+The driver hosts the job's channel and its rendezvous store (as the local launcher does), both
 listening on the address Spark binds the driver to (``spark.driver.bindAddress``, by default
 ``spark.driver.host``, never every interface) and advertised at ``spark.driver.host``: executors must
 reach the driver anyway, the store's port is bound before any task starts (no free-port race on an executor), and the

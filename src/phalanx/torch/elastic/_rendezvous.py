@@ -1,6 +1,6 @@
 """The worker side of an elastic round: wait for the driver's assignment, join that round's group.
 
-The driver hosts the TCPStore and publishes each round (``phalanx.env.elastic``); a worker is a store
+The driver hosts the store and publishes each round (``phalanx.env.elastic``); a worker is a store
 client. Each round's process group lives under its own key prefix, so a new round never reads the keys
 of a broken one.
 """
