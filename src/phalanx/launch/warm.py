@@ -5,6 +5,10 @@ The first function job of a driver starts cold (fresh interpreters). When it end
 packages once. Later jobs ask it to fork their ranks: each rank is still a new process with the job's
 own environment, but interpreter start-up and imports are already paid. Set ``PHALANX_WARM_START=0`` to
 turn this off. The template dies with the driver (``atexit``, parent-death signal, socket EOF).
+
+The template is always started from one thread that lives as long as the driver: Linux sends the
+parent-death signal when the *thread* that forked a child exits, not the process, so a template started
+by a job run in a short-lived thread was SIGKILLed with that thread (and the next job's ranks with it).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import atexit
 import json
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -212,8 +217,44 @@ def _api(module: types.ModuleType) -> str | None:
     return next((api for api in _APIS if module.__name__ == api or module.__name__.startswith(f"{api}.")), None)
 
 
+class _Starter:
+    """Runs calls in one daemon thread that lives as long as the process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, fn: Callable[[], Template]) -> Template:
+        """``fn()``, called in the long-lived thread; its exception is raised here."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="phalanx-warm-starter", daemon=True)
+                self._thread.start()
+        box: list[Template | BaseException] = []
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                box.append(fn())
+            except BaseException as e:
+                box.append(e)
+            done.set()
+
+        self._calls.put(call)
+        done.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _loop(self) -> None:
+        while True:
+            self._calls.get()()
+
+
 _pool_lock = threading.Lock()
 _template: Template | None = None
+_starter = _Starter()
 
 
 def ready_template(timeout_s: float = READY_WAIT_S) -> Template | None:
@@ -233,7 +274,7 @@ def prepare(preload: tuple[str, ...]) -> None:
         if _template is not None and _template.alive:
             return
         try:
-            _template = Template(preload)
+            _template = _starter.run(lambda: Template(preload))
         except OSError as e:
             log.debug("could not start the warm-start template: %s", e)
 
