@@ -161,6 +161,16 @@ def worker_env(job: JobContract, who: RankIdentity) -> dict[str, str]:
     return env
 
 
+def process_name(run_id: str) -> str:
+    """The kernel's name (``/proc/<pid>/comm``, 15 bytes at most) of a job's warm-started ranks.
+
+    A rank forked from the warm-start template keeps the template's start-up environment in
+    ``/proc/<pid>/environ`` (only ``exec`` sets it), and so do the processes it forks: the name, which
+    every fork inherits, marks them as the job's for the orphan sweep instead.
+    """
+    return "phx-" + run_id[-11:]
+
+
 def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contract: Mapping[str, str],
                 cpu_count: int | None = None) -> dict[str, str]:
     """Lay the user's variables, then the contract, over a base environment.

@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from phalanx.env.contract import process_name
+
 _PROC = Path("/proc")
 
 
@@ -93,6 +95,26 @@ def processes_with_env(key: str, value: str) -> list[int]:
     return found
 
 
+def processes_named(name: str) -> list[int]:
+    """Pids of this user's processes whose kernel name (``/proc/<pid>/comm``) is ``name`` (not this one)."""
+    if not _PROC.is_dir():
+        return []
+    found: list[int] = []
+    for entry in os.scandir(_PROC):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (_PROC / entry.name / "comm").read_text().rstrip("\n") == name and _owned(entry.name):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _owned(pid: str) -> bool:
+    return (_PROC / pid).stat().st_uid == os.getuid()
+
+
 def is_alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     info = _parent_and_state(pid)
@@ -126,7 +148,8 @@ def signal_all(pids: Iterable[int], pgids: Iterable[int], sig: int) -> None:
 def _job_processes(roots: list[int], marker: tuple[str, str] | None) -> list[int]:
     found = roots + [d for r in roots for d in descendants(r)]
     if marker is not None:
-        found += [p for p in processes_with_env(*marker) if p not in found]
+        marked = processes_with_env(*marker) + processes_named(process_name(marker[1]))
+        found += [p for p in dict.fromkeys(marked) if p not in found]
     return found
 
 
@@ -139,7 +162,8 @@ def terminate_tree(root_pids: Iterable[int], grace_s: float, marker: tuple[str, 
         root_pids: the processes the launcher started.
         grace_s: seconds to wait after SIGTERM before SIGKILL.
         marker: ``(name, value)`` of an environment variable that marks the job's processes; every
-            process carrying it is stopped too (orphaned daemons included).
+            process carrying it is stopped too (orphaned daemons included), and every process named
+            :func:`~phalanx.env.contract.process_name` of the value (what a warm-started rank forks).
     """
     roots = list(root_pids)
     everyone = _job_processes(roots, marker)

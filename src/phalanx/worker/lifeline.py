@@ -10,6 +10,7 @@ import sys
 from phalanx.env import names as N
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 #: Exit code when the launcher was already gone before the lifeline was tied.
 EXIT_ORPHANED = 143
 
@@ -30,3 +31,13 @@ def die_with_parent() -> None:
     expected = os.environ.get(N.PHALANX_PARENT_PID)
     if expected and expected.isdigit() and os.getppid() != int(expected):
         os._exit(EXIT_ORPHANED)
+
+
+def set_process_name(name: str) -> None:
+    """Set this process's kernel name (``/proc/<pid>/comm``; Linux, at most 15 bytes); a no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        return

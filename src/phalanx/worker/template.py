@@ -27,7 +27,8 @@ import sys
 from typing import Any
 
 from phalanx.env import names as N
-from phalanx.worker.lifeline import die_with_parent
+from phalanx.env.contract import process_name
+from phalanx.worker.lifeline import die_with_parent, set_process_name
 
 MAX_MESSAGE_BYTES = 1 << 20
 _REAP_INTERVAL_S = 0.005
@@ -62,6 +63,8 @@ def _become_rank(message: dict[str, Any], out_fd: int, err_fd: int) -> int:
     os.chdir(message["cwd"])
     os.environ.clear()
     os.environ.update(message["env"])
+    # /proc/<pid>/environ still shows the template's environment: the name marks the job's processes.
+    set_process_name(process_name(os.environ.get(N.PHALANX_RUN_ID, "")))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = ["-m phalanx.worker"]

@@ -105,3 +105,63 @@ def test_shutdown_leaves_nothing_and_the_next_job_starts_cold() -> None:
     assert warm.template_pids() == set()
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     assert set(phalanx.run(os.getppid, np=2)) == {os.getpid()}
+
+
+def _fork_a_daemon(pidfile: str) -> int:
+    """A daemon made by fork + setsid, with no exec: its /proc/<pid>/environ is the template's."""
+    import time
+
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        try:
+            time.sleep(300)
+        finally:
+            os._exit(0)
+    with open(pidfile + os.environ["RANK"], "w") as f:
+        f.write(str(pid))
+    return pid
+
+
+@pytest.mark.timeout(120)
+def test_a_daemon_forked_by_a_warm_rank_is_swept(tmp_path: Any) -> None:
+    _warm_up()
+    template = warm.template_pids()
+    pids = phalanx.run(_fork_a_daemon, args=(str(tmp_path / "pid"),), np=2)
+    assert warm.template_pids() == template  # the ranks were forked from the template
+    for pid in pids:
+        _wait_gone(pid)
+
+
+def _wait_gone(pid: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), f"daemon {pid} survived the job"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_the_template_outlives_the_thread_that_ran_the_job_before() -> None:
+    """Linux sends the parent-death signal when the thread that forked a child exits: a template started
+    after a job run in a helper thread died with that thread, and the next job's ranks with it."""
+    import threading
+
+    warm.shutdown()
+    done: list[object] = []
+    helper = threading.Thread(target=lambda: done.append(phalanx.run(os.getpid, np=1)))
+    helper.start()  # its job starts cold, then the template is started when it ends
+    helper.join(120)
+    assert done and not helper.is_alive()
+    template = warm.ready_template(timeout_s=60)
+    assert template is not None, "the template died with the thread that ran the previous job"
+    assert phalanx.run(os.getppid, np=2) == [template.proc.pid] * 2
