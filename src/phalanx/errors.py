@@ -100,6 +100,10 @@ class ElasticTimeoutError(PhalanxError, TimeoutError):
     """An elastic worker waited too long for the driver's next round; the message names the knob."""
 
 
+class CheckpointError(PhalanxError, OSError):
+    """An elastic checkpoint could not be written or read; the message names the path and the cause."""
+
+
 def describe_exit(returncode: int) -> str:
     """Describe a process return code as a person reads it.
 

@@ -84,3 +84,61 @@ def test_sampler_splits_the_remaining_indices() -> None:
     assert list(sampler) == [6, 7, 8, 9]
     shuffled = hvd.elastic.ElasticSampler(list(range(10)), seed=1)
     assert sorted(shuffled) == list(range(10)) and list(shuffled) != list(range(10))
+
+
+def test_a_durable_commit_flushes_the_file_and_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import stat
+
+    from phalanx.torch.elastic.state import write_atomically
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    write_atomically(tmp_path / "state.pt", {"x": torch.ones(2)})
+    assert synced == ["file", "dir"]  # the data before the rename, the rename after it
+
+
+def test_a_failed_write_removes_its_temp_file_and_names_the_path_and_the_space(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk: torch.save's short write used to leave the temp file (filling the disk) behind a
+    cryptic 'unexpected pos' error."""
+    from phalanx.errors import CheckpointError
+    from phalanx.torch.elastic.state import write_atomically
+
+    target = tmp_path / "state.pt"
+    write_atomically(target, {"step": 1})
+
+    def short_write(value: object, f: object) -> None:
+        f.write(b"\0" * 100)  # type: ignore[attr-defined]
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . unexpected pos 896 vs 790")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    with pytest.raises(CheckpointError, match=rf"{target}.*MiB free on its filesystem.*unexpected pos"):
+        write_atomically(target, {"step": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]  # no temp file left
+    assert torch.load(target, weights_only=True) == {"step": 1}  # the last commit is intact
+
+
+class Progress:
+    """A user class held by an ObjectState attribute."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_a_checkpoint_loads_weights_only_and_names_a_class_to_allow(tmp_path: Path) -> None:
+    from phalanx.errors import CheckpointError
+    from phalanx.torch.elastic.state import read_checkpoint, write_atomically
+
+    path = tmp_path / "state.pt"
+    write_atomically(path, {"objects": {"progress": Progress(3)}})
+    with pytest.raises(CheckpointError, match="add_safe_globals"):
+        read_checkpoint(path)
+    with torch.serialization.safe_globals([Progress]):
+        assert read_checkpoint(path)["objects"]["progress"].epoch == 3

@@ -1,8 +1,13 @@
 """What an elastic job keeps across a lost worker: ``State``, ``ObjectState``, ``TorchState`` (Horovod's).
 
 ``commit()`` saves a copy in memory (and, with ``PHALANX_ELASTIC_CHECKPOINT_DIR``, on disk: rank 0
-writes a temporary file and renames it over ``state.pt``, so a reader never sees half a file);
+writes a temporary file, flushes it to the disk, renames it over ``state.pt`` and flushes the directory,
+so a reader never sees half a file and a commit survives a crash of the machine);
 ``restore()`` goes back to the last commit; ``sync()`` gives every rank rank 0's state.
+
+A checkpoint is loaded with ``torch.load(weights_only=True)``, torch's own default: tensors, containers
+and plain values load; any other class an ``ObjectState`` attribute holds must be allowed first with
+``torch.serialization.add_safe_globals`` (the error says which), so a checkpoint file cannot run code.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import copy
 import enum
 import logging
 import os
+import pickle
 import queue
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +26,7 @@ from typing import Any
 import torch
 
 from phalanx.env import names as N
-from phalanx.errors import HostsUpdatedInterrupt
+from phalanx.errors import CheckpointError, HostsUpdatedInterrupt
 from phalanx.torch import basics, functions
 from phalanx.torch.elastic import _rendezvous, handlers
 from phalanx.torch.elastic.handlers import (  # Horovod's names in horovod.torch.elastic.state
@@ -45,15 +52,59 @@ def checkpoint_path() -> Path | None:
 
 
 def write_atomically(path: Path, value: Any) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then rename it over ``path``.
+    """``torch.save`` to a temporary file next to ``path``, flushed to the disk, then renamed over ``path``
+    (the directory flushed too, so the rename survives a crash).
 
     Raises:
-        OSError: the directory cannot be written.
+        CheckpointError: the file could not be written (a full disk, no permission); the temporary file
+            is removed, and the message names the path and the space left.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(value, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            torch.save(value, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(
+            f"could not write the elastic checkpoint {path} ({_free(path.parent)} free on its filesystem): "
+            f"{e}; free some space or point {N.PHALANX_ELASTIC_CHECKPOINT_DIR} elsewhere"
+        ) from e
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _free(folder: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown space"
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``.
+
+    Raises:
+        CheckpointError: the file holds a class that was not allowed (the message names it and the
+            fix), or cannot be read.
+    """
+    try:
+        value: dict[str, Any] = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"the elastic checkpoint {path} holds objects torch.load(weights_only=True) does not load: {e}"
+        ) from e
+    return value
 
 
 class HostUpdateResult(enum.IntFlag):
@@ -171,7 +222,7 @@ class State:
         path = checkpoint_path()
         if path is None or not path.exists() or self._rank() != 0:
             return False
-        self.load_durable(torch.load(path, weights_only=False))
+        self.load_durable(read_checkpoint(path))
         self.save()
         log.info("resumed elastic state from %s", path)
         return True
