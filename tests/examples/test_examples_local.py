@@ -93,6 +93,21 @@ def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_tf_gradient_tape_custom_loop_under_phalanxrun(tmp_path: Path) -> None:
+    """A TF2 custom loop with DistributedGradientTape, as Horovod's guide shows it: 2 ranks, identical weights."""
+    pytest.importorskip("tensorflow")
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **KERAS_ENV)
+    proc = subprocess.run(
+        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "tf_gradient_tape_digits.py"),
+         "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+) \(2 ranks\); identical weights: True", proc.stdout)
+    assert found is not None, proc.stdout[-3000:]
+    assert float(found.group(1)) > FLOOR
+
+
+@pytest.mark.timeout(120)
 def test_classic_horovod_keras_function_under_phalanx_run() -> None:
     pytest.importorskip("tensorflow")
     import phalanx

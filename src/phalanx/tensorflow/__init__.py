@@ -13,15 +13,38 @@ import importlib.util
 if importlib.util.find_spec("tensorflow") is None:
     raise ImportError("phalanx.tensorflow needs TensorFlow, which is not installed: pip install 'phalanx[tensorflow]'")
 
+from phalanx.tensorflow import elastic
 from phalanx.tensorflow.basics import init
-from phalanx.tensorflow.compression import Compression
-from phalanx.tensorflow.ops import (
+from phalanx.tensorflow.collectives import (
     allgather,
-    allreduce,
+    alltoall,
     broadcast,
-    broadcast_variables,
-    grouped_allreduce,
+    broadcast_,
+    grouped_allgather,
+    grouped_reducescatter,
+    reducescatter,
 )
+from phalanx.tensorflow.compression import Compression
+from phalanx.tensorflow.functions import allgather_object, broadcast_object, broadcast_object_fn
+from phalanx.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
+from phalanx.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from phalanx.tensorflow.mpi_ops import (
+    check_num_rank_power_of_2,
+    handle_average_backwards_compatibility,
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    size_op,
+)
+from phalanx.tensorflow.ops import allreduce, broadcast_variables, grouped_allreduce
+from phalanx.tensorflow.optimizer import (
+    BroadcastGlobalVariablesHook,
+    DistributedOptimizer,
+    broadcast_global_variables,
+)
+from phalanx.tensorflow.sync_batch_norm import SyncBatchNormalization
 from phalanx.torch import (
     Adasum,
     Average,
@@ -30,9 +53,15 @@ from phalanx.torch import (
     ProcessSet,
     Product,
     Sum,
+    add_process_set,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
     global_process_set,
+    gloo_built,
+    gloo_enabled,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -40,7 +69,10 @@ from phalanx.torch import (
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
+    nccl_built,
     rank,
+    remove_process_set,
+    rocm_built,
     shutdown,
     size,
     start_timeline,
@@ -48,8 +80,15 @@ from phalanx.torch import (
 )
 
 __all__ = [
-    "Adasum", "Average", "Compression", "Max", "Min", "ProcessSet", "Product", "Sum", "allgather", "allreduce",
-    "broadcast", "broadcast_variables", "cross_rank", "cross_size", "global_process_set", "grouped_allreduce",
-    "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built", "mpi_enabled",
-    "mpi_threads_supported", "rank", "shutdown", "size", "start_timeline", "stop_timeline",
-]  # fmt: skip
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
+    "DistributedOptimizer", "LocalGradientAggregationHelper", "Max", "Min", "PartialDistributedGradientTape",
+    "ProcessSet", "Product", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "alltoall", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "handle_average_backwards_compatibility",
+    "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
+    "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "process_set_included_op",
+    "rank", "rank_op", "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
+    "start_timeline", "stop_timeline",
+]

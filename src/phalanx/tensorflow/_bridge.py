@@ -30,13 +30,15 @@ ERROR_MARK = "[phalanx collective error]"
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
-    """A torch view of ``array`` (a copy only when it is not contiguous or is read-only)."""
+    """A torch view of ``array`` (a copy only when it is not contiguous or is read-only); a 0-d array (a
+    numpy scalar too) stays 0-d."""
+    shape = np.shape(array)
     array = np.ascontiguousarray(array)
     if not array.flags.writeable:
         array = array.copy()
     if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return torch.from_numpy(array).reshape(shape)
 
 
 def to_numpy(tensor: torch.Tensor, like: np.dtype) -> np.ndarray:
@@ -58,15 +60,32 @@ def _same_threads_in_this_thread() -> None:
         _THREAD.pinned = True
 
 
+# The exception of the last collective that failed inside a graph (TensorFlow runs numpy_function bodies on
+# its own threads, so this is process-wide; taken once by whoever handles the OpError around it).
+_FAILED: list[BaseException | None] = [None]
+
+
+def take_error() -> BaseException | None:
+    """The exception a collective raised inside a graph in the last failed call (once), so that the caller
+    can re-raise it by its own type instead of TensorFlow's ``OpError`` around it."""
+    error, _FAILED[0] = _FAILED[0], None
+    return error
+
+
 def _guard(fn: Any) -> Any:
-    """Run a collective; a phalanx error keeps its text but gets ``ERROR_MARK`` (TF wraps it in an OpError)."""
+    """Run a collective; a phalanx error keeps its text but gets ``ERROR_MARK`` (TF wraps it in an OpError),
+    and the original exception is kept for :func:`take_error`."""
 
     def call(*args: Any) -> Any:
         _same_threads_in_this_thread()
         try:
             return fn(*args)
         except CollectiveMismatchError as e:
+            _FAILED[0] = e
             raise CollectiveMismatchError(f"{ERROR_MARK} {e}") from e
+        except Exception as e:
+            _FAILED[0] = e
+            raise
 
     return call
 
@@ -243,3 +262,40 @@ def tf_fused_allreduce(tensors: list[tf.Tensor], name: str, op: int, pre: float 
     for out, t in zip(outs, tensors):
         out.set_shape(t.shape)
     return list(outs)
+
+
+def np_reducescatter(array: np.ndarray, name: str | None, op: int, pre: float, post: float,
+                     process_set: ProcessSet = global_process_set) -> np.ndarray:
+    """Reduce ``array`` across the set and keep this member's block of dim 0 (the first members get the
+    extra rows when dim 0 does not divide evenly)."""
+    handle = ptorch.reducescatter_async(to_torch(array), name=name, op=op, process_set=process_set,
+                                        prescale_factor=pre, postscale_factor=post)
+    return to_numpy(ptorch.synchronize(handle), array.dtype)
+
+
+def np_alltoall(array: np.ndarray, splits: np.ndarray | None, name: str | None,
+                process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
+    """Send ``splits[i]`` rows of ``array`` to the i-th member; returns (received rows, received splits)."""
+    counts = None if splits is None or splits.size == 0 else [int(s) for s in splits.reshape(-1)]
+    result = ptorch.synchronize(ptorch.alltoall_async(to_torch(array), splits=counts, name=name,
+                                                      process_set=process_set))
+    out, received = result if isinstance(result, tuple) else (result, None)
+    if received is None:
+        received = torch.tensor([out.shape[0] // process_set.size()] * process_set.size())
+    return to_numpy(out, array.dtype), np.asarray(received.tolist(), dtype=np.int32)
+
+
+def np_grouped_allgather(arrays: list[np.ndarray], name: str | None,
+                         process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+    """Allgather each array along dim 0, as one grouped collective."""
+    handle = ptorch.grouped_allgather_async([to_torch(a) for a in arrays], name=name, process_set=process_set)
+    return [to_numpy(t, a.dtype) for t, a in zip(ptorch.synchronize(handle), arrays)]
+
+
+def graph_call(fn: Any, inputs: list[tf.Tensor], tout: Any, op_name: str) -> Any:
+    """``fn`` over ``inputs``: eagerly on numpy arrays, or as one stateful ``tf.numpy_function`` in a graph
+    (a phalanx error inside it keeps its text and gets ``ERROR_MARK``)."""
+    if tf.executing_eagerly():
+        out = fn(*[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(o) for o in out] if isinstance(out, (list, tuple)) else tf.convert_to_tensor(out)
+    return tf.numpy_function(_guard(fn), inputs, Tout=tout, stateful=True, name=op_name)

@@ -1,7 +1,9 @@
-"""Collectives on TensorFlow tensors (Horovod's ``horovod.tensorflow`` names), eager or inside ``tf.function``.
+"""Allreduce on TensorFlow tensors (Horovod's ``horovod.tensorflow`` names), eager or inside ``tf.function``.
 
 Every op runs on ``phalanx.torch``'s collectives (see ``_bridge``): the same order rule and the same
-cross-rank signature check, so ranks that disagree get ``CollectiveMismatchError`` instead of a hang.
+cross-rank signature check, so ranks that disagree get ``CollectiveMismatchError`` instead of a hang. The
+public ops are differentiable with Horovod's gradients (an allreduce's gradient is the allreduce of the
+incoming gradient with the same op and factors); ``fused_allreduce``, the optimizers' path, is not.
 """
 
 from __future__ import annotations
@@ -14,73 +16,160 @@ import tensorflow as tf
 
 from phalanx.tensorflow import _bridge
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.torch import _reduce as R
+from phalanx.torch import _reduce as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
-def _dense(tensor: Any) -> tf.Tensor:
-    # IndexedSlices (an Embedding's gradient) are reduced densely, as phalanx.torch does with sparse grads.
-    return tf.convert_to_tensor(tensor)
+def scoped_name(name: str | None, ignore_name_scope: bool) -> str | None:
+    """Horovod's collective name: prefixed with the enclosing ``tf.name_scope`` while building a graph,
+    unless ``ignore_name_scope`` (every rank builds the same graph, so the names still agree)."""
+    if name is None or ignore_name_scope or tf.executing_eagerly():
+        return name
+    scope = tf.get_current_name_scope()
+    return f"{scope}/{name}" if scope else name
+
+
+def _grad_name(name: str | None) -> str | None:
+    return f"{name}.grad" if name else None
+
+
+def _check_sparse(op: int, prescale_factor: float, postscale_factor: float) -> None:
+    if op == reduce_ops.Adasum:
+        raise NotImplementedError("The Adasum reduction does not support sparse tensors; pass "
+                                  "sparse_as_dense=True to DistributedOptimizer")
+    if op not in (reduce_ops.Sum, reduce_ops.Average):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+
+
+def _sparse_allreduce(slices: tf.IndexedSlices, op: int, name: str | None,
+                      process_set: ProcessSet) -> tf.IndexedSlices:
+    """Horovod's reduction of ``IndexedSlices``: allgather the values and the indices (duplicates stay,
+    as TensorFlow's own sparse updates sum them); ``Average`` divides the values by the set's size."""
+    from phalanx.tensorflow.collectives import allgather
+
+    values = allgather(slices.values, name=f"{name}.values" if name else None, process_set=process_set)
+    indices = allgather(slices.indices, name=f"{name}.indices" if name else None, process_set=process_set)
+    if op == reduce_ops.Average:
+        values = values / tf.cast(process_set.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def _dense_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float, post: float,
+                     process_set: ProcessSet) -> tf.Tensor:
+    @tf.custom_gradient
+    def reduce(x: tf.Tensor) -> Any:
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            return _bridge.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), op, pre, post, process_set)
+
+        return _bridge.tf_allreduce(x, name, op, pre, post, process_set), grad
+
+    return reduce(tensor)
 
 
 def allreduce(
     tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0, name: str | None = None, process_set: ProcessSet = global_process_set,
-) -> tf.Tensor:  # fmt: skip
-    """Allreduce a tensor across the set (``hvd.allreduce``); eager or in a graph.
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Allreduce a tensor across the set (``hvd.allreduce``); eager or in a graph; differentiable.
 
     Args:
-        tensor: a ``tf.Tensor``, variable, ``tf.IndexedSlices`` (reduced densely) or array-like.
+        tensor: a ``tf.Tensor``, variable, ``tf.IndexedSlices`` or array-like.
         average: deprecated; True means ``op=Average``, False ``op=Sum``.
         device_dense: accepted for Horovod compatibility (tensors travel through host memory).
         device_sparse: accepted for Horovod compatibility.
-        compression: ``Compression.none`` or ``Compression.fp16``.
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        compression: ``Compression.none`` or ``Compression.fp16`` (dense tensors).
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``; ``IndexedSlices`` take
+            ``Sum`` or ``Average`` only.
         prescale_factor: multiply inputs by this before reducing.
         postscale_factor: multiply the result by this.
         name: optional name, shown in errors.
         process_set: the ranks taking part.
+        ignore_name_scope: do not prefix ``name`` with the enclosing ``tf.name_scope`` in a graph.
 
     Returns:
-        The reduced tensor (same dtype and shape).
+        The reduced tensor (same dtype and shape); for ``IndexedSlices``, ``IndexedSlices`` holding every
+        rank's values and indices (Horovod's allgather-based sparse allreduce).
 
     Raises:
         ValueError: before ``hvd.init()`` or on a bad op.
+        NotImplementedError: ``IndexedSlices`` with another op or with scale factors (as in Horovod).
         CollectiveMismatchError: ranks disagree on shape, dtype, op, ... (on every rank).
     """
-    op_ = R.resolve_op(op, average)
-    compressed, ctx = compression.compress(_dense(tensor))
-    out = _bridge.tf_allreduce(compressed, name, op_, prescale_factor, postscale_factor, process_set)
+    op_ = reduce_ops.resolve_op(op, average)
+    name = scoped_name(name, ignore_name_scope)
+    if isinstance(tensor, tf.IndexedSlices):
+        _check_sparse(op_, prescale_factor, postscale_factor)
+        return _sparse_allreduce(tensor, op_, name, process_set)
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    out = _dense_allreduce(compressed, name, op_, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, ctx)
 
 
 def grouped_allreduce(
-    tensors: Sequence[Any], average: bool | None = None, compression: type[Compressor] = Compression.none,
-    op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
-    process_set: ProcessSet = global_process_set,
-) -> list[tf.Tensor | None]:  # fmt: skip
-    """Allreduce several tensors as one flat buffer per dtype (one collective per dtype); None stays None.
+    tensors: Sequence[Any], average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+    compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+    name: str | None = None,
+) -> list[Any]:
+    """Allreduce several tensors as one flat buffer per dtype (one collective per dtype); differentiable.
+
+    ``IndexedSlices`` among them are reduced as :func:`allreduce` reduces them; None stays None.
 
     Returns:
         The reduced tensors, in order.
     """
-    return fused_allreduce(list(tensors), R.resolve_op(op, average), compression, name or "grouped_allreduce",
-                           prescale_factor, postscale_factor, process_set)  # fmt: skip
+    tensors = list(tensors)
+    if not tensors:
+        return tensors
+    op_ = reduce_ops.resolve_op(op, average)
+    name = scoped_name(name, ignore_name_scope) or "grouped_allreduce"
+    out: list[Any] = [None] * len(tensors)
+    dense = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            _check_sparse(op_, prescale_factor, postscale_factor)
+            out[i] = _sparse_allreduce(t, op_, f"{name}.{i}", process_set)
+        elif t is not None:
+            dense.append(i)
+    if dense:
+        packed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
+        reduced = _differentiable_fused([p[0] for p in packed], op_, name, prescale_factor, postscale_factor,
+                                        process_set)
+        for i, r, (_, ctx) in zip(dense, reduced, packed):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def _differentiable_fused(tensors: list[tf.Tensor], op: int, name: str, pre: float, post: float,
+                          process_set: ProcessSet) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def reduce(*xs: tf.Tensor) -> Any:
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return _bridge.tf_fused_allreduce([tf.convert_to_tensor(d) for d in dys], f"{name}.grad", op, pre, post,
+                                              process_set)
+
+        return _bridge.tf_fused_allreduce(list(xs), name, op, pre, post, process_set), grad
+
+    return list(reduce(*tensors))
 
 
 def fused_allreduce(
     tensors: list[Any], op: int, compression: type[Compressor], name: str, pre: float = 1.0, post: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> list[tf.Tensor | None]:  # fmt: skip
-    """The fusion behind ``DistributedOptimizer``: one ``tf.numpy_function`` call, one collective per dtype.
+) -> list[tf.Tensor | None]:
+    """The fusion behind the distributed optimizers and tapes: one ``tf.numpy_function`` call, one
+    collective per dtype; not differentiable (it reduces gradients, which nothing differentiates again).
 
     Compression applies to each tensor (in TF); the concatenation into one buffer per dtype, the reduction
     and the split happen in numpy/torch inside the call (TF's own concat + split cost more than the
     allreduce of a 1.2M-parameter CNN on this machine).
 
     Args:
-        tensors: tensors (None entries are passed through).
+        tensors: tensors (None entries are passed through; ``IndexedSlices`` are reduced densely).
         op: the reduce op code.
         compression: applied to each tensor before the fusion.
         name: the prefix of each buffer's collective name (``name.float32``; a compressed float32 buffer
@@ -96,40 +185,38 @@ def fused_allreduce(
     out: list[tf.Tensor | None] = [None] * len(tensors)
     if not present:
         return out
-    packed = [compression.compress(_dense(tensors[i])) for i in present]
+    packed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in present]
     reduced = _bridge.tf_fused_allreduce([p[0] for p in packed], name, op, pre, post, process_set)
     for i, r, (_, ctx) in zip(present, reduced, packed):
         out[i] = compression.decompress(r, ctx)
     return out
 
 
-def allgather(tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Concatenate every rank's tensor along dim 0 (dim 0 may differ between ranks), in rank order."""
-    return _bridge.tf_allgather(tf.convert_to_tensor(tensor), name, process_set)
-
-
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:  # fmt: skip
-    """Return ``root_rank``'s tensor (a global rank) on every rank of the set."""
-    return _bridge.tf_broadcast(tf.convert_to_tensor(tensor), root_rank, name, process_set)
-
-
 def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
-                        name: str = "broadcast_variables") -> None:  # fmt: skip
+                        inplace: bool = False, name: str = "broadcast_variables") -> Any:
     """Assign ``root_rank``'s values to ``variables`` on every rank (one collective per dtype).
 
     Args:
         variables: ``tf.Variable`` or Keras variables, in the same order on every rank.
         root_rank: the global rank whose values win.
         process_set: the ranks taking part.
+        inplace: Horovod's in-place broadcast (no temporary copies on the GPU); here the values always
+            travel through one host buffer per dtype, so both settings do the same.
         name: prefix of the collective names (shown in errors).
+
+    Returns:
+        None eagerly; in a TensorFlow 1-style graph, the op that assigns the broadcast values.
 
     Raises:
         CollectiveMismatchError: ranks hold different variables (count, shapes or dtypes).
     """
+    del inplace
     variables = list(variables)
+    if not tf.executing_eagerly():
+        return tf.group(*[v.assign(_bridge.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}",
+                                                        process_set)) for i, v in enumerate(variables)])
     if not variables:
-        return
+        return None
     groups: dict[str, list[tuple[Any, np.ndarray]]] = {}
     for v in variables:
         array = np.asarray(v.numpy())
@@ -141,3 +228,4 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
         for v, a in group:
             v.assign(synced[offset : offset + a.size].reshape(a.shape))
             offset += a.size
+    return None

@@ -195,3 +195,116 @@ def test_fused_buffers_fold_an_exact_average_into_the_copy(single: None) -> None
     out = _bridge.np_fused_allreduce(arrays, "g", R.Average, 1.0, 3.0)
     assert [o.tolist() for o in out] == [[0.0, 3.0, 6.0, 9.0, 12.0], [[3] * 3] * 2, [7.5] * 3]
     assert all(o.ctypes.data % _bridge.ALIGN_BYTES == 0 for o in out)
+
+
+# Horovod 0.28.1's parameter lists (horovod/tensorflow/__init__.py, mpi_ops.py, functions.py, keras/__init__.py).
+HOROVOD_TF_SIGNATURES = {
+    "allreduce": ["tensor", "average", "device_dense", "device_sparse", "compression", "op", "prescale_factor",
+                  "postscale_factor", "name", "process_set", "ignore_name_scope"],
+    "grouped_allreduce": ["tensors", "average", "device_dense", "device_sparse", "compression", "op",
+                          "prescale_factor", "postscale_factor", "process_set", "ignore_name_scope", "name"],
+    "reducescatter": ["tensor", "device_dense", "compression", "op", "name", "process_set", "ignore_name_scope",
+                      "prescale_factor", "postscale_factor"],
+    "grouped_reducescatter": ["tensors", "device_dense", "compression", "op", "process_set", "prescale_factor",
+                              "postscale_factor"],
+    "allgather": ["tensor", "name", "ignore_name_scope", "process_set"],
+    "grouped_allgather": ["tensors", "name", "ignore_name_scope", "process_set"],
+    "broadcast": ["tensor", "root_rank", "name", "ignore_name_scope", "process_set"],
+    "broadcast_": ["variables", "root_rank", "name", "process_set"],
+    "alltoall": ["tensor", "splits", "name", "ignore_name_scope", "process_set"],
+    "broadcast_variables": ["variables", "root_rank", "process_set", "inplace"],
+    "broadcast_object": ["obj", "root_rank", "session", "name", "process_set"],
+    "broadcast_object_fn": ["root_rank", "session", "name", "process_set"],
+    "allgather_object": ["obj", "session", "name", "process_set"],
+    "size_op": ["process_set_id", "name"],
+    "process_set_included_op": ["process_set_id", "name"],
+    "rank_op": ["name"],
+    "DistributedOptimizer": ["optimizer", "name", "use_locking", "device_dense", "device_sparse", "compression",
+                             "sparse_as_dense", "backward_passes_per_step", "op", "gradient_predivide_factor",
+                             "average_aggregated_gradients", "num_groups", "groups", "process_set",
+                             "scale_local_gradients"],
+    "DistributedGradientTape": ["gradtape", "device_dense", "device_sparse", "compression", "sparse_as_dense", "op",
+                                "gradient_predivide_factor", "num_groups", "groups", "process_set",
+                                "scale_local_gradients"],
+    "PartialDistributedGradientTape": ["gradtape", "device_dense", "device_sparse", "compression",
+                                       "sparse_as_dense", "op", "gradient_predivide_factor", "num_groups", "groups",
+                                       "process_set", "local_layers", "scale_local_gradients"],
+}
+HOROVOD_KERAS_SIGNATURES = {
+    "allreduce": ["value", "name", "average", "prescale_factor", "postscale_factor", "op", "compression"],
+    "allgather": ["value", "name"],
+    "broadcast": ["value", "root_rank", "name"],
+    "reducescatter": ["value", "name", "op"],
+    "load_model": ["filepath", "custom_optimizers", "custom_objects", "compression", "legacy_opts"],
+}
+
+
+def _params(fn: object) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(fn).parameters)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(HOROVOD_TF_SIGNATURES))
+def test_horovod_tensorflow_names_take_horovods_parameters(name: str) -> None:
+    import phalanx.tensorflow as hvd_tf
+
+    assert _params(getattr(hvd_tf, name))[: len(HOROVOD_TF_SIGNATURES[name])] == HOROVOD_TF_SIGNATURES[name]
+
+
+@pytest.mark.parametrize("name", sorted(HOROVOD_KERAS_SIGNATURES))
+def test_horovod_keras_names_take_horovods_parameters(name: str) -> None:
+    assert _params(getattr(hvd, name))[: len(HOROVOD_KERAS_SIGNATURES[name])] == HOROVOD_KERAS_SIGNATURES[name]
+
+
+def test_every_horovod_tensorflow_and_keras_name_exists() -> None:
+    import horovod.tensorflow.keras.elastic as keras_elastic
+    import horovod.tensorflow.mpi_ops as mpi_ops
+
+    import phalanx.tensorflow as hvd_tf
+
+    tf_names = {"DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
+                "BroadcastGlobalVariablesHook", "broadcast_global_variables", "LocalGradientAggregationHelper",
+                "SyncBatchNormalization", "alltoall", "broadcast_", "grouped_allgather", "reducescatter",
+                "grouped_reducescatter", "join", "allgather_object", "broadcast_object", "broadcast_object_fn",
+                "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
+                "add_process_set", "remove_process_set", "gloo_built", "gloo_enabled", "nccl_built", "ddl_built",
+                "ccl_built", "cuda_built", "rocm_built", "elastic"}
+    assert not [n for n in tf_names if not hasattr(hvd_tf, n)]
+    assert {"TensorFlowState", "TensorFlowKerasState", "run"} <= set(dir(hvd_tf.elastic))
+    keras_names = {"reducescatter", "add_process_set", "remove_process_set", "gloo_built", "gloo_enabled",
+                   "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "PartialDistributedOptimizer"}
+    assert not [n for n in keras_names if not hasattr(hvd, n)]
+    assert hasattr(hvd.callbacks, "BestModelCheckpoint")
+    assert {"KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+            "run"} <= set(dir(keras_elastic))
+    assert {"_allreduce", "handle_average_backwards_compatibility", "check_num_rank_power_of_2"} <= set(dir(mpi_ops))
+
+
+def test_keras3_impossibilities_raise_with_the_way_out(single: None, tmp_path: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="Keras 3"):
+        hvd.load_model("model.keras", legacy_opts=True)
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    with pytest.raises(InvalidArgumentError, match="filepath"):
+        model.fit(np.zeros((4, 3)), np.zeros((4, 1)), verbose=0, callbacks=[hvd.callbacks.BestModelCheckpoint()])
+    import phalanx.tensorflow as hvd_tf
+
+    with pytest.raises(InvalidArgumentError, match="legacy TensorFlow"):
+        hvd_tf.DistributedOptimizer(object())
+    with pytest.raises(InvalidArgumentError, match="backward_passes_per_step"):
+        hvd_tf.LocalGradientAggregationHelper(0, lambda g, v: g, False, False, 0, "optimizer_type_legacy")
+    with pytest.raises(InvalidArgumentError, match="keras.layers.Layer"):
+        hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[object()])
+
+
+def test_best_model_checkpoint_keeps_the_best_epoch_on_rank_0(single: None, tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "best.keras"
+    model = _model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    model.fit(x, x[:, :1], validation_data=(x, x[:, :1]), epochs=2, verbose=0,
+              callbacks=[hvd.callbacks.BestModelCheckpoint(monitor="val_loss", filepath=str(path))])
+    assert path.is_file()

@@ -13,6 +13,7 @@ from typing import Any
 
 import keras
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import (
     Adasum,
     Average,
@@ -22,13 +23,16 @@ from phalanx.tensorflow import (
     ProcessSet,
     Product,
     Sum,
-    allgather,
-    allreduce,
-    broadcast,
+    add_process_set,
     broadcast_variables,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
     global_process_set,
+    gloo_built,
+    gloo_enabled,
     init,
     is_homogeneous,
     is_initialized,
@@ -37,16 +41,27 @@ from phalanx.tensorflow import (
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
+    nccl_built,
     rank,
+    remove_process_set,
+    rocm_built,
     shutdown,
     size,
     start_timeline,
     stop_timeline,
 )
+from phalanx.tensorflow import collectives as _collectives
+from phalanx.tensorflow import ops as _ops
 from phalanx.tensorflow.compression import Compressor
-from phalanx.tensorflow.keras import _patch, callbacks
-from phalanx.tensorflow.keras.optimizer import DistributedOptimizer, Options, is_distributed, make_distributed_in_place
-from phalanx.torch import _reduce as R
+from phalanx.tensorflow.keras import _patch, callbacks, elastic
+from phalanx.tensorflow.keras.optimizer import (
+    DistributedOptimizer,
+    Options,
+    PartialDistributedOptimizer,
+    is_distributed,
+    make_distributed_in_place,
+)
+from phalanx.torch import _reduce as reduce_ops
 
 if keras.backend.backend() != "tensorflow":
     raise ImportError(f"phalanx.tensorflow.keras needs Keras' TensorFlow backend; KERAS_BACKEND is "
@@ -71,10 +86,43 @@ def broadcast_global_variables(root_rank: int) -> None:
     broadcast_variables(variables, root_rank, name=f"broadcast_global_variables of {len(models)} models")
 
 
+def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, op: int | None = None,
+              compression: type[Compressor] = Compression.none) -> Any:
+    """Allreduce a tensor-compatible value (Horovod-Keras' ``allreduce``; ``Average`` by default).
+
+    Args:
+        value: a tensor, variable or array-like, the same shape on every rank.
+        name: optional name, shown in errors.
+        average: deprecated; True means ``op=Average``, False ``op=Sum``.
+        prescale_factor: multiply inputs by this before reducing.
+        postscale_factor: multiply the result by this.
+        op: ``Average``, ``Sum``, ``Min``, ``Max`` or ``Product``.
+        compression: ``Compression.none`` or ``Compression.fp16``.
+    """
+    return _ops.allreduce(value, average=average, compression=compression, op=op, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, name=name)
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    """Concatenate every rank's value along dim 0 (dim 0 may differ between ranks)."""
+    return _collectives.allgather(value, name=name)
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    """``root_rank``'s value on every rank."""
+    return _collectives.broadcast(value, root_rank, name=name)
+
+
+def reducescatter(value: Any, name: str | None = None, op: int = reduce_ops.Average) -> Any:
+    """Reduce a value across ranks and keep this rank's block of dim 0."""
+    return _collectives.reducescatter(value, name=name, op=op)
+
+
 def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
                custom_objects: dict[str, Any] | None = None, compression: type[Compressor] = Compression.none,
-               op: int = R.Average, backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-               compile: bool = True) -> Any:
+               legacy_opts: bool = False, op: int = reduce_ops.Average, backward_passes_per_step: int = 1,
+               average_aggregated_gradients: bool = False, compile: bool = True) -> Any:
     """Load a Keras model (``.keras`` / ``.h5``) and make its optimizer a ``DistributedOptimizer`` (state kept).
 
     Args:
@@ -82,6 +130,8 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
         custom_optimizers: optimizer classes the file refers to (added to ``custom_objects`` by name).
         custom_objects: as in ``keras.models.load_model``.
         compression: the distributed optimizer's compression.
+        legacy_opts: Horovod's switch to ``tf.keras.optimizers.legacy``; Keras 3 has no legacy optimizers,
+            so True raises.
         op: its reduce op.
         backward_passes_per_step: as in ``DistributedOptimizer``.
         average_aggregated_gradients: as in ``DistributedOptimizer``.
@@ -89,7 +139,13 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
 
     Returns:
         The model; when it was saved compiled, ``model.optimizer`` is distributed.
+
+    Raises:
+        InvalidArgumentError: ``legacy_opts=True``.
     """
+    if legacy_opts:
+        raise InvalidArgumentError("load_model(legacy_opts=True) needs tf.keras.optimizers.legacy, which Keras 3 "
+                                   "removed: save and load with Keras 3 optimizers (legacy_opts=False)")
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
@@ -105,9 +161,11 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
 
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
-    "allgather", "allreduce", "broadcast", "broadcast_global_variables", "broadcast_variables", "callbacks",
-    "cross_rank", "cross_size", "global_process_set", "init", "is_homogeneous", "is_initialized", "load_model",
-    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "rank", "shutdown", "size",
-    "start_timeline", "stop_timeline",
-]  # fmt: skip
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "PartialDistributedOptimizer",
+    "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allreduce", "broadcast",
+    "broadcast_global_variables", "broadcast_variables", "callbacks", "ccl_built", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled", "init",
+    "is_homogeneous", "is_initialized", "load_model", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set", "rocm_built",
+    "shutdown", "size", "start_timeline", "stop_timeline",
+]

@@ -11,7 +11,9 @@ a distributed optimizer is not affected, except that ``compile`` accepts and dro
   ``broadcast_global_variables``.
 * ``fit``: a first callback checks at the end of every epoch, and of training, that every rank took the
   same number of steps (a named collective that cannot match a gradient allreduce); a collective error
-  raised inside the training graph is re-raised as a plain ``CollectiveMismatchError`` that says so.
+  raised inside the training graph is re-raised as a plain ``CollectiveMismatchError`` that says so, and
+  any other collective failure as the collective's own exception (a lost peer's, which elastic training
+  recognizes), not TensorFlow's ``OpError`` around it.
 """
 
 from __future__ import annotations
@@ -147,9 +149,12 @@ def _fit(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _ORIGINAL["fit"](self, *args, **kwargs)
     except tf.errors.OpError as e:
         clean = explain(e)
-        if clean is None:
+        if clean is not None:
+            raise clean from e
+        original = _bridge.take_error()
+        if original is None:
             raise
-        raise clean from e
+        raise original from e
 
 
 def install() -> None:

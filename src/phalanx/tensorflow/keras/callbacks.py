@@ -11,6 +11,7 @@ import numpy as np
 from keras.src.utils import io_utils
 
 import phalanx.torch as ptorch
+from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import _bridge, ops
 from phalanx.torch import _reduce as R
 
@@ -34,19 +35,61 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Args:
         root_rank: the global rank whose variables win.
         device: accepted for Horovod compatibility.
+        local_variables: variables to leave as they are on each rank (e.g. the local layers' weights of a
+            ``PartialDistributedOptimizer``).
     """
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self.local_variables = {_key(v) for v in (local_variables or [])}
         self.broadcast_done = False
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         """Broadcast once, after the first batch."""
         if self.broadcast_done:
             return
-        ops.broadcast_variables(model_variables(self.model), self.root_rank, name="BroadcastGlobalVariables")
+        shared = [v for v in model_variables(self.model) if _key(v) not in self.local_variables]
+        ops.broadcast_variables(shared, self.root_rank, name="BroadcastGlobalVariables")
         self.broadcast_done = True
+
+
+def _key(variable: Any) -> Any:
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep the model with the best value of ``monitor`` (Horovod's ``BestModelCheckpoint``), on rank 0.
+
+    Horovod's Spark estimators set ``filepath`` themselves; used directly, pass ``filepath`` (a ``.keras``
+    file) or set the attribute before ``fit``.
+
+    Args:
+        monitor: the metric to compare (``val_loss`` by default).
+        verbose: 1 prints a line on each save.
+        mode: ``auto``, ``min`` or ``max``.
+        save_freq: ``epoch`` or a number of batches.
+        filepath: where the best model goes (a ``.keras`` file).
+
+    Raises:
+        InvalidArgumentError: at the start of training, when no ``filepath`` was given.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto",
+                 save_freq: str | int = "epoch", filepath: str | None = None) -> None:
+        super().__init__(filepath or "best.keras", monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=False, mode=mode, save_freq=save_freq)
+        self.filepath = filepath
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if self.filepath is None:
+            raise InvalidArgumentError("BestModelCheckpoint has no filepath: pass filepath='best.keras' or set "
+                                       "callback.filepath before model.fit")
+        super().on_train_begin(logs)
+
+    def _save_model(self, *args: Any, **kwargs: Any) -> None:
+        if ptorch.rank() == 0:
+            super()._save_model(*args, **kwargs)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

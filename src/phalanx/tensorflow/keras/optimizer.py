@@ -20,6 +20,7 @@ import torch
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import ops
+from phalanx.tensorflow._groups import check_groups, groups_option, local_layer_variables, partition
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.torch import _reduce as R
 from phalanx.torch.process_sets import ProcessSet, global_process_set
@@ -39,6 +40,7 @@ class Options:
     postscale: float = 1.0
     process_set: ProcessSet = global_process_set
     groups: int | tuple[tuple[Any, ...], ...] = 0  # Horovod's num_groups / groups (0: one fused group)
+    scale_local_gradients: bool = True
 
 
 class _Accumulators:
@@ -67,16 +69,44 @@ class _DistributedMixin:
             return self._hvd_accumulate(grads, trainable_variables)
         return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)  # type: ignore[misc]
 
+    def register_local_var(self, var: Any) -> None:
+        """Leave ``var``'s gradient out of the reduction (it is applied locally, divided by the set's size
+        with ``scale_local_gradients``), as Horovod's ``PartialDistributedOptimizer`` does for local layers."""
+        local = self.__dict__.get("_hvd_local")
+        if local is None:
+            local = set()
+            object.__setattr__(self, "_hvd_local", local)
+        local.add(self._var_key(var))  # type: ignore[attr-defined]
+
     def _hvd_reduce(self, grads: list[Any], variables: Any = None) -> list[Any]:
+        variables = list(variables if variables is not None else self._trainable_variables)  # type: ignore[attr-defined]
+        local = self.__dict__.get("_hvd_local")
+        if not local:
+            return self._hvd_reduce_shared(grads, variables)
+        keys = [self._var_key(v) for v in variables]  # type: ignore[attr-defined]
+        shared = [i for i, k in enumerate(keys) if k not in local]
+        out = list(grads)
+        reduced = self._hvd_reduce_shared([grads[i] for i in shared], [variables[i] for i in shared])
+        for i, r in zip(shared, reduced):
+            out[i] = r
+        if self._hvd.scale_local_gradients:
+            n = self._hvd.process_set.size()
+            for i, k in enumerate(keys):
+                if k in local and out[i] is not None:
+                    g = tf.convert_to_tensor(out[i])
+                    out[i] = g / tf.cast(n, g.dtype)
+        return out
+
+    def _hvd_reduce_shared(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         o = self._hvd
         if not o.groups:
             return ops.fused_allreduce(grads, o.op, o.compression, BUFFER_NAME, o.prescale, o.postscale,
-                                       o.process_set)  # fmt: skip
-        keys = [self._var_key(v) for v in (variables if variables is not None else self._trainable_variables)]  # type: ignore[attr-defined]
+                                       o.process_set)
+        keys = [self._var_key(v) for v in variables]  # type: ignore[attr-defined]
         out = list(grads)
         for k, idx in enumerate(partition(keys, o.groups, self._var_key)):  # type: ignore[attr-defined]
             reduced = ops.fused_allreduce([grads[i] for i in idx], o.op, o.compression, f"{BUFFER_NAME}.group{k}",
-                                          o.prescale, o.postscale, o.process_set)  # fmt: skip
+                                          o.prescale, o.postscale, o.process_set)
             for i, r in zip(idx, reduced):
                 out[i] = r
         return out
@@ -105,33 +135,6 @@ class _DistributedMixin:
             return tf.constant(True)
 
         return tf.cond(passes % n == 0, flush, lambda: tf.constant(False))
-
-
-def partition(keys: list[Any], groups: int | tuple[tuple[Any, ...], ...], key: Any) -> list[list[int]]:
-    """Horovod's gradient groups as lists of positions (each group is fused into its own buffers).
-
-    An int splits the gradients, in order, into that many groups of nearly equal counts; lists of variables
-    put each list's variables in one group, and every other variable in a group of its own (Horovod's rule).
-
-    Raises:
-        InvalidArgumentError: a variable of ``groups`` is not one the optimizer applies gradients to.
-    """
-    if isinstance(groups, int):
-        n = max(1, min(groups, len(keys)))
-        bounds = [len(keys) * g // n for g in range(n + 1)]
-        return [list(range(bounds[g], bounds[g + 1])) for g in range(n)]
-    where = {k: i for i, k in enumerate(keys)}
-    out, placed = [], set()
-    for group in groups:
-        idx = []
-        for v in group:
-            if key(v) not in where:
-                raise InvalidArgumentError(f"DistributedOptimizer(groups=...) names variable {_label(v)!r}, "
-                                           "which this optimizer does not train")  # fmt: skip
-            idx.append(where[key(v)])
-        out.append(sorted(idx))
-        placed.update(idx)
-    return out + [[i] for i in range(len(keys)) if i not in placed]
 
 
 _CLASSES: dict[type, type] = {}
@@ -188,40 +191,7 @@ def _check(optimizer: Any, options: Options) -> None:
             "backward_passes_per_step > 1 with a LossScaleOptimizer (mixed precision) is not supported by "
             "phalanx; use backward_passes_per_step=1 or the inner optimizer's gradient_accumulation_steps")
     R.check_op(options.op, torch.float32)
-    _check_groups(options.groups)
-
-
-def _check_groups(groups: Any) -> None:
-    if isinstance(groups, bool) or (isinstance(groups, int) and groups < 0):
-        raise InvalidArgumentError(f"num_groups / groups must be an int >= 0 or lists of variables; got {groups!r}")
-    if isinstance(groups, int):
-        return
-    seen: set[int] = set()
-    for group in groups:
-        for v in group:
-            if id(v) in seen:
-                raise InvalidArgumentError(f"DistributedOptimizer(groups=...) lists variable {_label(v)!r} "
-                                           "in more than one group")  # fmt: skip
-            seen.add(id(v))
-
-
-def _label(variable: Any) -> str:
-    return str(getattr(variable, "path", variable))
-
-
-def _groups_option(num_groups: Any, groups: Any) -> int | tuple[tuple[Any, ...], ...]:
-    """Horovod's two spellings as one value: ``num_groups`` (deprecated there) or ``groups`` (int or lists)."""
-    if num_groups and groups is not None:
-        raise InvalidArgumentError(f"pass num_groups={num_groups!r} or groups=..., not both (num_groups is "
-                                   "Horovod's deprecated spelling of groups=<int>)")  # fmt: skip
-    value = num_groups if groups is None else groups
-    if isinstance(value, int):
-        return value  # checked (bool, negative) by _check_groups
-    try:
-        return tuple(tuple(g) for g in value)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"num_groups / groups must be an int >= 0 or lists of variables; got {value!r}") from None  # fmt: skip
+    check_groups(options.groups)
 
 
 def DistributedOptimizer(
@@ -249,7 +219,8 @@ def DistributedOptimizer(
             here); an int ``n``: the gradients, in order, in ``n`` groups, each fused and reduced separately;
             lists of variables: each list one group, every other variable a group of its own.
         process_set: the ranks that average their gradients.
-        scale_local_gradients: accepted for Horovod compatibility.
+        scale_local_gradients: divide the gradients of local variables (``register_local_var``) by the
+            set's size.
 
     Returns:
         A new optimizer of the same class and configuration whose ``apply`` reduces gradients first.
@@ -262,7 +233,8 @@ def DistributedOptimizer(
     options = Options(compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
                       average_aggregated_gradients=average_aggregated_gradients,
                       prescale=1.0 / gradient_predivide_factor, postscale=gradient_predivide_factor,
-                      process_set=process_set, groups=_groups_option(num_groups, groups))  # fmt: skip
+                      process_set=process_set, groups=groups_option(num_groups, groups),
+                      scale_local_gradients=scale_local_gradients)  # fmt: skip
     return with_options(optimizer, options)
 
 
@@ -273,3 +245,28 @@ def with_options(optimizer: Any, options: Options) -> Any:
     object.__setattr__(new, "_hvd", options)
     object.__setattr__(new, "_hvd_acc", None)
     return new
+
+
+def PartialDistributedOptimizer(
+    optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+    compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0, op: int = R.Average, backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False, groups: Any = None, process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True, local_layers: Any = None,
+) -> Any:
+    """:func:`DistributedOptimizer` that leaves the gradients of ``local_layers``' weights local.
+
+    Args:
+        local_layers: a Keras layer or layers whose trainable weights stay per rank (not reduced); their
+            gradients are divided by the set's size with ``scale_local_gradients``, as in Horovod.
+        (the others as in :func:`DistributedOptimizer`)
+
+    Raises:
+        InvalidArgumentError: an entry of ``local_layers`` is not a Keras layer.
+    """
+    opt = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                               gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+                               0, groups, process_set, scale_local_gradients)
+    for variable in local_layer_variables(local_layers):
+        opt.register_local_var(variable)
+    return opt

@@ -1,0 +1,205 @@
+"""Allgather, broadcast, alltoall and reducescatter on TensorFlow tensors (Horovod's names and signatures).
+
+Eager or inside ``tf.function`` (through ``tf.numpy_function``). Each op is differentiable with the gradient
+Horovod registers for it: an allgather's is the averaged gradient's slice of this rank; a broadcast's the
+averaged gradient on the root and zeros elsewhere; an alltoall's the alltoall of the gradient back with the
+received splits; a reducescatter's the allgather of the gradient (times the set's size for ``Sum``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from phalanx.tensorflow import _bridge
+from phalanx.tensorflow.compression import Compression, Compressor
+from phalanx.tensorflow.ops import scoped_name
+from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch.process_sets import ProcessSet, global_process_set
+
+
+def _grad_name(name: str | None, what: str = "grad") -> str | None:
+    return f"{name}.{what}" if name else None
+
+
+def _own_slice(dy: tf.Tensor, x: tf.Tensor, name: str | None, process_set: ProcessSet) -> tf.Tensor:
+    """This member's rows of an allgather's gradient (averaged over the set first, as Horovod does)."""
+    averaged = _bridge.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0, 1.0,
+                                    process_set)
+    rows = tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1])
+    sizes = tf.reshape(_bridge.tf_allgather(rows, _grad_name(name, "rows"), process_set), [process_set.size()])
+    start = tf.reduce_sum(sizes[: process_set.rank()])
+    return averaged[start : start + sizes[process_set.rank()]]
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Concatenate every member's tensor along dim 0 (dim 0 may differ between ranks), in rank order."""
+    name = scoped_name(name, ignore_name_scope)
+
+    @tf.custom_gradient
+    def gather(x: tf.Tensor) -> Any:
+        return _bridge.tf_allgather(x, name, process_set), lambda dy: _own_slice(dy, x, name, process_set)
+
+    return gather(tf.convert_to_tensor(tensor))
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Allgather each tensor along dim 0 as one grouped collective; returns the gathered tensors in order."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    name = scoped_name(name, ignore_name_scope)
+
+    @tf.custom_gradient
+    def gather(*xs: tf.Tensor) -> Any:
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return [_own_slice(dy, x, _grad_name(name, str(i)), process_set) for i, (dy, x) in enumerate(zip(dys, xs))]
+
+        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+            return _bridge.np_grouped_allgather(list(arrays), name, process_set)
+
+        outs = _bridge.graph_call(fn, list(xs), [x.dtype for x in xs], "phalanx_grouped_allgather")
+        for out, x in zip(outs, xs):
+            out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        return list(outs), grad
+
+    return list(gather(*tensors))
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Return ``root_rank``'s tensor (a global rank) on every member of the set."""
+    name = scoped_name(name, ignore_name_scope)
+
+    @tf.custom_gradient
+    def bcast(x: tf.Tensor) -> Any:
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            averaged = _bridge.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0,
+                                            1.0, process_set)
+            return averaged if _global_rank() == root_rank else averaged * 0
+
+        return _bridge.tf_broadcast(x, root_rank, name, process_set), grad
+
+    return bcast(tf.convert_to_tensor(tensor))
+
+
+def _global_rank() -> int:
+    import phalanx.torch as ptorch
+
+    return ptorch.rank()
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Broadcast ``variables`` in place from ``root_rank``; returns their new values (Horovod's
+    ``broadcast_``). Every member passes the same variables (count, shapes, dtypes) in the same order."""
+    from phalanx.tensorflow.ops import broadcast_variables
+
+    variables = list(variables)
+    broadcast_variables(variables, root_rank, process_set, name=name or "broadcast_")
+    return [tf.convert_to_tensor(v) for v in variables]
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Send ``splits[i]`` rows (dim 0) to the i-th member and gather what every member sent here.
+
+    Args:
+        tensor: the rows to scatter.
+        splits: rows per member, in rank order; None splits dim 0 equally (it must divide by the size).
+        name: optional name, shown in errors.
+        ignore_name_scope: do not prefix ``name`` with the enclosing ``tf.name_scope`` in a graph.
+        process_set: the ranks taking part.
+
+    Returns:
+        The received rows when ``splits`` is None; else ``(received rows, received splits)``, as in Horovod.
+    """
+    name = scoped_name(name, ignore_name_scope)
+    x = tf.convert_to_tensor(tensor)
+    given = splits is not None
+    split_tensor = tf.cast(tf.convert_to_tensor(splits), tf.int32) if given else tf.constant([], tf.int32)
+    out, received = _alltoall(x, split_tensor, name, process_set)
+    return (out, received) if given else out
+
+
+def _alltoall(x: tf.Tensor, splits: tf.Tensor, name: str | None, process_set: ProcessSet) -> Any:
+    def fn(array: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _bridge.np_alltoall(array, counts, name, process_set)
+
+    @tf.custom_gradient
+    def exchange(x: tf.Tensor) -> Any:
+        out, received = _bridge.graph_call(fn, [x, splits], [x.dtype, tf.int32], "phalanx_alltoall")
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+        received.set_shape([process_set.size()])
+
+        def grad(dy: tf.Tensor, _unused: Any = None) -> tf.Tensor:
+            back, _ = _alltoall(tf.convert_to_tensor(dy), received, _grad_name(name), process_set)
+            return back
+
+        return (out, received), grad
+
+    return exchange(x)
+
+
+def reducescatter(
+    tensor: Any, device_dense: str = "", compression: type[Compressor] = Compression.none,
+    op: int = reduce_ops.Average, name: str | None = None, process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduce ``tensor`` across the set and keep this member's block of dim 0 (``hvd.reducescatter``).
+
+    Args:
+        tensor: the same shape and dtype on every member.
+        device_dense: accepted for Horovod compatibility (tensors travel through host memory).
+        compression: ``Compression.none`` or ``Compression.fp16``.
+        op: ``Average`` (default) or ``Sum`` (also ``Min``, ``Max``, ``Product``).
+        name: optional name, shown in errors.
+        process_set: the ranks taking part.
+        ignore_name_scope: do not prefix ``name`` with the enclosing ``tf.name_scope`` in a graph.
+        prescale_factor: multiply inputs by this before reducing.
+        postscale_factor: multiply the result by this.
+
+    Returns:
+        This member's rows of the reduction (the first ``dim0 % size`` members get one row more).
+    """
+    del device_dense
+    name = scoped_name(name, ignore_name_scope)
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    out = _reducescatter(compressed, op, name, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(out, ctx)
+
+
+def _reducescatter(x: tf.Tensor, op: int, name: str | None, pre: float, post: float,
+                   process_set: ProcessSet) -> tf.Tensor:
+    def fn(array: np.ndarray) -> np.ndarray:
+        return _bridge.np_reducescatter(array, name, op, pre, post, process_set)
+
+    @tf.custom_gradient
+    def scatter(x: tf.Tensor) -> Any:
+        out = _bridge.graph_call(fn, [x], x.dtype, "phalanx_reducescatter")
+        out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            dy = tf.convert_to_tensor(dy)
+            if op == reduce_ops.Sum:
+                dy = dy * tf.cast(process_set.size(), dy.dtype)
+            return _bridge.tf_allgather(dy, _grad_name(name), process_set)
+
+        return out, grad
+
+    return scatter(x)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[Any], device_dense: str = "", compression: type[Compressor] = Compression.none,
+    op: int = reduce_ops.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
+    """:func:`reducescatter` of each tensor, in order (Horovod's ``grouped_reducescatter``)."""
+    return [reducescatter(t, device_dense, compression, op, f"grouped_reducescatter.{i}", process_set, True,
+                          prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
