@@ -52,6 +52,7 @@ class TensorFlowState(ObjectState):
         self.variables = list(variables) if variables is not None else []
         self._saved_values: list[np.ndarray] = []
         super().__init__(**kwargs)
+        self.save()  # the initial values are the first commit, as in Horovod
 
     def save(self) -> None:
         """Copy the variables' values and the attributes."""
@@ -97,6 +98,7 @@ class TensorFlowKerasState(ObjectState):
         self._weights: list[np.ndarray] = []
         self._opt_values: list[np.ndarray] = []
         super().__init__(**kwargs)
+        self.save()  # the initial values are the first commit, as in Horovod
 
     def _optimizer_variables(self) -> list[Any]:
         if self.optimizer is None:

@@ -294,7 +294,7 @@ def test_keras3_impossibilities_raise_with_the_way_out(single: None, tmp_path: o
         hvd_tf.DistributedOptimizer(object())
     with pytest.raises(InvalidArgumentError, match="backward_passes_per_step"):
         hvd_tf.LocalGradientAggregationHelper(0, lambda g, v: g, False, False, 0, "optimizer_type_legacy")
-    with pytest.raises(InvalidArgumentError, match="keras.layers.Layer"):
+    with pytest.raises(InvalidArgumentError, match=r"keras\.layers\.Layer"):
         hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[object()])
 
 
