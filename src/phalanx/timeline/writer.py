@@ -72,7 +72,9 @@ class _Formatter:
 
     def header(self) -> list[str]:
         """The metadata lines that start every file: process name and every row name seen so far."""
-        name = {"name": f"rank {self.rank}"}
+        # Horovod's header carries the origin of its relative ``ts``; phalanx's ``ts`` are since the epoch,
+        # so the origin is 0 and tools that add it to ``ts`` (as for Horovod's files) get the right time.
+        name = {"name": f"rank {self.rank}", "start_time_since_epoch_in_micros": 0}
         lines = [f'{{"name":"process_name","ph":"M","pid":{self.rank},"args":{_dumps(name)}}},\n']
         lines.extend(self._thread_line(tensor, tid) for tensor, tid in self._tids.items())
         return lines
