@@ -38,7 +38,8 @@ HOROVODRUN_ARGS: list[list[str]] = [
     ["--gloo-timeout-seconds", "45"], ["--log-level", "INFO"], ["--log-with-timestamp"],
     ["--log-without-timestamp"], ["-prefix-timestamp"], ["--prefix-output-with-timestamp"],
     ["--log-hide-timestamp"], ["--no-log-hide-timestamp"], ["--gloo"], ["--mpi"], ["--jsrun"],
-    ["--config-file", "CONFIG"],
+    ["--config-file", "CONFIG"], ["-hostfile", "HOSTFILE"], ["--hostfile", "HOSTFILE"],
+    ["--host-discovery-script", "SCRIPT"],
 ]  # fmt: skip
 
 
@@ -54,7 +55,12 @@ def config_yaml(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("flag", HOROVODRUN_ARGS, ids=lambda a: a[0].split("=")[0])
 def test_every_horovodrun_flag_parses(flag: list[str], config_yaml: Path, tmp_path: Path) -> None:
-    flag = [str(config_yaml) if a == "CONFIG" else str(tmp_path) if a == "OUT" else a for a in flag]
+    hostfile, script = tmp_path / "hosts", tmp_path / "discover.sh"
+    hostfile.write_text("localhost slots=2\n")
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    paths = {"CONFIG": str(config_yaml), "OUT": str(tmp_path), "HOSTFILE": str(hostfile), "SCRIPT": str(script)}
+    flag = [paths.get(a, a) for a in flag]
     np_given = flag[0] in ("-np", "--num-proc")
     cfg = parse_config(([] if np_given else ["-np", "2"]) + flag + ["true"])
     assert cfg.np == 2 and cfg.command == ("true",)
@@ -160,9 +166,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_check_build_needs_no_np_and_reports_what_is_installed(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_config(["--check-build"])
-    assert exit_info.value.code == 0
+    for flag in ("-cb", "--check-build"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_config([flag])
+        assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert f"Horovod API v{HOROVOD_API_VERSION}" in out
     assert "[X] PyTorch" in out and "[X] Gloo" in out and "[ ] MPI" in out and "[ ] MXNet" in out
