@@ -1,201 +1,23 @@
-"""Simulated hosts for the multi-host tier: each host is a network namespace (10.99.0.x/24 on a bridge in
-a namespace of its own), with its own hostname (UTS namespace), its own /dev/shm (a private tmpfs in a
-mount namespace), its own /etc/hosts naming every test host, and an OpenSSH server that only this tier's
-key may log in to. Traffic stays between these namespaces. Everything is removed at the end.
-
-Needs root, ``ip netns``, ``unshare``, ``nsenter`` and Debian's ``openssh-server`` (installed here with
-apt-get when missing); the tier is skipped with the reason when any of that is unavailable.
-"""
+"""Fixtures of the multi-host tier: two simulated hosts (tests/hosts/simhosts.py), skipped with the reason
+where namespaces, root or sshd are not available."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-BRIDGE_NS = "phx-br"
-SUBNET = "10.99.0"
-HOSTS = {"hosta": 2, "hostb": 3}
-SSHD = "/usr/sbin/sshd"
-SETUP_TIMEOUT_S = 300.0
-HOST_KEY = Path("/var/tmp/phalanx-sim-hosts/host_key")
-
-
-@dataclass
-class SimHost:
-    """One simulated host: its name, address, namespace and the pid of its sshd (a process inside it)."""
-
-    name: str
-    address: str
-    netns: str
-    sshd: subprocess.Popen[bytes]
-
-    def pids(self) -> set[int]:
-        """Every process in this host's network namespace."""
-        out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True, check=False)
-        return {int(p) for p in out.stdout.split()}
-
-    def leftovers(self) -> set[int]:
-        """Processes in the namespace other than its sshd (a job must leave none)."""
-        return self.pids() - {self.sshd.pid}
-
-
-@dataclass
-class Cluster:
-    """The simulated hosts and how to run a command on one of them (as if logged in there)."""
-
-    hosts: dict[str, SimHost]
-    key: Path
-    workdir: Path
-    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def argv_on(self, host: str, argv: list[str]) -> list[str]:
-        """``argv`` run inside ``host``'s network, UTS and mount namespaces."""
-        pid = str(self.hosts[host].sshd.pid)
-        return ["nsenter", "-t", pid, "-n", "-u", "-m", f"--wd={self.workdir}", "--", *argv]
-
-    def run_on(self, host: str, argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` on ``host`` to its end (output captured as text)."""
-        return subprocess.run(self.argv_on(host, argv), capture_output=True, text=True, timeout=timeout,
-                              cwd=self.workdir, **kwargs)  # type: ignore[call-overload]
-
-    def leftovers(self) -> dict[str, set[int]]:
-        """Per host, the processes left besides its sshd."""
-        return {name: h.leftovers() for name, h in self.hosts.items() if h.leftovers()}
-
-    def wait_clean(self, timeout_s: float) -> dict[str, set[int]]:
-        """Wait until no host has processes besides its sshd; return what is left after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        left = self.leftovers()
-        while left and time.monotonic() < deadline:
-            time.sleep(0.1)
-            left = self.leftovers()
-        return left
-
-
-def _sh(*argv: str) -> None:
-    subprocess.run(list(argv), check=True, capture_output=True, timeout=60)
-
-
-def _why_unavailable() -> str | None:
-    if sys.platform != "linux" or os.geteuid() != 0:
-        return "simulated hosts need root on Linux (network, UTS and mount namespaces)"
-    for tool in ("ip", "unshare", "nsenter", "ssh", "ssh-keygen"):
-        if shutil.which(tool) is None:
-            return f"simulated hosts need {tool!r} on PATH"
-    if not os.path.exists(SSHD):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server"]):
-            done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=SETUP_TIMEOUT_S, check=False)
-            if done.returncode != 0:
-                return f"openssh-server is not installed and {' '.join(argv)} failed: {done.stderr.strip()[-300:]}"
-    probe = subprocess.run(["ip", "netns", "add", "phx-probe"], capture_output=True, text=True, check=False)
-    if probe.returncode != 0:
-        return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "phx-probe"], capture_output=True, check=False)
-    return None
-
-
-def _cleanup_namespaces() -> None:
-    for ns in [BRIDGE_NS, *(f"phx-{h}" for h in HOSTS)]:
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
-        for pid in pids:
-            try:
-                os.kill(int(pid), 9)
-            except (ProcessLookupError, ValueError):
-                pass
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
-def _network() -> None:
-    _cleanup_namespaces()
-    _sh("ip", "netns", "add", BRIDGE_NS)
-    _sh("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
-    _sh("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
-    for i, host in enumerate(HOSTS):
-        ns, peer = f"phx-{host}", f"v{host}"
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "-n", BRIDGE_NS, "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "br0", "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 2}/24", "dev", "eth0")
-        _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-
-
-def _sshd_config(d: Path, host: str, address: str) -> Path:
-    cfg = d / f"sshd_{host}.conf"
-    cfg.write_text(
-        f"ListenAddress {address}\nPort 22\nHostKey {d / 'host_key'}\nPidFile none\n"
-        f"PermitRootLogin prohibit-password\nAuthorizedKeysFile {d / 'authorized_keys'}\n"
-        "PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-        "UsePAM no\nStrictModes no\nUseDNS no\nMaxStartups 100\nMaxSessions 100\n"
-    )
-    return cfg
-
-
-def _start_host(d: Path, host: str, address: str, etc_hosts: Path) -> SimHost:
-    cfg = _sshd_config(d, host, address)
-    script = (f"hostname {host} && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
-              f"mount --bind {etc_hosts} /etc/hosts && mkdir -p /run/sshd && exec {SSHD} -D -e -f {cfg}")
-    proc = subprocess.Popen(["ip", "netns", "exec", f"phx-{host}", "unshare", "--uts", "--mount",
-                             "--propagation", "private", "sh", "-c", script],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=open(d / f"sshd_{host}.log", "wb"))
-    return SimHost(host, address, f"phx-{host}", proc)
-
-
-def _wait_ssh(cluster: Cluster, host: str) -> None:
-    deadline = time.monotonic() + 30.0
-    while True:
-        done = cluster.run_on(host, ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-                                     "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
-                                     "-i", str(cluster.key), host, "true"], timeout=30)
-        if done.returncode == 0:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"sshd on {host} did not answer within 30 s: {done.stderr}")
-        time.sleep(0.2)
+from tests.hosts.simhosts import Cluster, simulated_hosts, why_unavailable
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Two simulated hosts, ``hosta`` and ``hostb``, each running sshd; the driver runs on ``hosta``."""
-    why = _why_unavailable()
+    why = why_unavailable()
     if why:
         pytest.skip(why)
-    d = tmp_path_factory.mktemp("hosts")
-    # One host key per machine, kept between runs: the launcher's ssh records it in known_hosts.
-    if not HOST_KEY.exists():
-        HOST_KEY.parent.mkdir(parents=True, exist_ok=True)
-        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(HOST_KEY))
-    shutil.copy(HOST_KEY, d / "host_key")
-    os.chmod(d / "host_key", 0o600)
-    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "id"))
-    shutil.copy(d / "id.pub", d / "authorized_keys")
-    etc_hosts = d / "etc_hosts"
-    addresses = {host: f"{SUBNET}.{i + 2}" for i, host in enumerate(HOSTS)}
-    etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in addresses.items()))
-    _network()
-    hosts: dict[str, SimHost] = {}
-    try:
-        for host, address in addresses.items():
-            hosts[host] = _start_host(d, host, address, etc_hosts)
-        c = Cluster(hosts, d / "id", Path(__file__).resolve().parents[2])
-        for host in hosts:
-            _wait_ssh(c, host)
+    with simulated_hosts(Path(__file__).resolve().parents[2], tmp_path_factory.mktemp("hosts")) as c:
         yield c
-    finally:
-        for h in hosts.values():
-            h.sshd.kill()
-            h.sshd.wait()
-        _cleanup_namespaces()
 
 
 @pytest.fixture

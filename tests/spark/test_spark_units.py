@@ -14,7 +14,7 @@ from phalanx.errors import InvalidArgumentError, PhalanxError, SlotsUnavailableE
 from phalanx.job.payload import serialize_call
 from phalanx.spark import session, shipping
 from phalanx.spark.api import check_gpu_conf
-from phalanx.spark.task import TaskSpec, _gpu_env, task_gpus, task_host
+from phalanx.spark.task import TaskSpec, _gpu_env, check_script, task_gpus, task_host
 
 JOB = JobContract(run_id="r", master_addr="h", master_port=1, channel="h:2", secret="00")
 
@@ -197,3 +197,13 @@ def test_a_session_without_spark_context_is_refused_clearly() -> None:
 
     with pytest.raises(InvalidArgumentError, match="classic SparkSession"):
         session._classic_context(_ConnectLike())
+
+
+def test_a_script_missing_on_the_executor_is_named_with_the_host(tmp_path: Path) -> None:
+    job = JobContract(run_id="r", master_addr="h", master_port=1, channel="h:1", secret="s")
+    check_script(TaskSpec(job=job, command=None))
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    check_script(TaskSpec(job=job, command=(str(script), "--lr", "1")))
+    with pytest.raises(PhalanxError, match=r"'/nonexistent/train.py' does not exist on executor host .*same path"):
+        check_script(TaskSpec(job=job, command=("/nonexistent/train.py",)))

@@ -113,7 +113,23 @@ def _supervisor(spec: TaskSpec, channel: WorkerChannel, rank: int,
     return RankSupervisor(channel, rank, spec.teardown_grace_s, aborted)
 
 
+def check_script(spec: TaskSpec) -> None:
+    """A script job's script must exist on this executor: Spark ships no files, and Python's own "can't open
+    file" would not say why.
+
+    Raises:
+        PhalanxError: the script is missing here (named, with the host and the fix).
+    """
+    if spec.command is not None and not os.path.isfile(spec.command[0]):
+        raise PhalanxError(
+            f"script {spec.command[0]!r} does not exist on executor host {task_host()}: a script runs from each "
+            "executor's file system; put it at the same path on every executor (a shared file system), or pass "
+            "the training function instead (its driver-local modules are shipped)"
+        )
+
+
 def _run_rank(spec: TaskSpec, supervisor: RankSupervisor, env: dict[str, str]) -> int:
+    check_script(spec)
     # Spark reuses its python workers between tasks, so a template started after an earlier job of this
     # driver is still here: fork the rank from it (imports already paid). Started from the task's main
     # thread: the worker's PR_SET_PDEATHSIG follows this thread.

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.env import names as N
+from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
 
 
@@ -110,6 +111,10 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
         ValueError: the launcher variables are malformed.
     """
     env = os.environ if env is None else env
+    foreign = contract_from_foreign(env)  # srun / mpirun: their rank variables as torch's
+    if foreign:
+        os.environ.update(foreign)  # env:// and the shm transport read these names from the process
+        env = {**env, **foreign}
     backend = _backend()
     STATE.cuda_backend = "nccl" in backend
     if dist.is_initialized():

@@ -1,0 +1,159 @@
+"""Two simulated hosts x 2 ranks (tests/hosts/simhosts.py: network, UTS and mount namespaces, sshd), side by
+side in one run, printed as ratios. Needs root (namespaces); prints why and exits 0 where that is missing.
+
+Run: ``.venv/bin/python bench/hosts.py [--rounds 3] [--calls 10]``.
+
+* launch to first allreduce: ``phalanxrun -np 4 -H hosta:2,hostb:2`` started on hosta (host check over ssh,
+  agents, ranks) vs ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` started by hand in each
+  namespace at the same moment; the same rank script (``hvd.init()``, one allreduce) under both; wall time
+  from the start to the last rank's first allreduce; rounds interleaved, medians. Target: <= 1.0x.
+* allreduce fp32 64 MB across the 4 ranks in one phalanxrun job: ``hvd.allreduce_`` (hierarchical: shared
+  memory inside a host, host leaders over gloo) vs ``dist.all_reduce`` on the flat gloo default group,
+  interleaved call by call; medians. Target: >= 1.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.hosts.simhosts import Cluster, simulated_hosts, why_unavailable  # noqa: E402
+
+ELEMENTS_64MB = (64 << 20) // 4
+_CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "PHALANX_CHANNEL")
+
+
+def rank_first(start: float) -> None:
+    """A rank of the launch benchmark: the seconds from ``start`` to its first allreduce's end."""
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(16))
+    print(f"FIRST {time.time() - start:.4f}", flush=True)
+    hvd.shutdown()
+
+
+def rank_allreduce(calls: int) -> None:
+    """A rank of the 64 MB benchmark: hierarchical ``hvd.allreduce_`` vs flat gloo, interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    t = torch.ones(ELEMENTS_64MB)
+    hier, flat = [], []
+    for i in range(calls + 1):
+        for kind in (("hier", "flat") if i % 2 else ("flat", "hier")):
+            dist.barrier()
+            begin = time.perf_counter()
+            if kind == "hier":
+                hvd.allreduce_(t, op=hvd.Sum)
+            else:
+                dist.all_reduce(t)
+            (hier if kind == "hier" else flat).append(time.perf_counter() - begin)
+            t.fill_(1.0)
+    if hvd.rank() == 0:
+        print("TIMES " + json.dumps({"hier": hier[1:], "flat": flat[1:]}), flush=True)
+    hvd.shutdown()
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _CONTRACT and not k.startswith(("SLURM_", "TORCHELASTIC"))}
+
+
+def _firsts(stdout: str) -> float:
+    values = [float(line.split("FIRST")[1]) for line in stdout.splitlines() if "FIRST" in line]
+    if len(values) != 4:
+        raise RuntimeError(f"expected 4 ranks to report, got {len(values)}:\n{stdout[-2000:]}")
+    return max(values)
+
+
+def _phalanx_launch(cluster: Cluster) -> float:
+    argv = [sys.executable, "-m", "phalanx.cli.main", "-np", "4", "-H", "hosta:2,hostb:2", "-i", str(cluster.key),
+            sys.executable, __file__, "--rank", "first", str(time.time())]
+    done = cluster.run_on("hosta", argv, timeout=300, env=_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"phalanxrun failed: {done.stderr[-2000:]}")
+    return _firsts(done.stdout)
+
+
+def _torchrun_launch(cluster: Cluster, round_no: int) -> float:
+    start = str(time.time())
+    procs = []
+    for host in ("hosta", "hostb"):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.hosts['hosta'].address}:29400",
+                "--rdzv-id", f"bench-{round_no}", __file__, "--rank", "first", start]
+        procs.append(subprocess.Popen(cluster.argv_on(host, argv), cwd=cluster.workdir, env=_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = ""
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        if p.returncode != 0:
+            raise RuntimeError(f"torchrun failed: {stderr[-2000:]}")
+        out += stdout
+    return _firsts(out)
+
+
+def _allreduce(cluster: Cluster, calls: int) -> dict[str, list[float]]:
+    argv = [sys.executable, "-m", "phalanx.cli.main", "-np", "4", "-H", "hosta:2,hostb:2", "-i", str(cluster.key),
+            sys.executable, __file__, "--rank", "allreduce", str(calls)]
+    done = cluster.run_on("hosta", argv, timeout=600, env=_env())
+    if done.returncode != 0:
+        raise RuntimeError(f"phalanxrun failed: {done.stderr[-2000:]}")
+    line = next(line for line in done.stdout.splitlines() if "TIMES " in line)
+    times: dict[str, list[float]] = json.loads(line.split("TIMES ", 1)[1])
+    return times
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--rank", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank is not None:
+        kind, value = args.rank
+        if kind == "first":
+            rank_first(float(value))
+        else:
+            rank_allreduce(int(value))
+        return 0
+    why = why_unavailable()
+    if why:
+        print(f"bench/hosts.py: skipped: {why}")
+        return 0
+    with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
+        ph: list[float] = []
+        tr: list[float] = []
+        for r in range(args.rounds):
+            for which in (("phalanx", "torchrun") if r % 2 == 0 else ("torchrun", "phalanx")):
+                if which == "phalanx":
+                    ph.append(_phalanx_launch(cluster))
+                else:
+                    tr.append(_torchrun_launch(cluster, r))
+        p_med, t_med = statistics.median(ph), statistics.median(tr)
+        print(f"launch to first allreduce, 2 hosts x 2 ranks: phalanxrun -H {p_med:.2f} s, torchrun --nnodes 2 "
+              f"{t_med:.2f} s -> {p_med / t_med:.2f}x of torchrun's time (target <= 1.0x); rounds "
+              f"phalanx {[round(x, 2) for x in ph]}, torchrun {[round(x, 2) for x in tr]}")
+        times = _allreduce(cluster, args.calls)
+        h_med, f_med = statistics.median(times["hier"]), statistics.median(times["flat"])
+        print(f"allreduce 64 MB, 4 ranks on 2 hosts: hierarchical {h_med * 1e3:.1f} ms, flat gloo "
+              f"{f_med * 1e3:.1f} ms -> {f_med / h_med:.2f}x faster (target >= 1.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
