@@ -12,6 +12,7 @@ apt-get when missing); :func:`why_unavailable` says why when any of that is miss
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BRIDGE_NS = "phx-br"
+# Namespace names carry this process's pid: concurrent runs (several worktrees on one machine) never meet,
+# and a run sweeps only the namespaces of runs whose process is gone.
+PREFIX = f"phx{os.getpid()}"
+BRIDGE_NS = f"{PREFIX}-br"
 SUBNET = "10.99.0"
 HOSTS = {"hosta": 2, "hostb": 3}
 SSHD = "/usr/sbin/sshd"
@@ -98,15 +102,25 @@ def why_unavailable() -> str | None:
             done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=SETUP_TIMEOUT_S, check=False)
             if done.returncode != 0:
                 return f"openssh-server is not installed and {' '.join(argv)} failed: {done.stderr.strip()[-300:]}"
-    probe = subprocess.run(["ip", "netns", "add", "phx-probe"], capture_output=True, text=True, check=False)
+    probe = subprocess.run(["ip", "netns", "add", f"{PREFIX}-probe"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         return f"cannot create network namespaces here: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "phx-probe"], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "del", f"{PREFIX}-probe"], capture_output=True, check=False)
     return None
 
 
+def _stale_namespaces() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout.split()
+    out = []
+    for name in listed:
+        match = re.fullmatch(r"phx(\d+)-\w+", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            out.append(name)
+    return out
+
+
 def _cleanup_namespaces() -> None:
-    for ns in [BRIDGE_NS, *(f"phx-{h}" for h in HOSTS)]:
+    for ns in [BRIDGE_NS, *(f"{PREFIX}-{h}" for h in HOSTS), *_stale_namespaces()]:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
         for pid in pids:
             try:
@@ -122,7 +136,7 @@ def _network() -> None:
     _sh("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
     _sh("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
     for i, host in enumerate(HOSTS):
-        ns, peer = f"phx-{host}", f"v{host}"
+        ns, peer = f"{PREFIX}-{host}", f"v{host}"
         _sh("ip", "netns", "add", ns)
         _sh("ip", "-n", BRIDGE_NS, "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns)
         _sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "br0", "up")
@@ -146,11 +160,11 @@ def _start_host(d: Path, host: str, address: str, etc_hosts: Path) -> SimHost:
     cfg = _sshd_config(d, host, address)
     script = (f"hostname {host} && mount -t tmpfs -o size=1g tmpfs /dev/shm && "
               f"mount --bind {etc_hosts} /etc/hosts && mkdir -p /run/sshd && exec {SSHD} -D -e -f {cfg}")
-    proc = subprocess.Popen(["ip", "netns", "exec", f"phx-{host}", "unshare", "--uts", "--mount",
+    proc = subprocess.Popen(["ip", "netns", "exec", f"{PREFIX}-{host}", "unshare", "--uts", "--mount",
                              "--propagation", "private", "sh", "-c", script],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=open(d / f"sshd_{host}.log", "wb"))
-    return SimHost(host, address, f"phx-{host}", proc)
+    return SimHost(host, address, f"{PREFIX}-{host}", proc)
 
 
 def _wait_ssh(cluster: Cluster, host: str) -> None:
