@@ -72,7 +72,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--no-stall-check",), "no_stall_check", "on", doc="turn the stall check off (HOROVOD_STALL_CHECK_DISABLE=1)"),
     Flag(("--stall-check",), "no_stall_check", "off", doc="keep the stall check on (the default)"),
     Flag(("--stall-check-warning-time-seconds",), "stall_check_warning_time_seconds", "int",
-         doc="seconds before a stalled collective is logged and inspected (default 5)"),
+         doc="seconds before a stalled collective is logged (default 60)"),
     Flag(("--stall-check-shutdown-time-seconds",), "stall_check_shutdown_time_seconds", "int",
          doc="seconds of stall after which the waiting rank raises HorovodInternalError (default 0: never)"),
     Flag(("--mpi-threads-disable",), "mpi_threads_disable", "on", _MPI),

@@ -39,6 +39,7 @@ from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)
 DEFAULT_CHECK_S = 5.0
+DEFAULT_WARN_S = 60.0  # Horovod's stall warning time
 POLL_S = 1.0  # between two reads of the records once a rank has published (at most the check interval)
 POLL_MAX_S = 10.0  # the back-off's limit
 PREFIX = "phalanx.stall/"
@@ -151,6 +152,8 @@ class Inspector:
     def __init__(self) -> None:
         self.check_s = 0.0  # 0: off
         self.shutdown_s = 0.0  # 0: never
+        self.warn_s = 0.0  # 0: no stall warning
+        self.warned = False  # the current wait has been warned about
         self.check_td = self.poll_td = timedelta(0)
         self.store: Any = None
         self.rank, self.size = 0, 1
@@ -169,6 +172,11 @@ class Inspector:
         self.counters = counters
         self.check_s = check_interval()
         self.shutdown_s = shutdown_after()
+        self.warn_s = warn_after()
+        if 0 < self.shutdown_s < self.warn_s:  # Horovod's rule
+            _log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (%g) is less than HOROVOD_STALL_CHECK_TIME_SECONDS "
+                         "(%g): stalled collectives will not be shut down", self.shutdown_s, self.warn_s)
+            self.shutdown_s = 0.0
         if self.check_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
             self.check_s = 0.0
             return
@@ -273,6 +281,7 @@ class Inspector:
 
     def resumed(self) -> None:
         """The wait ended (or raised): withdraw the published record."""
+        self.warned = False
         if self.mine is not None:
             self.mine = None
             self.candidate = None
@@ -325,10 +334,23 @@ def check_interval() -> float:
     return _seconds(N.HOROVOD_STALL_CHECK_TIME_SECONDS, DEFAULT_CHECK_S)
 
 
+def warn_after() -> float:
+    """Seconds of stall before Horovod's stall warning is logged: ``HOROVOD_STALL_CHECK_TIME_SECONDS``, else
+    Horovod's 60; 0 (no warning) with ``HOROVOD_STALL_CHECK_DISABLE=1``. The inspector's own time
+    (:func:`check_interval`) is shorter by default and silent: a rank that is merely slow is no error.
+
+    Raises:
+        ValueError: the value is not a number.
+    """
+    if os.environ.get(N.HOROVOD_STALL_CHECK_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+        return 0.0
+    return _seconds(N.HOROVOD_STALL_CHECK_TIME_SECONDS, DEFAULT_WARN_S)
+
+
 def shutdown_after() -> float:
     """``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``: seconds of stall after which the waiting rank gives up with
-    :class:`HorovodInternalError` (0, the default: never). Horovod acts on it only when it exceeds the check
-    time; so does phalanx (a wait is looked at only once it has lasted the check time).
+    :class:`HorovodInternalError` (0, the default: never). As in Horovod, a value below the warning time
+    (:func:`warn_after`) is ignored with a warning when the inspector starts.
 
     Raises:
         ValueError: the value is not a number.
@@ -360,10 +382,11 @@ def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | 
     wait = current_wait()
     if wait is None:
         return None
-    if INSPECTOR.mine is None:  # Horovod's stall warning, once per wait
+    if 0 < INSPECTOR.warn_s <= waited and not INSPECTOR.warned:  # Horovod's stall warning, once per wait
+        INSPECTOR.warned = True
         _log.warning("stall check: %s %r on ranks %s has waited %.0f s for the other ranks (rank %d; "
-                     "HOROVOD_STALL_CHECK_TIME_SECONDS / PHALANX_STALL_CHECK_S)", wait["kind"], wait["name"],
-                     list(wait["ranks"]), waited, INSPECTOR.rank)  # fmt: skip
+                     "HOROVOD_STALL_CHECK_TIME_SECONDS)", wait["kind"], wait["name"], list(wait["ranks"]), waited,
+                     INSPECTOR.rank)  # fmt: skip
     if 0 < INSPECTOR.shutdown_s <= waited:
         INSPECTOR.resumed()
         return HorovodInternalError(

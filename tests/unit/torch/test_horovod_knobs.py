@@ -79,6 +79,22 @@ def test_stall_check_seconds(monkeypatch: pytest.MonkeyPatch, env: dict[str, str
     assert _stall.check_interval() == check_s
 
 
+@pytest.mark.parametrize(
+    ("env", "warn_s"),
+    [
+        ({}, 60.0),  # Horovod's default; the inspector's own 5 s are silent
+        ({"HOROVOD_STALL_CHECK_TIME_SECONDS": "10"}, 10.0),
+        ({"HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "10"}, 0.0),
+    ],
+)
+def test_stall_warning_seconds(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], warn_s: float) -> None:
+    for name in ("HOROVOD_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_TIME_SECONDS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _stall.warn_after() == warn_s
+
+
 def test_stall_shutdown_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", raising=False)
     assert _stall.shutdown_after() == 0.0
@@ -92,7 +108,7 @@ def test_stall_shutdown_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
     inspector = _stall.Inspector()
-    inspector.check_s, inspector.shutdown_s = 1.0, 3.0
+    inspector.check_s, inspector.warn_s, inspector.shutdown_s = 1.0, 2.0, 4.0
     withdrawn: list[str] = []
     inspector.store = type("Store", (), {"set": lambda self, key, value: withdrawn.append(key)})()
     published: list[float] = []
@@ -106,12 +122,28 @@ def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
     monkeypatch.setattr(_stall, "current_wait", lambda: {"ranks": (0, 1), "kind": "allreduce", "name": "grad"})
     with caplog.at_level(logging.WARNING, logger="phalanx.torch._stall"):
         assert _stall.on_stall(0.5) is None  # not yet stalled
-        assert _stall.on_stall(1.0) is None and _stall.on_stall(2.0) is None
-        error = _stall.on_stall(3.0)
-    assert len(published) == 2
+        assert _stall.on_stall(1.0) is None  # inspected, silently
+        assert _stall.on_stall(2.0) is None and _stall.on_stall(3.0) is None  # warned once
+        error = _stall.on_stall(4.0)
+    assert len(published) == 3
     assert [r.getMessage() for r in caplog.records if "stall check" in r.getMessage()] == [
-        "stall check: allreduce 'grad' on ranks [0, 1] has waited 1 s for the other ranks (rank 0; "
-        "HOROVOD_STALL_CHECK_TIME_SECONDS / PHALANX_STALL_CHECK_S)"]
+        "stall check: allreduce 'grad' on ranks [0, 1] has waited 2 s for the other ranks (rank 0; "
+        "HOROVOD_STALL_CHECK_TIME_SECONDS)"]
     assert withdrawn == ["rec/0"] and inspector.mine is None  # the record is withdrawn as the rank gives up
     assert isinstance(error, HorovodInternalError)
-    assert "waited 3 s, past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3" in str(error)
+    assert "waited 4 s, past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=4" in str(error)
+    assert not inspector.warned  # the next wait is warned about afresh
+
+
+def test_shutdown_below_the_warning_time_is_ignored_as_in_horovod(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    monkeypatch.delenv("HOROVOD_STALL_CHECK_DISABLE", raising=False)
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
+    inspector = _stall.Inspector()
+    with caplog.at_level(logging.WARNING, logger="phalanx.torch._stall"):
+        inspector.start(lambda: ({}, {}))
+    assert inspector.shutdown_s == 0.0 and "will not be shut down" in caplog.text
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "90")
+    inspector.start(lambda: ({}, {}))
+    assert inspector.shutdown_s == 90.0
