@@ -61,15 +61,16 @@ class Cluster:
     workdir: Path
     _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def argv_on(self, host: str, argv: list[str]) -> list[str]:
-        """``argv`` run inside ``host``'s network, UTS and mount namespaces."""
+    def argv_on(self, host: str, argv: list[str], cwd: Path | None = None) -> list[str]:
+        """``argv`` run inside ``host``'s network, UTS and mount namespaces, in ``cwd`` (the repository)."""
         pid = str(self.hosts[host].sshd.pid)
-        return ["nsenter", "-t", pid, "-n", "-u", "-m", f"--wd={self.workdir}", "--", *argv]
+        return ["nsenter", "-t", pid, "-n", "-u", "-m", f"--wd={cwd or self.workdir}", "--", *argv]
 
-    def run_on(self, host: str, argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    def run_on(self, host: str, argv: list[str], timeout: float, cwd: Path | None = None,
+               **kwargs: object) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on ``host`` to its end (output captured as text)."""
-        return subprocess.run(self.argv_on(host, argv), capture_output=True, text=True, timeout=timeout,
-                              cwd=self.workdir, **kwargs)  # type: ignore[call-overload]
+        return subprocess.run(self.argv_on(host, argv, cwd), capture_output=True, text=True, timeout=timeout,
+                              cwd=cwd or self.workdir, **kwargs)  # type: ignore[call-overload]
 
     def leftovers(self) -> dict[str, set[int]]:
         """Per host, the processes left besides its sshd."""

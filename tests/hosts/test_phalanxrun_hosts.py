@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ from tests.hosts.simhosts import Cluster
 pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts, pytest.mark.timeout(180)]
 
 JOB = "tests/hosts/job_collectives.py"
+#: tests/examples' floor for a 3-epoch run on the digits (chance is 0.1).
+ACCURACY_FLOOR = 0.8
 
 
 def phalanxrun(cluster: Cluster, *args: str) -> list[str]:
@@ -76,6 +80,19 @@ def test_two_hosts_layout_and_collectives(cluster: Cluster) -> None:
     check_job(done.stdout)
     # Each host's lines arrive on the driver, prefixed by rank.
     assert {line.split("]")[0] for line in done.stdout.splitlines() if "RESULT" in line} == {"[0", "[1", "[2", "[3"}
+    assert cluster.wait_clean(10.0) == {}
+
+
+def test_unchanged_horovod_script_trains_to_the_local_accuracy(cluster: Cluster, tmp_path: Path) -> None:
+    """examples/horovod_train.py on 2 hosts x 2 ranks reaches the floor tests/examples asserts locally."""
+    script = str(cluster.workdir / "examples" / "horovod_train.py")
+    done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable, script,
+                                              "--epochs", "3"), timeout=170, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", done.stdout)
+    assert found is not None, done.stdout[-3000:]
+    assert float(found.group(1)) > ACCURACY_FLOOR
+    assert (tmp_path / "digits_horovod.pt").is_file()
     assert cluster.wait_clean(10.0) == {}
 
 

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
-from phalanx.launch.api import elastic_spec, resolve_hosts, resolve_start_timeout, validate_np
+from phalanx.launch.api import elastic_spec, hosts_spec, resolve_hosts, resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
-from phalanx.launch.ssh import SshOptions
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -189,14 +188,9 @@ def _hosts_spec(ns: argparse.Namespace, np: int) -> HostsSpec | None:
     forward = _forward_env(ns.forward_env)
     if remote is None:
         return None
-    if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
-        raise InvalidArgumentError(f"-p/--ssh-port {ns.ssh_port} is not a port number (1-65535)")
-    if ns.ssh_identity_file is not None and not os.path.isfile(ns.ssh_identity_file):
-        raise InvalidArgumentError(f"-i/--ssh-identity-file {ns.ssh_identity_file!r} does not exist")
-    nics = [n.strip() for n in (ns.nics or ns.nic or "").split(",") if n.strip()]
-    timeout = resolve_start_timeout(ns.start_timeout)
-    return HostsSpec(hosts=tuple(remote), ssh=SshOptions(ns.ssh_port, ns.ssh_identity_file, min(timeout, 30.0)),
-                     interfaces=tuple(nics), python=ns.python, forward_env=forward)
+    nics = ns.nics or ns.nic
+    return hosts_spec(remote, ns.ssh_port, ns.ssh_identity_file, nics, resolve_start_timeout(ns.start_timeout),
+                      ns.python, forward)
 
 
 def _local_host_warnings(ns: argparse.Namespace, hosts: HostsSpec | None) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from phalanx.env import DEFAULT_START_TIMEOUT_S
@@ -20,6 +20,7 @@ from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.hosts import HostSlots, only_this_machine, parse_hostfile, parse_hosts, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
+from phalanx.launch.ssh import SshOptions
 
 
 def validate_np(np: object, name: str = "np") -> int:
@@ -86,6 +87,25 @@ def resolve_hosts(hosts: str | None, np: int, hostfile: str | None = None) -> li
     return None if only_this_machine(parsed) else parsed
 
 
+def hosts_spec(hosts: list[HostSlots], ssh_port: int | None, identity_file: str | None,
+               interfaces: str | Sequence[str] | None, start_timeout_s: float, python: str | None = None,
+               forward_env: Mapping[str, str] | None = None) -> HostsSpec:
+    """The multi-host part of a job, its ssh options checked.
+
+    Raises:
+        InvalidArgumentError: a port outside 1-65535, or an identity file that does not exist.
+    """
+    if ssh_port is not None and (isinstance(ssh_port, bool) or not isinstance(ssh_port, int)
+                                 or not 0 < ssh_port < 65536):
+        raise InvalidArgumentError(f"ssh port {ssh_port!r} is not a port number (1-65535)")
+    if identity_file is not None and not os.path.isfile(identity_file):
+        raise InvalidArgumentError(f"ssh identity file {identity_file!r} does not exist")
+    names = interfaces.split(",") if isinstance(interfaces, str) else list(interfaces or ())
+    nics = tuple(n.strip() for n in names if n.strip())
+    ssh = SshOptions(ssh_port, identity_file, min(start_timeout_s, 30.0))
+    return HostsSpec(hosts=tuple(hosts), ssh=ssh, interfaces=nics, python=python, forward_env=dict(forward_env or {}))
+
+
 def validate_hosts(hosts: str | None, np: int) -> None:
     """Check a ``hosts`` string (``h1:2,h2:2``) against ``np``.
 
@@ -112,6 +132,9 @@ def run(
     max_np: int | None = None,
     reset_limit: int | None = None,
     host_discovery_script: str | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    network_interfaces: str | Sequence[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` local processes; the contract of ``horovod.run``.
 
@@ -141,6 +164,11 @@ def run(
         host_discovery_script: elastic job: an executable printing ``host:slots`` lines, polled every
             second; when this machine's slots grow, workers are added up to ``max_np`` and running ranks
             get ``HostsUpdatedInterrupt`` at their next ``commit()``. Only this host's names count.
+        ssh_port: with ``hosts`` naming other machines: the ssh port (default: ssh's own).
+        ssh_identity_file: with ``hosts`` naming other machines: the ssh private key.
+        network_interfaces: with ``hosts`` naming other machines: the NIC (a name, a comma-separated
+            list or a list; the first is used) whose address the job's channel and store listen on
+            (default: this machine's address on the route to the first other host).
 
     Returns:
         Every rank's return value, in rank order (for an elastic job: the final world's).
@@ -169,7 +197,8 @@ def run(
     if remote is not None:
         if elastic is not None:
             raise InvalidArgumentError("an elastic job runs on this machine only; drop hosts= or min_np/max_np")
-        return HostsLauncher(spec, HostsSpec(tuple(remote))).run()
+        return HostsLauncher(spec, hosts_spec(remote, ssh_port, ssh_identity_file, network_interfaces,
+                                              spec.start_timeout_s)).run()
     return (ElasticLocalLauncher(spec, elastic) if elastic else LocalLauncher(spec)).run()
 
 

@@ -79,3 +79,28 @@ def test_route_address_of_loopback() -> None:
     assert route_address("127.0.0.1") == "127.0.0.1"
     with pytest.raises(InvalidArgumentError, match=r"host\.invalid"):
         route_address("host.invalid")
+
+
+def test_hosts_spec_checks_the_ssh_options(tmp_path: Path) -> None:
+    from phalanx.launch.api import hosts_spec
+
+    key = tmp_path / "id"
+    key.write_text("k")
+    spec = hosts_spec([HostSlots("b", 2)], 2222, str(key), "eth1, eth0", 60.0, python="/py", forward_env={"A": "1"})
+    assert (spec.ssh.port, spec.ssh.identity_file, spec.interfaces, spec.python) == (2222, str(key), ("eth1", "eth0"),
+                                                                                       "/py")
+    assert spec.ssh.connect_timeout_s == 30.0 and spec.forward_env == {"A": "1"}
+    assert hosts_spec([HostSlots("b", 1)], None, None, ["eth0"], 5.0).interfaces == ("eth0",)
+    with pytest.raises(InvalidArgumentError, match="not a port number"):
+        hosts_spec([HostSlots("b", 1)], 70000, None, None, 5.0)
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        hosts_spec([HostSlots("b", 1)], None, str(tmp_path / "missing"), None, 5.0)
+
+
+def test_forwarded_environment() -> None:
+    from phalanx.launch.remote import forwarded_env
+
+    env = {"HOROVOD_FUSION_THRESHOLD": "1", "NCCL_DEBUG": "INFO", "PHALANX_SHM": "0", "PYTHONPATH": "/x",
+           "HOME": "/root", "SECRET_TOKEN": "s"}
+    assert forwarded_env(env, {"A": "2", "NCCL_DEBUG": "WARN"}) == {
+        "HOROVOD_FUSION_THRESHOLD": "1", "NCCL_DEBUG": "WARN", "PHALANX_SHM": "0", "PYTHONPATH": "/x", "A": "2"}
