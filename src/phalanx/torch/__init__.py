@@ -7,6 +7,7 @@ Gloo carries CPU tensors, NCCL CUDA tensors. Collectives run in the order each r
 
 from __future__ import annotations
 
+from phalanx.errors import HorovodInternalError
 from phalanx.torch import elastic
 from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
 from phalanx.torch.async_ops import (
@@ -69,14 +70,16 @@ from phalanx.torch.mpi_ops import (
     grouped_allreduce_,
     grouped_reducescatter,
     reducescatter,
+    sparse_allreduce_async,
 )
 from phalanx.torch.optimizer import DistributedOptimizer
 from phalanx.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from phalanx.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "ProcessSet", "Product", "Sum",
-    "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object", "allreduce",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+    "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
+    "allgather_object", "allreduce",
     "allreduce_", "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast",
     "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
@@ -85,5 +88,5 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built", "poll",
     "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
-    "start_timeline", "stop_timeline", "synchronize",
+    "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize",
 ]  # fmt: skip

@@ -116,7 +116,7 @@ def pack(bucket: Bucket, prescale: float) -> None:
     for i, p in enumerate(bucket.params):
         seg = bucket.view(i)
         grad = p.grad
-        if grad is not None and grad.data_ptr() == seg.data_ptr() and grad.shape == seg.shape:
+        if grad is not None and not grad.is_sparse and grad.data_ptr() == seg.data_ptr() and grad.shape == seg.shape:
             if prescale != 1.0:
                 seg.mul_(prescale)
             continue

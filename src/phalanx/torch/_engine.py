@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+from phalanx.errors import CollectiveMismatchError
+from phalanx.torch import _generations, _stall, _state, _trace
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
-from phalanx.torch import _stall, _state, _trace
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 from phalanx.transport import api as shm
 
@@ -107,6 +108,11 @@ def reset() -> None:
     _stall.stop()
 
 
+def rounds(ranks: tuple[int, ...]) -> int:
+    """Control blocks negotiated so far on this membership by the current engine (common knowledge)."""
+    return ENGINE.rounds.get(ranks, 0)
+
+
 def start_inspector() -> None:
     """Start the stall inspector for a new ``hvd.init()`` (before its first collective)."""
     _stall.INSPECTOR.start(lambda: (ENGINE.issued, ENGINE.rounds))
@@ -143,6 +149,8 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     if n == 1:
         _finish_single(entry)
     else:
+        if _generations.JOB.superseded is not None:
+            raise CollectiveMismatchError(_generations.JOB.superseded)
         if _stall.INSPECTOR.broken and (error := _stall.broken(groups.ranks)) is not None:
             raise error
         if ENGINE.queue:

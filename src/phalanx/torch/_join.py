@@ -29,7 +29,7 @@ from phalanx.torch import _reduce as R
 from phalanx.torch import _speculate as S
 from phalanx.torch import _state
 from phalanx.torch._collectives import Allreduce, Barrier
-from phalanx.torch._engine import ENGINE, _Entry
+from phalanx.torch._engine import _Entry
 from phalanx.torch.compression import Compressor
 from phalanx.transport import api as shm
 
@@ -44,11 +44,6 @@ def register_layout(psid: int, buckets: list[tuple[int, torch.dtype, torch.devic
     layouts = _LAYOUTS.setdefault(psid, [])
     layouts.append((buckets, compression))
     return len(layouts) - 1
-
-
-def rounds(ranks: tuple[int, ...]) -> int:
-    """Control blocks negotiated so far on this membership (common knowledge)."""
-    return ENGINE.rounds.get(ranks, 0)
 
 
 class OptimizerStep(Barrier):

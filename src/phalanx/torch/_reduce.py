@@ -99,7 +99,8 @@ def reduce_stack(stack: torch.Tensor, op: int) -> torch.Tensor:
 
 
 def finish_scale(t: torch.Tensor, op: int, n: int, postscale: float) -> None:
-    """Apply Average's division by ``n`` and the postscale factor in place (integers: floor division)."""
+    """Apply Average's division by ``n`` and the postscale factor in place (integers: the quotient rounded
+    toward zero, as Horovod's integer scaling)."""
     divisor = n if op == Average else 1
     if t.dtype == torch.bool:
         return
@@ -111,7 +112,7 @@ def finish_scale(t: torch.Tensor, op: int, n: int, postscale: float) -> None:
     if postscale != 1.0:
         t.copy_((t.double() * postscale).to(t.dtype))
     if divisor != 1:
-        t.copy_(torch.div(t, divisor, rounding_mode="floor"))
+        t.copy_(torch.div(t, divisor, rounding_mode="trunc"))
 
 
 def prescale(t: torch.Tensor, factor: float) -> torch.Tensor:

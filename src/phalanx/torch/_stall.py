@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from phalanx.env import names as N
 from phalanx.errors import CollectiveMismatchError, HorovodInternalError
+from phalanx.torch import _generations
 from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)
@@ -194,6 +195,10 @@ class Inspector:
         Returns:
             The error to raise when this rank is part of a confirmed deadlock, else None.
         """
+        why = _generations.moved_on(tuple(wait["ranks"]))
+        if why is not None:  # a peer called shutdown() and init() again: nothing can serve this wait
+            self.resumed()
+            return CollectiveMismatchError(why)
         now = time.monotonic()
         if self.mine is None:
             issued, rounds = self.counters()

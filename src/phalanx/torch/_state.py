@@ -20,6 +20,7 @@ import torch.distributed as dist
 from phalanx.env import names as N
 from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
+from phalanx.torch import _generations
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,14 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
 
         env = _rendezvous.join(backend, env)
         STATE.owns_group = True
+    elif _generations.JOB.store is not None:  # init again after shutdown (see _generations)
+        _generations.rejoin(backend, *_rank_and_size(env), gloo_timeout(env))
+        STATE.owns_group = True
     elif env.get(N.MASTER_ADDR):
         rank, size = _rank_and_size(env)
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
                                 timeout=gloo_timeout(env))
+        _generations.first(rank)
         STATE.owns_group = True
     else:
         # No launcher: one rank on a private in-process store (no TCP port, so no port race).

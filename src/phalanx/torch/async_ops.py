@@ -251,7 +251,7 @@ def join(device: int = -1) -> int:
 
     ranks = groups_of(global_process_set).ranks
     _engine.flush()  # earlier collectives first: the round count below is then the same on every rank
-    joined_at = _join.rounds(ranks)
+    joined_at = _engine.rounds(ranks)
     while True:
         coll = _join.Join(_sig("join", None, None, global_process_set), joined_at)
         last = _engine.run(coll, global_process_set)

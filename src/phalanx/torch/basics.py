@@ -9,33 +9,43 @@ import torch
 import torch.distributed as dist
 
 import phalanx.timeline as timeline
-from phalanx.torch import _engine, _log, _malloc, _state
+from phalanx.torch import _engine, _generations, _log, _malloc, _state
 from phalanx.torch import process_sets as P
 
 
-def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | None = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | str | None = None) -> None:
     """Initialize phalanx.torch (idempotent; collective when it creates process sets).
 
     Works under phalanx launchers and ``torchrun`` (``env://``), inside an already initialized
-    ``torch.distributed`` job, and with no launcher at all (one rank).
+    ``torch.distributed`` job, and with no launcher at all (one rank). After :func:`shutdown`, ``init``
+    joins the job again (every rank must call both the same number of times; see ``_generations``).
 
     Args:
         comm: an MPI communicator in Horovod; only ``None`` is supported.
-        process_sets: static process sets to register (every rank passes the same list).
+        process_sets: static process sets to register (every rank passes the same list), or ``"dynamic"``
+            to allow :func:`add_process_set` / :func:`remove_process_set` after init (as
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` does).
 
     Raises:
-        ValueError: ``comm`` was given, or the launcher's variables are malformed.
+        ValueError: ``comm`` was given, ``process_sets`` is another string, or the launcher's variables are
+            malformed.
+        HorovodInternalError: a re-init did not meet every rank within ``PHALANX_START_TIMEOUT_S``.
     """
     if comm is not None:
         raise ValueError("hvd.init(comm=...) (MPI communicators) is not supported by phalanx; call hvd.init()")
+    if isinstance(process_sets, str) and process_sets != "dynamic":
+        raise ValueError(f"hvd.init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
     if _state.STATE.topology is not None:
-        return
+        if _generations.JOB.superseded is None:
+            return
+        shutdown()  # a peer has moved on to a new hvd.init(): rejoin it (see _generations)
     _log.configure()  # HOROVOD_LOG_LEVEL / HOROVOD_LOG_HIDE_TIME (phalanxrun --log-level ...)
     _state.join_process_group()
     _malloc.tune()  # large tensors reuse heap memory instead of fresh page-faulted mmaps (PHALANX_MALLOC_TUNE)
     try:
         _engine.start_inspector()  # every rank clears its stall record before the first collective
-        P.init_process_sets(process_sets)
+        P.init_process_sets(None if isinstance(process_sets, str) else process_sets,
+                            dynamic=process_sets == "dynamic")  # fmt: skip
         timeline.start_from_env()
     except BaseException:
         shutdown()

@@ -104,19 +104,29 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = 
                 offset += t.numel()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:  # fmt: skip
     """Make every member's optimizer state (options and per-parameter state) equal to the root's.
 
-    The root's ``state_dict()`` travels as one serialized object, so option types (floats, tuples such as
-    Adam's ``betas``, bools) and state tensors arrive exactly as the root has them. Works for every
-    ``torch.optim`` optimizer (LBFGS and SparseAdam are refused, as in Horovod).
+    As in Horovod, an optimizer without state yet first gets it from one step on zero gradients (every
+    parameter that requires a gradient gets a zero one; sparse for ``SparseAdam``, and for ``SGD`` on the
+    sparse embeddings of ``model``), run by the wrapped optimizer alone (no gradient allreduce). The root's
+    ``state_dict()`` then travels as one serialized object, so option types (floats, tuples such as Adam's
+    ``betas``, bools) and state tensors arrive exactly as the root has them.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer or a ``DistributedOptimizer``.
+        root_rank: the global rank whose state wins.
+        model: optional; identifies the sparse parameters (``nn.Embedding(sparse=True)``).
+        process_set: the ranks taking part (a phalanx extension; keyword).
 
     Raises:
-        ValueError: ``optimizer`` is an LBFGS or SparseAdam.
+        ValueError: ``optimizer`` is an LBFGS (as in Horovod).
     """
-    if isinstance(optimizer, torch.optim.LBFGS | torch.optim.SparseAdam):
-        raise ValueError(f"broadcast_optimizer_state does not support {type(optimizer).__name__} (as Horovod)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (as in Horovod); save and load it yourself")
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer, model)
     payload = None
     if _state.topology().rank == root_rank:
         buf = io.BytesIO()
@@ -128,3 +138,22 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
         optimizer.load_state_dict(state)
 
 
+def _initialize_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Create the optimizer's state with one step on zero gradients (Horovod's way; see the caller)."""
+    sparse: set[int] = set()
+    if model is not None:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding) and m.sparse:
+                sparse.update(id(p) for p in m.parameters())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse
+                ):
+                    p.grad = p.grad.to_sparse()
+    if hasattr(optimizer, "_phalanx_setup"):  # a DistributedOptimizer: its step() would allreduce
+        super(type(optimizer), optimizer).step()  # type: ignore[misc]
+    else:
+        optimizer.step()

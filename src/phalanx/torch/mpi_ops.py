@@ -1,36 +1,138 @@
-"""Synchronous collectives, differentiable as in Horovod (``horovod.torch.mpi_ops``).
+"""Horovod's ``horovod.torch.mpi_ops``: the collectives (synchronous ones differentiable), their autograd
+Functions, and every other name Horovod's module has, so ``from horovod.torch.mpi_ops import ...`` works.
 
-Backward passes (Horovod's definitions): allreduce -> allreduce of the gradient with the same op;
-allgather -> averaged gradient, this rank's rows; broadcast -> averaged gradient on the root, zero
-elsewhere; alltoall -> alltoall of the gradient back with the received splits; reducescatter ->
-allgather of the gradient (divided by the set size for Average).
+Backward passes are Horovod's (see ``_autograd``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from phalanx.errors import HorovodInternalError
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
+from phalanx.torch._autograd import (
+    HorovodAllgather,
+    HorovodAllreduce,
+    HorovodAlltoall,
+    HorovodBroadcast,
+    HorovodGroupedAllgather,
+    HorovodGroupedAllreduce,
+    HorovodGroupedReducescatter,
+    HorovodReducescatter,
+)
+from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
+from phalanx.torch.async_ops import (
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    barrier,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather_async,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter_async,
+    synchronize,
+)
+from phalanx.torch.basics import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 from phalanx.torch.compression import Compression, Compressor
-from phalanx.torch.process_sets import ProcessSet, global_process_set
+from phalanx.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
 
-class _Allreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, pre: float, post: float,
-                ps: ProcessSet) -> torch.Tensor:  # fmt: skip
-        ctx.args = (op, pre, post, ps)
-        return A.synchronize(A.allreduce_async(tensor, None, name, op, pre, post, ps))
+def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
+    """The op Horovod's deprecated ``average=`` flag stands for (``op`` itself when ``average`` is None).
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, pre, post, ps = ctx.args
-        out = A.synchronize(A.allreduce_async(grad.contiguous(), None, None, op, pre, post, ps))
-        return out, None, None, None, None, None
+    Raises:
+        ValueError: both were given.
+    """
+    return R.resolve_op(op, average)
+
+
+def get_average_backwards_compatibility_fun(reduce_ops: Any) -> Callable[[int | None, bool | None], int]:
+    """Horovod's factory of :func:`handle_average_backwards_compatibility` (``reduce_ops`` is unused: phalanx
+    has one set of op codes)."""
+    del reduce_ops
+    return handle_average_backwards_compatibility
+
+
+def check_installed_version(name: str, version: str) -> None:
+    """Horovod checks its compiled extension against the framework here; phalanx has none to check."""
+    del name, version
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Whether a GPU is usable for ``ext_base_name`` (``"torch"``: ``torch.cuda.is_available()``)."""
+    del ext_base_name, verbose
+    return bool(torch.cuda.is_available())
+
+
+def num_rank_is_power_2(num_rank: int) -> bool:
+    """Whether ``num_rank`` is a power of two (Horovod's Adasum helper)."""
+    return num_rank > 0 and num_rank & (num_rank - 1) == 0
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:  # fmt: skip
+    """Start the allreduce of a sparse COO tensor as two allgathers (its indices and its values), Horovod's
+    way; returns a function that waits and returns the reduced sparse tensor (duplicate indices are summed
+    when it is coalesced).
+
+    Args:
+        tensor: a sparse COO tensor (same dense shape on every member).
+        name: the base name of the two allgathers (``<name>.indices``, ``<name>.values``).
+        op: ``Average`` (values divided by the set size) or ``Sum``.
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``tensor`` is not sparse, or ``op`` is neither Average nor Sum.
+    """
+    if not tensor.is_sparse:
+        raise ValueError(f"sparse_allreduce_async needs a sparse COO tensor, got a {tensor.layout} one; "
+                         "use allreduce_async for dense tensors")  # fmt: skip
+    if op not in (R.Average, R.Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {R.OP_NAMES.get(op, op)}")
+    indices = A.allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
+    values = A.allgather_async(tensor._values().contiguous(), f"{name}.values", process_set)
+
+    def wait() -> torch.Tensor:
+        vals = A.synchronize(values)
+        idx = A.synchronize(indices)
+        if op == R.Average:
+            vals = vals / process_set.size()
+        return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, tensor.size())
+
+    return wait
 
 
 def allreduce(
@@ -60,7 +162,7 @@ def allreduce(
     op_ = R.resolve_op(op, average)
     compressed, cctx = compression.compress(tensor)
     if _tracked(compressed):
-        out = _Allreduce.apply(compressed, name, op_, prescale_factor, postscale_factor, process_set)
+        out = HorovodAllreduce.apply(compressed, None, name, op_, prescale_factor, postscale_factor, process_set)
     else:  # nothing to differentiate: skip autograd's Function machinery (a fixed cost per call)
         out = A.synchronize(A.allreduce_async(compressed, None, name, op_, prescale_factor, postscale_factor,
                                               process_set))  # fmt: skip
@@ -80,20 +182,6 @@ def allreduce_(
     return A.synchronize(A.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-class _GroupedAllreduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, name: str | None, op: int, pre: float, post: float, ps: ProcessSet,
-                *tensors: torch.Tensor) -> Any:  # fmt: skip
-        ctx.args = (op, pre, post, ps)
-        return tuple(A.synchronize(A.grouped_allreduce_async(list(tensors), None, name, op, pre, post, ps)))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        op, pre, post, ps = ctx.args
-        out = A.synchronize(A.grouped_allreduce_async([g.contiguous() for g in grads], None, None, op, pre, post, ps))
-        return (None, None, None, None, None, *out)
-
-
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
@@ -106,7 +194,8 @@ def grouped_allreduce(
     """
     op_ = R.resolve_op(op, average)
     packed = [compression.compress(t) for t in tensors]
-    outs = _GroupedAllreduce.apply(name, op_, prescale_factor, postscale_factor, process_set, *[p[0] for p in packed])
+    outs = HorovodGroupedAllreduce.apply(None, name, op_, prescale_factor, postscale_factor, process_set,
+                                         *[p[0] for p in packed])  # fmt: skip
     return [compression.decompress(o, p[1]) for o, p in zip(outs, packed)]
 
 
@@ -120,20 +209,6 @@ def grouped_allreduce_(
     return A.synchronize(handle)
 
 
-class _Allgather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: ProcessSet) -> torch.Tensor:
-        ctx.dim, ctx.ps = tensor.shape[0], ps
-        return A.synchronize(A.allgather_async(tensor, name, ps))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        reduced = allreduce(grad.contiguous(), op=R.Average, process_set=ctx.ps)
-        dims = A.synchronize(A.allgather_async(torch.tensor([ctx.dim]), None, ctx.ps))
-        offset = int(dims[: ctx.ps.rank()].sum())
-        return reduced.narrow(0, offset, ctx.dim), None, None
-
-
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Concatenate every member's tensor along dim 0 (first dimensions may differ); differentiable.
@@ -141,36 +216,20 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     Returns:
         A tensor whose dim 0 is the sum of the members' dim 0, in rank order.
     """
-    return _Allgather.apply(tensor, name, process_set)
+    return HorovodAllgather.apply(tensor, name, process_set)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
-    """Allgather each tensor; returns the list of results."""
-    return A.synchronize(A.grouped_allgather_async(tensors, name, process_set))
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root: int, name: str | None, ps: ProcessSet) -> torch.Tensor:
-        ctx.root, ctx.ps = root, ps
-        return A.synchronize(A.broadcast_async(tensor, root, name, ps))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        from phalanx.torch._state import topology
-
-        reduced = allreduce(grad.contiguous(), op=R.Average, process_set=ctx.ps)
-        if topology().rank != ctx.root:
-            reduced = reduced * 0
-        return reduced, None, None, None
+    """Allgather each tensor; returns the list of results (differentiable)."""
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Return ``root_rank``'s tensor (a global rank) on every member; differentiable."""
     if _tracked(tensor):
-        return _Broadcast.apply(tensor, root_rank, name, process_set)
+        return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
     return A.synchronize(A.broadcast_async(tensor, root_rank, name, process_set))
 
 
@@ -180,22 +239,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return A.synchronize(A.broadcast_async_(tensor, root_rank, name, process_set))
 
 
-class _Alltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, ps: ProcessSet) -> Any:
-        out, received = A.synchronize(A.alltoall_async(tensor, splits, name, ps))
-        ctx.received, ctx.ps = received, ps
-        ctx.mark_non_differentiable(received)
-        return out, received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, _unused: Any) -> Any:
-        back, _ = A.synchronize(A.alltoall_async(grad.contiguous(), ctx.received, None, ctx.ps))
-        return back, None, None, None
-
-
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+             process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
     """Send ``splits[i]`` rows of ``tensor`` to the i-th member and receive theirs; differentiable.
 
     Args:
@@ -205,26 +250,10 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
         process_set: the ranks taking part.
 
     Returns:
-        ``(output, received_splits)``: the received rows in member order and how many came from each.
+        The received rows in member order; with ``splits`` given, ``(output, received_splits)`` (how many
+        rows came from each member), as in Horovod.
     """
-    out, received = _Alltoall.apply(tensor, splits, name, process_set)
-    return out, received
-
-
-class _Reducescatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: int, ps: ProcessSet, pre: float,
-                post: float) -> torch.Tensor:  # fmt: skip
-        ctx.args = (op, ps, pre * post)
-        return A.synchronize(A.reducescatter_async(tensor, name, op, ps, pre, post))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, ps, scale = ctx.args
-        full = A.synchronize(A.allgather_async(grad.contiguous(), None, ps))
-        if op == R.Average:
-            scale = scale / ps.size()
-        return (full * scale if scale != 1.0 else full), None, None, None, None, None
+    return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
 def reducescatter(
@@ -238,7 +267,7 @@ def reducescatter(
         Rows ``[start, start + d0 // size (+1 for the first d0 % size members))`` of the reduced tensor.
     """
     compressed, cctx = compression.compress(tensor)
-    out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    out = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
     return compression.decompress(out, cctx)
 
 
@@ -247,8 +276,26 @@ def grouped_reducescatter(
     op: int = R.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:  # fmt: skip
-    """Reduce-scatter each tensor; returns the list of slices."""
+    """Reduce-scatter each tensor; returns the list of slices (differentiable)."""
     packed = [compression.compress(t) for t in tensors]
-    handle = A.grouped_reducescatter_async([p[0] for p in packed], name, op, process_set, prescale_factor,
-                                           postscale_factor)  # fmt: skip
-    return [compression.decompress(o, p[1]) for o, p in zip(A.synchronize(handle), packed)]
+    outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                             *[p[0] for p in packed])  # fmt: skip
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, packed)]
+
+
+__all__ = [
+    "Adasum", "Average", "Compression", "HorovodAllgather", "HorovodAllreduce", "HorovodAlltoall",
+    "HorovodBroadcast", "HorovodGroupedAllgather", "HorovodGroupedAllreduce", "HorovodGroupedReducescatter",
+    "HorovodInternalError", "HorovodReducescatter", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "add_process_set", "allgather", "allgather_async", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "ccl_built", "check_installed_version", "cross_rank", "cross_size", "cuda_built",
+    "ddl_built", "get_average_backwards_compatibility_fun", "global_process_set", "gloo_built", "gloo_enabled",
+    "gpu_available", "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+    "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+    "grouped_reducescatter_async", "handle_average_backwards_compatibility", "init", "is_homogeneous",
+    "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "num_rank_is_power_2", "poll", "rank", "reducescatter", "reducescatter_async",
+    "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
+    "stop_timeline", "synchronize"
+]  # fmt: skip

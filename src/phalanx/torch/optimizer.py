@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import phalanx.timeline as timeline
 from phalanx.env import names as N
 from phalanx.errors import CollectiveMismatchError, NotInitializedError
 from phalanx.torch import _buckets as B
-from phalanx.torch import _join, _state, _trace
+from phalanx.torch import _join, _sparse, _state, _trace
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
@@ -66,8 +67,9 @@ def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
     """Map id(param) -> name, validating Horovod's rules (no duplicates, every parameter named)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if named_parameters is None:
-        return {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    if named_parameters is None:  # Horovod's names: group index, then index in the group
+        return {id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])}  # fmt: skip
     named = list(named_parameters)
     if named and not isinstance(named[0], tuple):
         raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
@@ -110,6 +112,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         self._phalanx_setup(named_parameters, compression, backward_passes_per_step, op,
                             gradient_predivide_factor, num_groups, groups, process_set)  # fmt: skip
+        self.sparse_as_dense = sparse_as_dense
+        self._sparse = _sparse.SparseGrads(self._ps, self._op)
 
     def _phalanx_setup(self, named_parameters: Any, compression: type[Compressor], bpps: int, op: int,
                        predivide: float, num_groups: int, groups: Any, ps: ProcessSet) -> None:  # fmt: skip
@@ -121,8 +125,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bpps < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {bpps}")
         self._names = _names(self, named_parameters)
+        by_id = {id(p): p for g in self.param_groups for p in g["params"]}
+        self._parameter_names = {by_id[k]: name for k, name in self._names.items()}  # Horovod's attribute
         self._compression, self._bpps, self._ps = compression, bpps, ps
         self._op, self._predivide = op, predivide
+        if not ps.included():  # as Horovod: a rank outside the set steps on its own gradients, no hooks
+            self._buckets, self._passes, self._next, self._hooks, self._early = [], {}, 0, [], None
+            self._synchronized, self._should_sync = False, True
+            return
         self._phalanx_groups = groups_of(ps)
         n = len(self._phalanx_groups.ranks)
         self._rescale(n)
@@ -198,6 +208,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"increase backward_passes_per_step (now {self._bpps}) to accumulate gradients locally"
             )
         self._passes[key] = count
+        if count == self._bpps and p.grad is not None and p.grad.is_sparse:
+            self._sparse.hooked(p, self._names[key], self.sparse_as_dense)
         if count == self._bpps:
             bucket, i = self._where[key]
             bucket.pending.discard(key)
@@ -250,6 +262,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             announce = None
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
                 announce = A.optimizer_step_async(self._layout, self._ps)
+            self._sparse.launch()
             try:
                 for i, bucket in enumerate(self._buckets):
                     B.wait(bucket, self._compression, self._postscale)
@@ -261,6 +274,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 raise
             if announce is not None:
                 A.synchronize(announce)
+            self._sparse.finish()
             self._next = 0
             if self._early is not None:
                 self._early.release()
@@ -277,7 +291,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_sync = True
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        """Synchronize gradients (unless already done or skipped), then run the wrapped optimizer's step."""
+        """Synchronize gradients (unless already done or skipped), then run the wrapped optimizer's step.
+
+        After ``synchronize()`` without ``skip_synchronize()``, warns as Horovod does (but, unlike Horovod, does
+        not reduce the already reduced gradients a second time).
+        """
+        if self._should_sync and self._synchronized:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(); the gradients are not reduced again. Call step() inside "
+                "`with optimizer.skip_synchronize():` after synchronize()",
+                stacklevel=2,
+            )
         if self._should_sync and not self._synchronized:
             self.synchronize()
         self._synchronized = False
@@ -331,7 +356,8 @@ def DistributedOptimizer(
         gradient_predivide_factor: Average as ``sum(g / f) * f / size`` (numerics of low precision).
         num_groups: split the parameters into this many fused groups (0: fuse by threshold).
         groups: explicit list of lists of parameters, each reduced as one group.
-        sparse_as_dense: accepted; sparse gradients are always reduced densely.
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense tensors, then make
+            them sparse again; False (default): allgather their indices and values (Horovod's sparse path).
         process_set: the ranks that average gradients.
 
     Returns:
@@ -342,8 +368,7 @@ def DistributedOptimizer(
         NotImplementedError: ``op=Adasum``.
         CollectiveMismatchError: ranks built different parameter layouts.
     """
-    del sparse_as_dense
     _state.topology()
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, num_groups, groups, False, process_set)  # fmt: skip
+               gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)  # fmt: skip

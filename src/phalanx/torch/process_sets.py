@@ -98,6 +98,7 @@ class _Registry:
         self.groups: dict[tuple[int, ...], _Groups] = {}
         self.next_id = 0
         self.static_done = False
+        self.dynamic = False  # hvd.init(process_sets="dynamic")
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
@@ -167,13 +168,15 @@ def _agree(requested: list[list[int]], what: str) -> None:
         )
 
 
-def init_process_sets(process_sets: Sequence[ProcessSet] | None) -> None:
-    """Register the global set and the static sets given to ``hvd.init`` (collective on every rank).
+def init_process_sets(process_sets: Sequence[ProcessSet] | None, dynamic: bool = False) -> None:
+    """Register the global set and the static sets given to ``hvd.init`` (collective on every rank);
+    ``dynamic`` allows sets to be added and removed after init.
 
     Raises:
         CollectiveMismatchError: ranks passed different static sets.
     """
     REGISTRY.reset()
+    REGISTRY.dynamic = dynamic
     global_process_set.ranks = list(range(dist.get_world_size()))
     global_process_set.process_set_id = None
     _register(global_process_set)
@@ -193,7 +196,8 @@ def clear_process_sets() -> None:
 
 
 def _dynamic_enabled() -> bool:
-    return os.environ.get(N.HOROVOD_DYNAMIC_PROCESS_SETS, "").strip().lower() in ("1", "true", "yes")
+    raw = os.environ.get(N.HOROVOD_DYNAMIC_PROCESS_SETS, "")
+    return REGISTRY.dynamic or raw.strip().lower() in ("1", "true", "yes")
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -206,15 +210,16 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         The registered set (with its ``process_set_id``).
 
     Raises:
-        ValueError: dynamic process sets are not enabled (set ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), or the
-            ranks are invalid.
+        ValueError: dynamic process sets are not enabled (``hvd.init(process_sets="dynamic")`` or
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), or the ranks are invalid.
         CollectiveMismatchError: ranks passed different sets (a ``RuntimeError``, raised on every rank).
     """
     _state.topology()
     if not _dynamic_enabled():
         raise ValueError(
-            f"adding a process set after init requires {N.HOROVOD_DYNAMIC_PROCESS_SETS}=1 in the environment "
-            "of every rank (or pass the set to hvd.init(process_sets=[...]))"
+            f"adding a process set after init requires hvd.init(process_sets='dynamic') or "
+            f"{N.HOROVOD_DYNAMIC_PROCESS_SETS}=1 in the environment of every rank (or pass the set to "
+            "hvd.init(process_sets=[...]))"
         )
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     _agree([list(ps.ranks)], "add_process_set")

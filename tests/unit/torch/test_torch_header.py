@@ -111,9 +111,9 @@ def test_reduce_stack_in_rank_order() -> None:
     flags = torch.tensor([[True, False], [False, False]])
     assert R.reduce_stack(flags, R.Sum).tolist() == [True, False]
     assert R.reduce_stack(flags, R.Min).tolist() == [False, False]
-    t = torch.tensor([7, 9])
+    t = torch.tensor([7, 9, -7])
     R.finish_scale(t, R.Average, 2, 1.0)
-    assert t.tolist() == [3, 4]  # integer Average: floor division
+    assert t.tolist() == [3, 4, -3]  # integer Average: the quotient rounded toward zero (Horovod's)
 
 
 def test_bucket_plan_reverse_order_threshold_and_dtype_breaks() -> None:

@@ -40,7 +40,8 @@ def test_size_one_without_launcher(single: None) -> None:
     x = torch.arange(6.0).view(2, 3)
     assert torch.equal(hvd.allreduce(x), x) and torch.equal(hvd.allreduce(x, op=hvd.Sum, postscale_factor=2), 2 * x)
     assert torch.equal(hvd.allgather(x), x) and torch.equal(hvd.broadcast(x, 0), x)
-    out, received = hvd.alltoall(x)
+    assert torch.equal(hvd.alltoall(x), x)  # without splits: the tensor alone (Horovod)
+    out, received = hvd.alltoall(x, splits=[2])
     assert torch.equal(out, x) and received.tolist() == [2]
     assert torch.equal(hvd.reducescatter(x), x)
     assert hvd.broadcast_object({"a": 1}) == {"a": 1} and hvd.allgather_object(3) == [3]
