@@ -6,6 +6,10 @@ the mean time per call. Ratios: throughput = raw time / hvd time (>= 0.9 is the 
 latency = hvd time / raw time (<= 1.3 is the target at 4 KB). ``hvd.allreduce`` (a new tensor, Average) is
 compared with raw in-place ``dist.all_reduce`` and also with what raw code writes for the same result
 (``y = x.clone(); dist.all_reduce(y); y.div_(n)``): a fresh output buffer costs gloo itself more than the copy.
+
+Asynchrony (Horovod's ``allreduce_async_`` of 64 MB): how long the call takes to return (the collective runs
+on phalanx's background thread), and whether ``hvd.poll`` stayed False until the data had moved (checked
+against the expected sum at the first True).
 """
 
 from __future__ import annotations
@@ -65,8 +69,30 @@ def _bench(rounds: int) -> list[dict[str, float]]:
             ours_oop.append(_time(lambda x=x: hvd.allreduce(x), calls))
         rows.append({"bytes": nbytes, "raw": statistics.median(raw), "hvd_": statistics.median(ours),
                      "hvd": statistics.median(ours_oop), "raw_oop": statistics.median(raw_oop)})  # fmt: skip
+    rows.append(_async_figures(hvd, rounds))
     hvd.shutdown()
     return rows
+
+
+def _async_figures(hvd: Any, rounds: int) -> dict[str, float]:
+    """Median return time of a 64 MB ``allreduce_async_`` and whether ``poll`` was False until done."""
+    import torch
+
+    n = hvd.size()
+    returns, honest = [], 1.0
+    for i in range(rounds):
+        x = torch.full(((64 << 20) // 4,), float(i))
+        hvd.barrier()
+        start = time.perf_counter()
+        handle = hvd.allreduce_async_(x, op=hvd.Sum)
+        returns.append(time.perf_counter() - start)
+        first = hvd.poll(handle)
+        while not hvd.poll(handle):
+            time.sleep(0.0005)
+        moved = bool(x[-1].item() == i * n and x[0].item() == i * n)  # done means the data has moved
+        honest = min(honest, 1.0 if moved and not first else 0.0)
+        hvd.synchronize(handle)
+    return {"async_return": statistics.median(returns), "poll_honest": honest}
 
 
 def _fmt_size(nbytes: int) -> str:
@@ -80,6 +106,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     rows = phalanx.run(_bench, args=(args.rounds,), np=args.np)[0]
+    asynchrony = rows.pop()
     print(f"allreduce fp32, {args.np} ranks, gloo; median of {args.rounds} rounds (time per call)")
     print(f"{'size':>7} {'raw dist':>10} {'hvd.allreduce_':>15} {'hvd.allreduce':>14} "
           f"{'throughput ratio (in-place / new tensor)':>42} {'raw new tensor':>15} "
@@ -88,6 +115,8 @@ def main() -> None:
         print(f"{_fmt_size(int(r['bytes'])):>7} {r['raw'] * 1e3:>8.3f}ms {r['hvd_'] * 1e3:>13.3f}ms "
               f"{r['hvd'] * 1e3:>12.3f}ms {r['raw'] / r['hvd_']:>21.2f}x / {r['raw'] / r['hvd']:.2f}x "
               f"{r['raw_oop'] * 1e3:>14.3f}ms {r['raw_oop'] / r['hvd']:>16.2f}x")  # fmt: skip
+    print(f"allreduce_async_ 64 MB: returns in {asynchrony['async_return'] * 1e3:.3f} ms (median); poll() False "
+          f"until the data moved: {'yes' if asynchrony['poll_honest'] else 'NO'}")  # fmt: skip
 
 
 if __name__ == "__main__":

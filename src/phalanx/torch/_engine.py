@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _generations, _stall, _state, _trace
+from phalanx.torch import _background, _generations, _stall, _state, _trace
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
@@ -104,6 +104,7 @@ ENGINE = _Engine()
 def reset() -> None:
     """Forget every pending collective (``hvd.shutdown``)."""
     global ENGINE
+    _background.abandon("hvd.shutdown() was called before this *_async collective ran")
     ENGINE = _Engine()
     _stall.stop()
 
@@ -135,6 +136,7 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         ValueError: another in-flight collective on this rank has the same name, or this rank is not a
             member of the process set.
     """
+    _background.drain()  # queued *_async collectives first: the engine keeps this rank's order of issue
     groups = groups_of(process_set)
     name = coll.sig.name
     if name and name in ENGINE.inflight:
@@ -288,6 +290,7 @@ def _abandoned(entry: _Entry) -> bool:
 
 def flush() -> None:
     """Issue every pending payload (callers that use the data group directly call this first)."""
+    _background.drain()
     if ENGINE.queue:
         advance()
 
@@ -305,6 +308,7 @@ def poll(handle: int) -> bool:
     Raises:
         ValueError: the handle is unknown.
     """
+    _background.drain()
     entry = _lookup(handle)
     if entry.state == "negotiating":
         advance(block=False)
@@ -320,6 +324,7 @@ def synchronize(handle: int) -> Any:
         CollectiveMismatchError: the ranks disagreed about the collective (raised on every rank).
         ValueError: the handle is unknown.
     """
+    _background.drain()
     entry = _lookup(handle)
     try:
         if entry.state == "negotiating":

@@ -1,19 +1,25 @@
 """Asynchronous and in-place collectives (Horovod's ``*_async``, ``*_`` names), ``poll`` and ``synchronize``.
 
-Every function returns a handle at once; ``synchronize(handle)`` returns the result. Collectives run in the
-order each rank issues them (as in ``torch.distributed``); ranks that disagree about a collective get a
-``CollectiveMismatchError`` (a ``RuntimeError``) from ``synchronize`` on every rank.
+Every function returns a handle at once; the collective runs on the background thread (``_background``)
+and ``synchronize(handle)`` returns the result. Collectives run in the order each rank issues them (as in
+``torch.distributed``); ranks that disagree about a collective get a ``CollectiveMismatchError`` (a
+``RuntimeError``) from ``synchronize`` on every rank.
+
+Inside :func:`runs_inline` (the synchronous API: ``hvd.allreduce``, the autograd Functions, the helpers) the
+same functions hand the collective to the engine on the caller's thread instead: no thread switch.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
-from phalanx.torch import _engine, _state
+from phalanx.torch import _background, _engine, _state
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch._collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
@@ -21,6 +27,40 @@ from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 
 _GROUPS: dict[int, list[int]] = {}
 _GROUP_IDS = itertools.count(1 << 40)
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _Mode(threading.local):
+    inline = False  # the caller waits for the result at once: run on its thread
+
+
+_MODE = _Mode()
+
+
+def runs_inline(fn: _F) -> _F:
+    """Decorate a function that synchronizes the collectives it starts before returning: they run on the
+    caller's thread (see the module)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mode = _MODE
+        if mode.inline:
+            return fn(*args, **kwargs)
+        mode.inline = True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            mode.inline = False
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _start(coll: Any, ps: ProcessSet) -> int:
+    """Hand ``coll`` to the engine now (inline mode), or queue it for the background thread."""
+    if _MODE.inline or _background.in_worker():
+        return _engine.submit(coll, ps)
+    groups_of(ps)  # a rank outside the set fails here, at the call, not in synchronize()
+    return _background.start(lambda: _engine.run(coll, ps), coll.sig.name)
 
 
 def _sig(kind: str, name: str | None, tensor: torch.Tensor | None, ps: ProcessSet, **kw: Any) -> H.Signature:
@@ -49,7 +89,7 @@ def _allreduce_handle(
         kw.update(group_hash=H.group_hash(tensors) or 1, count=len(tensors))
     sig = _sig("allreduce", name, tensors[0] if tensors else None, ps, **kw)
     n, _ = _members(ps)
-    return _engine.submit(Allreduce(tensors, outputs, op, pre, post, n, sig), ps)
+    return _start(Allreduce(tensors, outputs, op, pre, post, n, sig), ps)
 
 
 def allreduce_async(
@@ -115,7 +155,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """Start an allgather along dim 0 (the first dimension may differ per rank); return a handle."""
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension; got a 0-d tensor")
-    return _engine.submit(Allgather(tensor, _sig("allgather", name, tensor, process_set)), process_set)
+    return _start(Allgather(tensor, _sig("allgather", name, tensor, process_set)), process_set)
 
 
 def _group(handles: list[int]) -> int:
@@ -136,7 +176,7 @@ def _broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, name: st
     if root_rank not in ranks:
         raise ValueError(f"root_rank={root_rank} is not a member of {ps!r} (ranks {list(ranks)})")
     sig = _sig("broadcast", name, tensor, ps, root=root_rank)
-    return _engine.submit(Broadcast(tensor, out, root_rank, sig), ps)
+    return _start(Broadcast(tensor, out, root_rank, sig), ps)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -172,7 +212,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
     n, index = _members(process_set)
     values = _splits(tensor, splits, n)
     sig = _sig("alltoall", name, tensor, process_set)
-    return _engine.submit(Alltoall(tensor, values, index, sig), process_set)
+    return _start(Alltoall(tensor, values, index, sig), process_set)
 
 
 def reducescatter_async(
@@ -187,7 +227,7 @@ def reducescatter_async(
     sig = _sig("reducescatter", name, tensor, process_set, op=op, prescale=prescale_factor,
                postscale=postscale_factor)  # fmt: skip
     coll = Reducescatter(tensor, op, prescale_factor, postscale_factor, index, n, sig)
-    return _engine.submit(coll, process_set)
+    return _start(coll, process_set)
 
 
 def grouped_reducescatter_async(
@@ -210,7 +250,9 @@ def poll(handle: int) -> bool:
     """
     subs = _GROUPS.get(handle)
     if subs is not None:
-        return all(_engine.poll(h) for h in subs)
+        return all(poll(h) for h in subs)
+    if _background.is_handle(handle):
+        return _background.poll(handle)
     return _engine.poll(handle)
 
 
@@ -223,7 +265,9 @@ def synchronize(handle: int) -> Any:
     """
     subs = _GROUPS.pop(handle, None)
     if subs is not None:
-        return [_engine.synchronize(h) for h in subs]
+        return [synchronize(h) for h in subs]
+    if _background.is_handle(handle):
+        return _background.wait(handle)
     return _engine.synchronize(handle)
 
 

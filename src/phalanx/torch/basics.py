@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx.timeline as timeline
-from phalanx.torch import _engine, _generations, _log, _malloc, _state
+from phalanx.torch import _background, _engine, _generations, _log, _malloc, _state
 from phalanx.torch import process_sets as P
 
 
@@ -43,6 +43,7 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | str | None = N
     _state.join_process_group()
     _malloc.tune()  # large tensors reuse heap memory instead of fresh page-faulted mmaps (PHALANX_MALLOC_TUNE)
     try:
+        _background.prepare()
         _engine.start_inspector()  # every rank clears its stall record before the first collective
         P.init_process_sets(None if isinstance(process_sets, str) else process_sets,
                             dynamic=process_sets == "dynamic")  # fmt: skip

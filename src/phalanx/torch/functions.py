@@ -24,6 +24,7 @@ def _dumps(obj: Any) -> bytes:
         return bytes(cloudpickle.dumps(obj))
 
 
+@A.runs_inline
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
     """Send a picklable object from ``root_rank`` to every member of the set.
@@ -48,6 +49,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     return obj if me == root_rank else pickle.loads(buf.numpy().tobytes())
 
 
+@A.runs_inline
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object from every member.
 
@@ -74,6 +76,7 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
     return [(str(k), v) for k, v in items]
 
 
+@A.runs_inline
 def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
     """Overwrite every member's parameters/buffers in place with the root's.
 
@@ -104,6 +107,7 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = 
                 offset += t.numel()
 
 
+@A.runs_inline
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:  # fmt: skip
     """Make every member's optimizer state (options and per-parameter state) equal to the root's.

@@ -135,6 +135,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
     return wait
 
 
+@A.runs_inline
 def allreduce(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
@@ -174,6 +175,7 @@ def _tracked(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad and torch.is_grad_enabled()
 
 
+@A.runs_inline
 def allreduce_(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
@@ -182,6 +184,7 @@ def allreduce_(
     return A.synchronize(A.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@A.runs_inline
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
@@ -199,6 +202,7 @@ def grouped_allreduce(
     return [compression.decompress(o, p[1]) for o, p in zip(outs, packed)]
 
 
+@A.runs_inline
 def grouped_allreduce_(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -209,6 +213,7 @@ def grouped_allreduce_(
     return A.synchronize(handle)
 
 
+@A.runs_inline
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Concatenate every member's tensor along dim 0 (first dimensions may differ); differentiable.
@@ -219,12 +224,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
+@A.runs_inline
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
     """Allgather each tensor; returns the list of results (differentiable)."""
     return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
+@A.runs_inline
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """Return ``root_rank``'s tensor (a global rank) on every member; differentiable."""
@@ -233,12 +240,14 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return A.synchronize(A.broadcast_async(tensor, root_rank, name, process_set))
 
 
+@A.runs_inline
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
     """In-place broadcast: ``tensor`` receives ``root_rank``'s values and is returned."""
     return A.synchronize(A.broadcast_async_(tensor, root_rank, name, process_set))
 
 
+@A.runs_inline
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
              process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
     """Send ``splits[i]`` rows of ``tensor`` to the i-th member and receive theirs; differentiable.
@@ -256,6 +265,7 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
+@A.runs_inline
 def reducescatter(
     tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
     op: int = R.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
@@ -271,6 +281,7 @@ def reducescatter(
     return compression.decompress(out, cctx)
 
 
+@A.runs_inline
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor], name: str | None = None, compression: type[Compressor] = Compression.none,
     op: int = R.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,

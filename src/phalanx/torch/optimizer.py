@@ -128,9 +128,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         by_id = {id(p): p for g in self.param_groups for p in g["params"]}
         self._parameter_names = {by_id[k]: name for k, name in self._names.items()}  # Horovod's attribute
         self._compression, self._bpps, self._ps = compression, bpps, ps
+        self._passes: dict[int, int] = {}
         self._op, self._predivide = op, predivide
         if not ps.included():  # as Horovod: a rank outside the set steps on its own gradients, no hooks
-            self._buckets, self._passes, self._next, self._hooks, self._early = [], {}, 0, [], None
+            self._buckets, self._next, self._hooks, self._early = [], 0, [], None
+            self._passes.clear()
             self._synchronized, self._should_sync = False, True
             return
         self._phalanx_groups = groups_of(ps)
@@ -143,7 +145,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         threshold = fusion_threshold_bytes(total, overlap)
         self._buckets = B.plan(params, threshold, _split(params, num_groups, groups))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
-        self._passes: dict[int, int] = {}
         self._next = 0
         self._synchronized = False
         self._should_sync = True

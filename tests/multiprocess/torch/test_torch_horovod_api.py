@@ -27,6 +27,9 @@ def _reinit_job() -> dict[str, Any]:
         hvd.init()  # idempotent
         out["ids"].append((hvd.rank(), hvd.size()))
         out["sums"].append(hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist())
+        if hvd.rank() == 1:  # joins last: every rank must say so in every generation (the current engine's
+            hvd.allreduce(torch.ones(3), name="served")  # round counts, not the first init's)
+        out.setdefault("last joined", []).append(hvd.join())
         hvd.shutdown()
         out["after shutdown"] = hvd.is_initialized()
     me = int(os.environ["RANK"])
@@ -54,6 +57,7 @@ def test_init_after_shutdown_and_a_peer_that_moved_on() -> None:
     reports = phalanx.run(_reinit_job, np=2, env={"PHALANX_STALL_CHECK_S": "1"})
     for r, report in enumerate(reports):
         assert report["ids"] == [(r, 2)] * 3 and report["sums"] == [[2.0] * 3] * 3
+        assert report["last joined"] == [1, 1, 1]
         assert report["after shutdown"] is False
         assert report["rejoined"] == [2.0, 2.0]
     assert reports[0]["moved on"] == "no error"

@@ -1,0 +1,169 @@
+"""The background thread that runs the ``*_async`` collectives (Horovod's asynchrony).
+
+``hvd.allreduce_async(t)`` and its kin queue the whole collective (negotiation and payload) as a *job* and
+return a handle at once; one daemon thread runs the jobs in issue order, so the engine still sees the
+collectives in the order this rank issued them, and ``poll`` is False until the job has moved the data.
+
+The synchronous calls (``hvd.allreduce``...) do not hand over to the thread: they run on the caller's thread
+(no thread switch on the fast path). Before any collective reaches the engine from outside a job,
+:func:`drain` waits for the queued jobs, so the engine is only ever used by one thread at a time and the
+order of issue is kept (a synchronous call after ``*_async`` runs after it, as on every other rank).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phalanx.errors import HorovodInternalError
+
+FIRST_HANDLE = 1 << 50  # background handles live above the engine's and the groups' (``async_ops``)
+
+
+@dataclass
+class Job:
+    """One queued collective and, once run, its outcome."""
+
+    run: Callable[[], Any]
+    name: str
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class _Runner:
+    """The queue, the thread and the jobs by handle; one instance, ``RUNNER``."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queue: deque[Job] = deque()
+        self.jobs: dict[int, Job] = {}
+        self.busy = 0  # jobs queued or running
+        self.next_handle = FIRST_HANDLE
+        self.thread: threading.Thread | None = None
+        self.inflight: set[str] = set()
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queue:
+                    self.cond.wait()
+                job = self.queue.popleft()
+            try:
+                job.result = job.run()
+            except BaseException as e:  # handed to synchronize(); the thread goes on with the next job
+                job.error = e
+            with self.cond:
+                self.busy -= 1
+                job.done.set()
+                self.cond.notify_all()
+
+
+RUNNER = _Runner()
+
+
+def _start_thread() -> None:
+    RUNNER.thread = threading.Thread(target=RUNNER._loop, name="phalanx-async", daemon=True)
+    RUNNER.thread.start()
+
+
+def prepare() -> None:
+    """Start the background thread if it is not running (``hvd.init``: the first ``*_async`` then returns
+    without paying for the thread's start)."""
+    with RUNNER.cond:
+        if RUNNER.thread is None:
+            _start_thread()
+
+
+def in_worker() -> bool:
+    """Whether the caller is the background thread (inside a job)."""
+    return threading.current_thread() is RUNNER.thread
+
+
+def start(run: Callable[[], Any], name: str) -> int:
+    """Queue ``run`` (a whole collective); returns its handle.
+
+    Raises:
+        ValueError: another queued or unsynchronized job has the same (non-empty) name.
+    """
+    runner = RUNNER
+    with runner.cond:
+        if name and name in runner.inflight:
+            raise ValueError(
+                f"a collective named {name!r} is already in flight; synchronize() it first or give the new "
+                "one a different name="
+            )
+        if runner.thread is None:
+            _start_thread()
+        job = Job(run, name)
+        handle = runner.next_handle
+        runner.next_handle += 1
+        runner.jobs[handle] = job
+        if name:
+            runner.inflight.add(name)
+        runner.queue.append(job)
+        runner.busy += 1
+        runner.cond.notify_all()
+    return handle
+
+
+def is_handle(handle: int) -> bool:
+    """Whether ``handle`` came from :func:`start`."""
+    return handle >= FIRST_HANDLE
+
+
+def poll(handle: int) -> bool:
+    """Whether the job has finished (never blocks).
+
+    Raises:
+        ValueError: the handle is unknown or was already synchronized.
+    """
+    return _job(handle).done.is_set()
+
+
+def wait(handle: int) -> Any:
+    """Wait for the job and return its result (or raise its error); forgets the handle."""
+    job = _job(handle)
+    job.done.wait()
+    with RUNNER.cond:
+        RUNNER.jobs.pop(handle, None)
+        RUNNER.inflight.discard(job.name)
+    if job.error is not None:
+        raise job.error
+    return job.result
+
+
+def _job(handle: int) -> Job:
+    job = RUNNER.jobs.get(handle)
+    if job is None:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return job
+
+
+def drain() -> None:
+    """Wait until every queued job has run (a no-op on the background thread and when nothing is queued)."""
+    runner = RUNNER
+    if not runner.busy or in_worker():
+        return
+    with runner.cond:
+        while runner.busy:
+            runner.cond.wait()
+
+
+def abandon(reason: str) -> None:
+    """Fail the jobs not started yet with ``reason`` and wait for the running one (``hvd.shutdown``); the
+    results of finished jobs are forgotten."""
+    runner = RUNNER
+    with runner.cond:
+        while runner.queue:
+            job = runner.queue.popleft()
+            job.error = HorovodInternalError(reason)
+            runner.busy -= 1
+            job.done.set()
+    drain()
+    with runner.cond:
+        runner.jobs.clear()
+        runner.inflight.clear()
