@@ -3,11 +3,12 @@
 Every parameter name of ``horovod.run`` is accepted. The ones phalanx has are passed on (``num_proc`` is
 ``np``, ``min_num_proc`` / ``max_num_proc`` the elastic bounds...). The deprecated ``np`` / ``min_np`` /
 ``max_np`` / ``network_interface`` warn with ``DeprecationWarning`` as in Horovod; ``hostfile`` (Horovod's
-``host slots=N`` lines) becomes ``hosts``. A parameter that changes nothing here (``use_mpi``,
-``cooldown_range``, ``disable_cache``; the ssh options when every host is this machine) warns once, naming
-itself and the reason; one phalanx cannot honour (``slots``, ssh options for remote hosts, another
-``executable``) raises :class:`~phalanx.errors.InvalidArgumentError` before any process starts, unless
-:func:`phalanx.run` accepts it.
+``host slots=N`` lines) becomes ``hosts``; a parameter :func:`phalanx.run` takes goes to it as it is
+(``ssh_port``, ``ssh_identity_file``, ``network_interfaces``). One that changes nothing here (``use_mpi``,
+``cooldown_range``, ``disable_cache``) warns once, naming itself and the reason; one phalanx cannot honour
+(``slots``, another ``executable``) raises :class:`~phalanx.errors.InvalidArgumentError` before any process
+starts. (Were ``phalanx.run`` without the ssh options, they would warn when every host is this machine and
+raise for others.)
 """
 
 from __future__ import annotations

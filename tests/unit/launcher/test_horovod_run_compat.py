@@ -123,3 +123,26 @@ def test_parameters_phalanx_run_takes_are_passed_through(calls: list[dict[str, A
     monkeypatch.setattr("phalanx.run", run_with_ssh)
     assert horovod_run.run(_train, (1,), num_proc=1, ssh_port=2222) == [1]
     assert calls == [{"ssh_port": 2222}]
+
+
+def test_phalanx_runs_own_ssh_options_receive_horovods(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    import phalanx.launch.api as api
+
+    accepted = inspect.signature(api.run).parameters
+    assert {"ssh_port", "ssh_identity_file", "network_interfaces"} <= set(accepted)
+    seen: dict[str, Any] = {}
+
+    def spy(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1,
+            **options: Any) -> list[Any]:  # fmt: skip
+        seen.update(options)
+        return [fn(*args)]
+
+    spy.__signature__ = inspect.signature(api.run)  # type: ignore[attr-defined]
+    monkeypatch.setattr("phalanx.run", spy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        horovod_run.run(_train, (1,), num_proc=1, ssh_port=2222, ssh_identity_file="id",
+                        network_interfaces=["eth1"])  # fmt: skip
+    assert (seen["ssh_port"], seen["ssh_identity_file"], seen["network_interfaces"]) == (2222, "id", ["eth1"])
