@@ -72,6 +72,40 @@ def test_lightning_under_torch_distributor() -> None:
     assert load_example("lightning_digits").main(["--epochs", EPOCHS]) > FLOOR
 
 
+LIGHTNING_SUMMARY = (r"\[0\]<stdout>:test accuracy: ([0-9.]+); synced validation accuracy: ([0-9.]+); "
+                     r"weights identical on 2 ranks: True; checkpoint: (\S+)")
+
+
+@pytest.mark.timeout(240)
+def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
+    """Horovod's Lightning guide: ``Trainer(strategy="horovod")`` in a script that never imports phalanx."""
+    pytest.importorskip("lightning")
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.run(
+        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "lightning_horovod_digits.py"),
+         "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = re.search(LIGHTNING_SUMMARY, proc.stdout)
+    assert found is not None, proc.stdout[-3000:]
+    assert float(found.group(1)) > FLOOR and float(found.group(2)) > FLOOR
+    assert found.group(3) == str(tmp_path / "lightning_horovod_ckpt" / "digits.ckpt") and Path(found.group(3)).is_file()
+    assert "[1]<stdout>:test accuracy" not in proc.stdout  # rank 0 reports
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", [["--flavour", "pytorch_lightning"], ["--script"]], ids=["function", "script"])
+def test_lightning_horovod_under_torch_distributor(how: list[str], tmp_path: Path) -> None:
+    """One epoch each (the full run is the phalanxrun test's): the function with pytorch_lightning, the script."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("pytorch_lightning")
+    result = load_example("lightning_horovod_digits").main(
+        ["--launcher", "distributor", "--epochs", "1", "--ckpt-dir", str(tmp_path), *how])
+    assert result["size"] == 2 and result["weights_agree"]
+    assert result["accuracy"] > 0.5  # one epoch; chance is 0.1
+    assert (tmp_path / "digits.ckpt").is_file()
+
+
 KERAS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 

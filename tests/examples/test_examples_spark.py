@@ -53,6 +53,26 @@ def test_torch_distributor_ddp_function_on_spark(local_spark: Any) -> None:
     assert load_example("torch_distributor_ddp").main(["--spark", "--epochs", EPOCHS]) > FLOOR
 
 
+@pytest.mark.timeout(240)
+def test_lightning_horovod_runner_on_spark(local_spark: Any, tmp_path: Path) -> None:
+    """HorovodRunner(np=2) running Trainer(strategy="horovod") in 2 barrier tasks; rank 0's checkpoint."""
+    pytest.importorskip("lightning")
+    result = load_example("lightning_horovod_digits").main(
+        ["--launcher", "horovodrunner", "--np", "2", "--epochs", EPOCHS, "--ckpt-dir", str(tmp_path)])
+    assert result["size"] == 2 and result["weights_agree"]
+    assert result["accuracy"] > FLOOR and result["val_acc"] > FLOOR
+    assert result["checkpoint"] == str(tmp_path / "digits.ckpt") and (tmp_path / "digits.ckpt").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_lightning_horovod_under_phalanx_spark_run(local_spark: Any, tmp_path: Path) -> None:
+    """horovod.spark.run's form (every rank's result, rank order); one epoch, pytorch_lightning."""
+    pytest.importorskip("pytorch_lightning")
+    result = load_example("lightning_horovod_digits").main(
+        ["--launcher", "spark-run", "--epochs", "1", "--flavour", "pytorch_lightning", "--ckpt-dir", str(tmp_path)])
+    assert result["size"] == 2 and result["weights_agree"] and result["accuracy"] > 0.5
+
+
 @pytest.mark.timeout(180)
 def test_keras_horovod_runner_on_spark(local_spark: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """HorovodRunner(np=2) with Keras: identical weights, accuracy floor, LogCallback lines on the driver."""
