@@ -53,7 +53,7 @@ def test_torch_distributor_ddp_function_on_spark(local_spark: Any) -> None:
     assert load_example("torch_distributor_ddp").main(["--spark", "--epochs", EPOCHS]) > FLOOR
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)  # includes the session fixture when run alone
 def test_lightning_horovod_runner_on_spark(local_spark: Any, tmp_path: Path) -> None:
     """HorovodRunner(np=2) running Trainer(strategy="horovod") in 2 barrier tasks; rank 0's checkpoint."""
     pytest.importorskip("lightning")
