@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/phalanx/*/*.pth)
 	$(PIP) install --upgrade pip
 	# torch first, pinned: an open range would pull a multi-GB CUDA build.
 	$(PIP) install -c constraints-dev.txt torch
-	# TensorFlow (phalanx[tensorflow], ~1.5 GB, ~30 s): make test covers phalanx.tensorflow.keras too.
-	$(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow]"
+	# TensorFlow (phalanx[tensorflow], ~1.5 GB, ~30 s) and the Spark Connect client (phalanx[connect]):
+	# make test covers phalanx.tensorflow.keras and phalanx.spark on a Connect session too.
+	$(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -7,7 +7,12 @@ N runs each is printed with phalanx's time as a ratio of theirs (target <= 0.25x
 twice: as a user meets it (ranks forked from the executors' warm-start templates after the first job)
 and with every rank a fresh interpreter (``PHALANX_WARM_START=0``, what the first job of a driver pays).
 
-pyspark's TorchDistributor needs pandas and pyarrow (``make bench`` installs them); phalanx does not.
+The same two launchers then run on a Spark Connect session (a ``local[2]`` Connect server started in this
+process once the classic session is stopped; target <= 0.3x): phalanx's query hosts the job in rank 0's
+task, pyspark's hosts torchrun's rendezvous there.
+
+pyspark's TorchDistributor needs pandas and pyarrow (``make bench`` installs them); phalanx does not on a
+classic session, and on Connect both need them (``phalanx[connect]``).
 
     .venv/bin/python bench/spark_launch.py [--runs 5]
 """
@@ -68,16 +73,61 @@ def run_theirs() -> None:
 
 
 
+def start_connect() -> None:
+    """Stop the classic session, start a local[2] Spark Connect server on a free port, connect to it."""
+    import socket
+
+    from pyspark.sql import SparkSession
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # remote("local[2]") would bind the fixed port 15002, which other runs on the machine may hold.
+    RemoteSession._start_connect_server("local[2]", {
+        "spark.connect.grpc.binding.port": str(port), "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false", "spark.driver.host": "127.0.0.1"})
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # what remote() sets: pyspark's is_remote()
+    RemoteSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
+
+
+def compare(label: str, runs: int, target: float) -> None:
+    """Warm up both launchers, then alternate them ``runs`` times; print medians and ratios."""
+    warmup = {"phalanx": timed(run_phalanx), "TorchDistributor": timed(run_theirs)}
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(runs):
+        ours.append(timed(run_phalanx))
+        theirs.append(timed(run_theirs))
+    print(f"{label}: warm-up runs (not counted): {', '.join(f'{k} {v:.2f} s' for k, v in warmup.items())}")
+    for name, times in (("phalanx.spark TorchDistributor", ours), ("pyspark TorchDistributor", theirs)):
+        print(f"{label}: {name:32s} median {statistics.median(times):6.3f} s  runs {[round(t, 2) for t in times]}")
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"{label}: ratio phalanx / pyspark TorchDistributor: {ratio:.3f}x  (target <= {target}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--connect-only", action="store_true", help="only the Spark Connect rows")
     args = parser.parse_args()
+    if not args.connect_only:
+        classic(args.runs)
+    start_connect()
+    compare("Spark Connect", args.runs, 0.3)
+
+
+def classic(runs: int) -> None:
+    """The classic-session rows: phalanx warm and cold vs pyspark's TorchDistributor."""
     start_spark()
     warmup = {"phalanx": timed(run_phalanx), "TorchDistributor": timed(run_theirs)}
     ours: list[float] = []
     cold: list[float] = []
     theirs: list[float] = []
-    for _ in range(args.runs):
+    for _ in range(runs):
         ours.append(timed(run_phalanx))
         cold.append(timed(run_phalanx_cold))
         theirs.append(timed(run_theirs))

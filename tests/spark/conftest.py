@@ -202,3 +202,55 @@ def _wait_for_slots(spark: Any, slots: int) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the standalone cluster did not offer {slots} slots in {SPARK_START_TIMEOUT_S} s")
         time.sleep(0.2)
+
+
+
+_CONNECT_ENV = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_LOCAL_REMOTE", "SPARK_REMOTE", "SPARK_CONNECT_AUTHENTICATE_TOKEN")
+
+
+def start_connect_server(master: str) -> int:
+    """Start a Spark Connect server in this process (``master``, its executors running this interpreter) on a
+    free port; return the port.
+
+    ``remote("local[2]")`` would do the same on the fixed port 15002, which concurrent test runs on one
+    machine fight over (the loser's client talks to the winner's server).
+    """
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    port = _free_port()
+    os.environ["PYSPARK_PYTHON"] = sys.executable  # the server's python workers
+    RemoteSession._start_connect_server(master, {
+        "spark.connect.grpc.binding.port": str(port), "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false", "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1"})
+    return port
+
+
+@pytest.fixture(scope="module")
+def connect_spark() -> Iterator[Any]:
+    """A Spark Connect session on a ``local[2]`` Connect server, for one test module.
+
+    The server runs in this process (its JVM and executors are ours, as for ``local_spark``). Connect mode
+    is process-wide in pyspark (environment variables): they are removed again so that later modules get
+    classic sessions.
+    """
+    from pyspark import SparkContext
+    from pyspark.sql.connect.session import SparkSession as RemoteSession
+
+    saved = os.environ.get("PYSPARK_PYTHON")
+    port = start_connect_server("local[2]")
+    os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # what remote() sets: pyspark's is_remote()
+    spark = RemoteSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
+    try:
+        spark.range(0, 2, 1, 2).collect()  # starts the python daemons before any test's process snapshot
+        yield spark
+    finally:
+        spark.stop()
+        if SparkContext._active_spark_context is not None:
+            stop_spark(SparkContext._active_spark_context)
+        for key in _CONNECT_ENV:
+            os.environ.pop(key, None)
+        if saved is None:
+            os.environ.pop("PYSPARK_PYTHON", None)
+        else:
+            os.environ["PYSPARK_PYTHON"] = saved

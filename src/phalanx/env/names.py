@@ -101,6 +101,10 @@ PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"
 #: "0" turns warm starts (ranks forked from a pre-imported template) off.
 PHALANX_WARM_START = "PHALANX_WARM_START"
 
+#: Spark Connect: the address the executors reach this client at (for live logs); default: the local address
+#: of the route to the Connect server.
+PHALANX_CONNECT_CLIENT_HOST = "PHALANX_CONNECT_CLIENT_HOST"
+
 # --- Spark: the interpreter executors run, and the GPUs a rank may use (from the task's resources).
 PYSPARK_PYTHON = "PYSPARK_PYTHON"
 # The name / address Spark gives an executor's host; phalanx groups ranks into local ranks by it.

@@ -56,6 +56,8 @@ class MonitorConfig:
         stop_wait_s: after a failure, seconds to wait for the other ranks to go.
         rank_hosts: the host of each rank when the job spans several machines (failures name it); empty
             for a job on one machine.
+        raw_results: return each rank's result as the bytes it sent (a launcher that runs away from the
+            user's code, e.g. in a Spark Connect task, leaves unpickling to the client).
     """
 
     world_size: int
@@ -65,6 +67,7 @@ class MonitorConfig:
     start_timeout_hint: str
     stop_wait_s: float = 10.0
     rank_hosts: tuple[str, ...] = ()
+    raw_results: bool = False
 
 
 @dataclass
@@ -202,10 +205,9 @@ class JobMonitor:
             secondary=secondary,
         )
 
-    @staticmethod
-    def _load(rank: int, state: _RankState) -> Any:
-        if state.result is None:
-            return None
+    def _load(self, rank: int, state: _RankState) -> Any:
+        if state.result is None or self.config.raw_results:
+            return state.result
         try:
             return cloudpickle.loads(state.result)
         except Exception as e:

@@ -10,12 +10,14 @@ from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
+from phalanx.spark.connect import ConnectLauncher
+from phalanx.spark.connect_session import conf, is_connect
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
-from phalanx.spark.session import every_slot, spark_context, wait_for_slots
+from phalanx.spark.session import every_slot, spark_target, wait_for_slots
 from phalanx.spark.shipping import spark_payload
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
+    pass
 
 log = logging.getLogger("phalanx")
 
@@ -24,9 +26,11 @@ IGNORED_RUN_ARGS = frozenset({
     "extra_mpi_args", "use_mpi", "use_gloo", "nics", "prefix_output_with_timestamp", "executable",
 })
 _START_HINT = start_timeout_hint("start_timeout=")
+#: A classic launcher, or the one of a Spark Connect session (same attributes: values, log_dir, ...).
+AnyLauncher = SparkLauncher | ConnectLauncher
 
 
-def check_gpu_conf(sc: SparkContext, use_gpu: bool) -> None:
+def check_gpu_conf(sc: Any, use_gpu: bool) -> None:
     """Refuse ``use_gpu=True`` on a cluster whose tasks are given no GPU, before anything starts.
 
     Raises:
@@ -34,33 +38,38 @@ def check_gpu_conf(sc: SparkContext, use_gpu: bool) -> None:
     """
     if not use_gpu:
         return
-    amount = sc.getConf().get("spark.task.resource.gpu.amount")
+    key = "spark.task.resource.gpu.amount"
+    amount, master = (conf(sc, key), conf(sc, "spark.master")) if is_connect(sc) else (sc.getConf().get(key), sc.master)
     try:
         ok = amount is not None and float(amount) > 0
     except ValueError:
         ok = False
     if not ok:
         raise InvalidArgumentError(
-            f"use_gpu=True but this Spark cluster ({sc.master}) gives its tasks no GPU "
+            f"use_gpu=True but this Spark cluster ({master}) gives its tasks no GPU "
             f"(spark.task.resource.gpu.amount={amount!r}); set spark.task.resource.gpu.amount=1 and "
             "spark.executor.resource.gpu.amount (with spark.executor.resource.gpu.discoveryScript), or pass "
             "use_gpu=False to train on CPUs"
         )
 
 
-def launch_spark(spec: SparkJobSpec, sc: SparkContext, launcher: SparkLauncher | None = None) -> SparkLauncher:
+def launch_spark(spec: SparkJobSpec, sc: Any, launcher: AnyLauncher | None = None) -> AnyLauncher:
     """Check the slots, then run the job; return the finished launcher (values in ``.values``).
 
     Args:
         spec: the job.
-        sc: the SparkContext.
-        launcher: the launcher to run (an elastic one); default a plain :class:`SparkLauncher`.
+        sc: the SparkContext, or a Spark Connect session (:mod:`phalanx.spark.connect`).
+        launcher: the launcher to run (an elastic one); default a plain :class:`SparkLauncher` (or
+            :class:`~phalanx.spark.connect.ConnectLauncher` on a Connect session).
 
     Raises:
         SlotsUnavailableError, WorkerFailedError, StartTimeoutError, SparkJobError.
     """
-    wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint)
-    launcher = launcher or SparkLauncher(spec, sc)
+    if is_connect(sc):
+        launcher = launcher or ConnectLauncher(spec, sc)
+    else:
+        wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint)
+        launcher = launcher or SparkLauncher(spec, sc)
     try:
         launcher.run()
     except WorkerFailedError as e:
@@ -75,7 +84,7 @@ def launch_spark(spec: SparkJobSpec, sc: SparkContext, launcher: SparkLauncher |
     return launcher
 
 
-def _note_logs(launcher: SparkLauncher, e: BaseException) -> None:
+def _note_logs(launcher: AnyLauncher, e: BaseException) -> None:
     if launcher.log_dir is not None:
         note = f"Full output of every rank: {launcher.log_dir}/rank.N/{{stdout,stderr}}"
         log.error("phalanx: %s", note)
@@ -136,8 +145,9 @@ def run(
 
 def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, num_proc: int | None,
              start_timeout: float | None, env: Mapping[str, str] | None, stdout: IO[str] | None,
-             stderr: IO[str] | None, verbose: int, compat: Mapping[str, object]) -> tuple[SparkJobSpec, SparkContext]:
-    """Validate :func:`run`'s arguments and build its job; return it with the SparkContext to run it on.
+             stderr: IO[str] | None, verbose: int, compat: Mapping[str, object]) -> tuple[SparkJobSpec, Any]:
+    """Validate :func:`run`'s arguments and build its job; return it with the SparkContext (or the Spark
+    Connect session) to run it on.
 
     Raises:
         InvalidArgumentError, PayloadError: see :func:`run`.
@@ -148,7 +158,7 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     payload = spark_payload(fn, tuple(args), dict(kwargs or {}))
     if verbose >= 2:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
-    sc = spark_context()
+    sc = spark_target()
     np = validate_np(num_proc, "num_proc") if num_proc is not None else every_slot(sc, timeout, _START_HINT)
     spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout,
                         start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,

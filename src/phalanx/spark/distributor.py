@@ -22,7 +22,7 @@ from phalanx.launch.warm import preload_for
 from phalanx.spark.api import check_gpu_conf
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.launcher import SparkJobSpec
-from phalanx.spark.session import spark_context
+from phalanx.spark.session import spark_target
 from phalanx.spark.shipping import spark_payload
 
 _START_HINT = start_timeout_hint(None)
@@ -127,7 +127,7 @@ class TorchDistributor:
 
     def _spark(self, payload: bytes, command: tuple[str, ...] | None,
                preload: tuple[str, ...] | None = None) -> Any:
-        sc = spark_context()
+        sc = spark_target()
         check_gpu_conf(sc, self.use_gpu)
         name = Path(command[0]).name if command else "function"
         spec = SparkJobSpec(

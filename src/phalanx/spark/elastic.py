@@ -14,17 +14,16 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, SparkJobError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, validate_np
-from phalanx.spark.api import launch_spark, run_spec
+from phalanx.spark.api import AnyLauncher, launch_spark, run_spec
+from phalanx.spark.connect import ConnectLauncher
+from phalanx.spark.connect_session import is_connect
 from phalanx.spark.elastic_launcher import ElasticSparkLauncher
-from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
-
-if TYPE_CHECKING:
-    from pyspark import SparkContext
+from phalanx.spark.launcher import SparkJobSpec
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def elastic_options(min_np: object = None, max_np: object = None, reset_limit: o
     return ElasticOptions(lo, hi, limit, ckpt)
 
 
-def launch(spec: SparkJobSpec, sc: SparkContext, options: ElasticOptions | None) -> SparkLauncher:
+def launch(spec: SparkJobSpec, sc: Any, options: ElasticOptions | None) -> AnyLauncher:
     """Run ``spec``: elastically with ``options``, else as a plain job (:func:`~phalanx.spark.api.launch_spark`)."""
     return launch_elastic(spec, sc, options) if options is not None else launch_spark(spec, sc)
 
@@ -100,7 +99,7 @@ def local_elastic_kwargs(options: ElasticOptions | None) -> dict[str, Any]:
             "env": options.env({})}
 
 
-def launch_elastic(spec: SparkJobSpec, sc: SparkContext, options: ElasticOptions) -> SparkLauncher:
+def launch_elastic(spec: SparkJobSpec, sc: Any, options: ElasticOptions) -> AnyLauncher:
     """Run ``spec`` elastically; return the launcher of the attempt that completed.
 
     Raises:
@@ -116,7 +115,8 @@ def launch_elastic(spec: SparkJobSpec, sc: SparkContext, options: ElasticOptions
     while True:
         elastic = elastic_spec(spec.np, options.min_np, options.max_np, remaining, spec.env)
         assert elastic is not None
-        launcher = ElasticSparkLauncher(spec, sc, elastic)
+        launcher: ElasticSparkLauncher | ConnectLauncher = (
+            ConnectLauncher(spec, sc, elastic) if is_connect(sc) else ElasticSparkLauncher(spec, sc, elastic))
         started = time.monotonic()
         try:
             return launch_spark(spec, sc, launcher)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.env import names as N
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
+from phalanx.spark import connect_session
+from phalanx.spark.connect_session import active_connect_session, is_connect
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -33,6 +35,16 @@ _EMBEDDED_CONF = {
     "spark.scheduler.barrier.maxConcurrentTasksCheck.maxFailures": "1",
     "spark.scheduler.barrier.maxConcurrentTasksCheck.interval": "1s",
 }
+
+
+def spark_target() -> Any:
+    """Where a job runs: the active Spark Connect session when there is one, else :func:`spark_context`.
+
+    Raises:
+        InvalidArgumentError: pyspark is not installed.
+    """
+    session = active_connect_session()
+    return session if session is not None else spark_context()
 
 
 def spark_context() -> SparkContext:
@@ -165,9 +177,13 @@ def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str) -> in
 def every_slot(sc: SparkContext, timeout_s: float, knob: str) -> int:
     """The number of task slots, for "one rank per slot" (``num_proc=None``, ``np=0``).
 
-    Waits up to ``timeout_s`` for a first executor to join a cluster that has none yet.
+    Waits up to ``timeout_s`` for a first executor to join a cluster that has none yet. On a Spark
+    Connect session the number comes from the session's settings.
 
     Raises:
         SlotsUnavailableError: still no slot after ``timeout_s``.
+        InvalidArgumentError: a Connect session whose settings do not give the number.
     """
+    if is_connect(sc):
+        return connect_session.every_slot(sc)
     return wait_for_slots(sc, 1, timeout_s, knob)

@@ -1,0 +1,230 @@
+"""The client side of a job on a Spark Connect session.
+
+A Connect client has no SparkContext and may be unreachable from the executors, so the job is one
+``mapInArrow(task, SCHEMA, barrier=True)`` query over ``np`` one-row partitions whose rank 0 task hosts
+the job (:mod:`phalanx.spark.connect_task`). The client opens an authenticated log link; rank 0's task
+tries it for :data:`LINK_PROBE_S` seconds: reached, the logs stream live as in a classic job; not, they
+return at the end with the outcome. Results and errors always return through the query result, so
+whatever the network allows, the job ends with rank 0's value or the root-cause error, and its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import queue
+import tempfile
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import cloudpickle
+
+from phalanx.errors import PayloadError, SparkJobError
+from phalanx.job.channel import Closed, Custom, DriverChannel
+from phalanx.job.logs import FileSink, LogSink
+from phalanx.job.records import LogLine, Stream
+from phalanx.launch.core import DRAIN_WAIT_S, new_run_id
+from phalanx.launch.elastic import ElasticSpec
+from phalanx.spark import connect_wire as W
+from phalanx.spark.connect_session import check_slots, client_host
+from phalanx.spark.connect_task import ConnectTaskSpec, connect_task
+from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
+
+log = logging.getLogger("phalanx")
+
+#: Seconds rank 0's task tries to reach the client's log link before it keeps the logs for the end.
+LINK_PROBE_S = 3.0
+_SPARK_ERROR_LINES = 30
+_STREAMS = {"stdout": Stream.STDOUT, "stderr": Stream.STDERR}
+
+
+@dataclass
+class _Sinks:
+    """Where the client writes log records, as the classic launcher does for its console setting."""
+
+    console: StreamSink
+    files: FileSink | None
+
+    def write(self, record: W.LogRecord) -> None:
+        rank, kind, text = record
+        line = LogLine(rank=int(rank), stream=_STREAMS.get(kind, Stream.STDOUT), text=str(text))
+        targets: list[LogSink] = [self.files] if self.files is not None else []
+        if kind == "message" or self.files is None:
+            targets.append(self.console)
+        for sink in targets:
+            sink.write(line)
+
+    def flush(self) -> None:
+        for sink in (self.console, self.files):
+            if sink is not None:
+                sink.flush()
+
+
+class ConnectLauncher:
+    """Runs one job on a Spark Connect session; use :meth:`run` once.
+
+    Has the attributes the entry points read from a classic launcher: ``values``, ``rank0_stdout``,
+    ``log_dir``, ``spark_error`` and ``resets``.
+
+    Args:
+        spec: the job.
+        session: the Spark Connect ``SparkSession``.
+        elastic: the elastic policy, or None for a plain job.
+    """
+
+    def __init__(self, spec: SparkJobSpec, session: Any, elastic: ElasticSpec | None = None) -> None:
+        self.spec = spec
+        self.session = session
+        self.elastic = elastic
+        self.run_id = new_run_id()
+        self.values: list[Any] = []
+        self.rank0_stdout = Rank0Stdout()
+        self.log_dir: str | None = None
+        self.spark_error: SparkJobError | None = None
+        self.resets = 0
+        self._collected: W.Collected | None = None
+        self._failure: BaseException | None = None
+        self._live = False
+        self._secret = ""
+
+    def run(self) -> list[Any]:
+        """Run the job to its end; return each rank's value (None for a command job) in rank order.
+
+        Raises:
+            SlotsUnavailableError: the session's settings say the cluster cannot run ``np`` tasks at once.
+            WorkerFailedError, StartTimeoutError: as for a classic job (root cause first).
+            SparkJobError: Spark failed the query (a task or executor died, or Spark refused the stage).
+        """
+        check_slots(self.session, self.spec.np)
+        sinks = self._sinks()
+        link = DriverChannel(1, b"", bind_host="0.0.0.0", advertise_host=client_host(self.session))
+        self._secret = link.secret  # authenticates the log link and signs the outcome
+        tag = f"phalanx-{self.run_id}"
+        try:
+            query = self._query(link)
+            log.info("phalanx: Spark Connect session: job %s runs its rendezvous in rank 0's task; its logs stream "
+                     "live if the executors reach this client at %s within %g s, else they return with the "
+                     "result", self.run_id, link.address, LINK_PROBE_S)
+            thread = threading.Thread(target=self._collect, args=(query, tag), name="phalanx-connect", daemon=True)
+            thread.start()
+            self._pump(link, sinks, thread, tag)
+        finally:
+            link.close()
+            if sinks.files is not None:
+                sinks.files.close()
+        return self._finish(sinks)
+
+    def _sinks(self) -> _Sinks:
+        console = StreamSink(self.spec.stdout, self.spec.stderr)
+        if self.spec.console == "all":
+            return _Sinks(console, None)
+        self.log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}-logs-")
+        log.info("phalanx: full logs of every rank in %s", self.log_dir)
+        return _Sinks(console, FileSink(self.log_dir))
+
+    def _query(self, link: DriverChannel) -> Any:
+        spec = ConnectTaskSpec(job=replace(self.spec, stdout=None, stderr=None), run_id=self.run_id,
+                               elastic=self.elastic, client=link.address, secret=link.secret, probe_s=LINK_PROBE_S)
+        np = self.spec.np
+        return self.session.range(0, np, 1, np).mapInArrow(connect_task(spec), W.SCHEMA, barrier=True)
+
+    def _collect(self, query: Any, tag: str) -> None:
+        self.session.addTag(tag)  # tags are the thread's: this query only
+        try:
+            self._collected = W.assemble(query.collect())
+        except BaseException as e:  # reported by the caller's thread
+            self._failure = e
+        finally:
+            self.session.removeTag(tag)
+
+    def _pump(self, link: DriverChannel, sinks: _Sinks, thread: threading.Thread, tag: str) -> None:
+        """Write live log records until the query ended and the link (if any) is read out."""
+        try:
+            while thread.is_alive():
+                self._read_link(link, sinks, 0.1)
+        except BaseException:
+            self.session.interruptTag(tag)  # Ctrl-C: Spark kills the tasks, their workers die with them
+            thread.join(DRAIN_WAIT_S)
+            raise
+        while self._live and self._read_link(link, sinks, DRAIN_WAIT_S):
+            pass
+
+    def _read_link(self, link: DriverChannel, sinks: _Sinks, timeout: float) -> bool:
+        """Handle one event of the log link; False when it closed or nothing came within ``timeout``."""
+        try:
+            event = link.events.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if isinstance(event, Closed):
+            self._live = False
+            return False
+        if isinstance(event, Custom):
+            if not self._live:
+                self._live = True
+                log.info("phalanx: logs stream live: rank 0's task reached this client at %s", link.address)
+            for record in json.loads(event.body).get("logs", []):
+                sinks.write(tuple(record))
+            sinks.flush()
+        return True
+
+    def _finish(self, sinks: _Sinks) -> list[Any]:
+        if self._failure is not None:
+            raise self._spark_failed(self._failure)
+        assert self._collected is not None
+        if self._collected.outcome is None:
+            raise self._spark_failed(SparkJobError(_status_errors(self._collected.statuses) or "no outcome"))
+        outcome = W.verify(self._collected.outcome, self._secret)
+        self._show_logs(outcome, sinks)
+        self.resets = outcome.resets
+        self.rank0_stdout.lines = list(outcome.rank0_stdout)
+        if outcome.error is not None:
+            error = pickle.loads(outcome.error)
+            notes = _status_errors(self._collected.statuses)
+            if notes and hasattr(error, "add_note"):
+                error.add_note(notes)
+            raise error
+        self.values = [_load(rank, raw) for rank, raw in enumerate(outcome.values or [])]
+        return self.values
+
+    def _show_logs(self, outcome: W.Outcome, sinks: _Sinks) -> None:
+        if outcome.link and (outcome.logs or outcome.dropped):
+            log.info("phalanx: logs returned with the result: %s", outcome.link)
+        for record in outcome.logs:
+            sinks.write(record)
+        if outcome.dropped:
+            log.warning("phalanx: %d log record(s) of job %s were dropped: more than the return budget, and the "
+                        "client was not reachable to stream them", outcome.dropped, self.run_id)
+        sinks.flush()
+
+    def _spark_failed(self, error: BaseException) -> BaseException:
+        if isinstance(error, SparkJobError):
+            self.spark_error = error
+            return error
+        if not isinstance(error, Exception):
+            return error
+        lines = str(error).strip().splitlines()
+        message = "\n".join(lines[:_SPARK_ERROR_LINES]) + ("\n..." if len(lines) > _SPARK_ERROR_LINES else "")
+        self.spark_error = SparkJobError(
+            f"Spark failed the barrier query of job {self.run_id} (a task or its executor died, or Spark refused "
+            f"the stage): {type(error).__name__}: {message}")
+        self.spark_error.__cause__ = error
+        return self.spark_error
+
+
+def _status_errors(statuses: list[dict[str, Any]]) -> str:
+    errors = [f"rank {s['rank']}: {s['error']}" for s in statuses if s.get("error")]
+    return "; ".join(errors)
+
+
+def _load(rank: int, raw: bytes | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return cloudpickle.loads(raw)
+    except Exception as e:
+        raise PayloadError(
+            f"rank {rank}'s return value cannot be unpickled on the client: {type(e).__name__}: {e}. "
+            "Return plain Python objects or tensors; types defined only on the workers cannot be loaded."
+        ) from e

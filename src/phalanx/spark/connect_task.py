@@ -1,0 +1,109 @@
+"""The task of a Spark Connect job: ``mapInArrow(task, SCHEMA, barrier=True)``, one per rank.
+
+Rank 0's task hosts the job (channel, rendezvous store, monitor: :mod:`phalanx.spark.connect_host`)
+before the barrier's single ``allGather`` round, so every task learns from that round each task's host
+and GPUs and where the job's channel and store are. From there each task supervises its rank exactly as
+a classic task does (:func:`phalanx.spark.task.supervise`). Every task returns a status row; rank 0's also
+returns the job's signed outcome, in chunks (:mod:`phalanx.spark.connect_wire`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.env import JobContract
+from phalanx.launch.elastic import ElasticSpec
+from phalanx.launch.supervisor import EXIT_NOT_STARTED
+from phalanx.spark import connect_wire as W
+from phalanx.spark.connect_host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
+from phalanx.spark.launcher import SparkJobSpec
+from phalanx.spark.task import supervise, supervise_slot, task_gpus, task_host
+
+
+@dataclass(frozen=True)
+class ConnectTaskSpec:
+    """What every task of a Connect job needs; pickled with the task function.
+
+    Attributes:
+        job: the job (without the client's output streams).
+        run_id: the job's id.
+        elastic: the elastic policy, or None for a plain job.
+        client: ``host:port`` of the client's log link ("" for none).
+        secret: the client's per-job secret: authenticates the log link and signs the outcome.
+        probe_s: seconds rank 0's task tries to reach the client's log link.
+    """
+
+    job: SparkJobSpec
+    run_id: str
+    elastic: ElasticSpec | None
+    client: str
+    secret: str
+    probe_s: float
+
+
+def _host_address(ctx: Any) -> str:
+    """The address Spark reaches rank 0's executor at (``BarrierTaskInfo.address`` is ``host:port``)."""
+    return str(ctx.getTaskInfos()[0].address).rpartition(":")[0] or task_host()
+
+
+def _launcher(spec: ConnectTaskSpec) -> Hosted:
+    """The job's driver side (cheap: it opens nothing until :meth:`~HostedLauncher.host`)."""
+    if spec.elastic is not None:
+        return HostedElasticLauncher(spec.job, spec.run_id, spec.elastic)
+    return HostedLauncher(spec.job, spec.run_id)
+
+
+def _start_host(spec: ConnectTaskSpec, ctx: Any) -> tuple[Hosted | None, dict[str, Any]]:
+    """Rank 0: host the job; return the host and what the other tasks must learn (or the failure)."""
+    host = _launcher(spec)
+    try:
+        job = host.host(_host_address(ctx))
+    except OSError as e:
+        return None, {"failed": f"rank 0's task could not host the job's channel and store: {e}"}
+    threading.Thread(target=probe_client, args=(host.relay, spec.client, spec.secret, spec.probe_s),
+                     name="phalanx-probe", daemon=True).start()
+    return host, {"channel": job.channel, "secret": job.secret, "addr": job.master_addr, "port": job.master_port}
+
+
+def _contract(spec: ConnectTaskSpec, hosted: dict[str, Any]) -> JobContract:
+    return JobContract(run_id=spec.run_id, master_addr=str(hosted["addr"]), master_port=int(hosted["port"]),
+                       channel=str(hosted["channel"]), secret=str(hosted["secret"]),
+                       start_timeout_s=spec.job.start_timeout_s)
+
+
+def _run_rank(spec: ConnectTaskSpec, rank: int, gathered: list[dict[str, Any]]) -> bytes:
+    hosted = gathered[0].get("job") or {"failed": "rank 0's task sent no job address"}
+    if "failed" in hosted:
+        return W.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
+    task = _launcher(spec).task_spec(_contract(spec, hosted))
+    hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
+    run = supervise_slot if spec.elastic is not None else supervise
+    status = json.loads(run(task, rank, hosts, gpus))
+    return W.status_body(int(status["rank"]), int(status["exit"]), bool(status["reported"]), status.get("error") or "")
+
+
+def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The function to pass to ``mapInArrow(..., barrier=True)``: it supervises this task's rank."""
+
+    def task(batches: Iterator[Any]) -> Iterator[Any]:
+        from pyspark import BarrierTaskContext
+
+        for _ in batches:  # the input is one row per task; the rank is the partition id
+            pass
+        ctx = BarrierTaskContext.get()
+        rank = ctx.partitionId()
+        mine: dict[str, Any] = {"host": task_host(), "gpus": task_gpus(dict(ctx.resources()))}
+        host = None
+        if rank == 0:
+            host, mine["job"] = _start_host(spec, ctx)
+        gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
+        status = _run_rank(spec, rank, gathered)
+        yield from W.rows(rank, W.STATUS, status)
+        if host is not None:
+            yield from W.rows(0, W.OUTCOME, W.sign(host.finish(), spec.secret))
+
+    return task

@@ -1,0 +1,155 @@
+"""The pure pieces of phalanx.spark's Spark Connect path, without a JVM: the signed outcome and its
+chunks, the slot count from a session's settings, the client's address, the log relay."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, SparkJobError, WorkerFailedError
+from phalanx.job.channel import Custom, DriverChannel
+from phalanx.job.records import LogLine, Stream
+from phalanx.spark import connect_session as S
+from phalanx.spark import connect_wire as W
+from phalanx.spark.connect_host import LogRelay, probe_client
+
+SECRET = "ab" * 32
+
+
+class _Conf:
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+
+def _session(**values: str) -> Any:
+    return SimpleNamespace(conf=_Conf({k.replace("_", "."): v for k, v in values.items()}))
+
+
+def _rows(batches: list[Any]) -> list[Any]:
+    return [SimpleNamespace(**{k: v[0] for k, v in b.to_pydict().items()}) for b in batches]
+
+
+def test_outcome_round_trips_in_chunks_under_the_arrow_batch_size() -> None:
+    pytest.importorskip("pyarrow")
+    big = bytes(range(256)) * 4096  # 1 MiB of result: several chunks
+    outcome = W.Outcome(values=[big, None], rank0_stdout=["a"], logs=[(1, "stderr", "x")], link="why")
+    batches = list(W.rows(0, W.OUTCOME, W.sign(outcome, SECRET)))
+    assert len(batches) > 1 and all(len(b.column("data")[0].as_py()) <= W.CHUNK_BYTES for b in batches)
+    status = list(W.rows(1, W.STATUS, W.status_body(1, 3, False, "lost")))
+    rows = _rows(status + batches)
+    collected = W.assemble(reversed(rows))  # order is not guaranteed by collect()
+    assert collected.statuses == [{"rank": 1, "exit": 3, "reported": False, "error": "lost"}]
+    assert collected.outcome is not None
+    back = W.verify(collected.outcome, SECRET)
+    assert back.values == [big, None] and back.logs == [(1, "stderr", "x")] and back.link == "why"
+
+
+def test_outcome_with_another_signature_is_refused_before_unpickling() -> None:
+    blob = W.sign(W.Outcome(), SECRET)
+    with pytest.raises(SparkJobError, match="signature"):
+        W.verify(blob, "cd" * 32)
+    forged = blob[:32] + pickle.dumps(W.Outcome(values=[b"x"]))
+    with pytest.raises(SparkJobError, match="signature"):
+        W.verify(forged, SECRET)
+
+
+def test_errors_travel_pickled_with_their_root_cause() -> None:
+    from phalanx.errors import RankFailure
+
+    error = WorkerFailedError([RankFailure(rank=1, summary="ValueError: x", traceback="tb", log_tail=("l",))])
+    back = W.verify(W.sign(W.Outcome(error=pickle.dumps(error)), SECRET), SECRET)
+    assert back.error is not None
+    loaded = pickle.loads(back.error)
+    assert isinstance(loaded, WorkerFailedError) and loaded.root_cause.rank == 1
+
+
+@pytest.mark.parametrize(("values", "slots"), [
+    ({"spark_master": "local[2]"}, 2),
+    ({"spark_master": "local"}, 1),
+    ({"spark_master": "local[4, 3]", "spark_task_cpus": "2"}, 2),
+    ({"spark_master": "local[*]"}, None),
+    ({"spark_master": "local-cluster[2, 3, 1024]"}, 6),
+    ({"spark_master": "spark://m:7077", "spark_executor_instances": "3", "spark_executor_cores": "4"}, 12),
+    ({"spark_master": "yarn", "spark_executor_instances": "3", "spark_executor_cores": "4",
+      "spark_dynamicAllocation_enabled": "true"}, None),
+    ({"spark_master": "k8s://x"}, None),
+])
+def test_task_slots_come_from_the_sessions_settings(values: dict[str, str], slots: int | None) -> None:
+    assert S.task_slots(_session(**values)) == slots
+
+
+def test_slot_shortage_and_unknown_slots_are_clear_errors() -> None:
+    with pytest.raises(SlotsUnavailableError, match=r"3 ranks were asked for .* only 2 task\(s\)"):
+        S.check_slots(_session(spark_master="local[2]"), 3)
+    S.check_slots(_session(spark_master="k8s://x"), 64)  # unknown: Spark's own barrier check decides
+    with pytest.raises(InvalidArgumentError, match="pass the number of ranks"):
+        S.every_slot(_session(spark_master="local[*]"))
+
+
+def test_client_host_is_the_override_or_the_route_to_the_server() -> None:
+    session = SimpleNamespace(client=SimpleNamespace(host="127.0.0.1"))
+    assert S.client_host(session, {"PHALANX_CONNECT_CLIENT_HOST": "10.1.2.3"}) == "10.1.2.3"
+    assert S.client_host(session, {}) == "127.0.0.1"
+
+
+def test_log_relay_keeps_records_until_the_client_is_reached_then_streams_them() -> None:
+    link = DriverChannel(1, b"", bind_host="127.0.0.1")
+    relay = LogRelay()
+    relay.write(LogLine(rank=1, stream=Stream.STDERR, text="early"))
+    relay.message(0, "hello")
+    try:
+        probe_client(relay, link.address, link.secret, 5.0)
+        assert relay.link_error == ""
+        relay.write(LogLine(rank=0, stream=Stream.STDOUT, text="late"))
+        relay.flush()
+        assert relay.close() == []
+        got: list[list[Any]] = []
+        while len(got) < 3:
+            event = link.events.get(timeout=5)
+            if isinstance(event, Custom):
+                got += json.loads(event.body)["logs"]
+        assert got == [[1, "stderr", "early"], [0, "message", "hello"], [0, "stdout", "late"]]
+    finally:
+        link.close()
+
+
+def test_log_relay_without_a_client_keeps_records_within_its_budget_and_says_why() -> None:
+    relay = LogRelay(budget_bytes=100)
+    probe_client(relay, "127.0.0.1:1", SECRET, 1.0)  # nothing listens there
+    assert "could not reach the client at 127.0.0.1:1" in relay.link_error
+    for i in range(10):
+        relay.write(LogLine(rank=0, stream=Stream.STDOUT, text=f"line {i} " + "x" * 10))
+    kept = relay.close()
+    assert kept[0] == (0, "stdout", "line 0 " + "x" * 10) and len(kept) + relay.dropped == 10 and relay.dropped > 0
+
+
+def test_log_relay_link_from_a_wrong_secret_is_refused() -> None:
+    link = DriverChannel(1, b"", bind_host="127.0.0.1")
+    relay = LogRelay()
+    try:
+        probe_client(relay, link.address, SECRET, 5.0)
+        assert "could not reach the client" in relay.link_error
+        assert link.events.empty()
+    finally:
+        link.close()
+
+
+def test_probe_against_a_silent_listener_is_bounded() -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never sends the nonce
+        relay = LogRelay()
+        thread = threading.Thread(target=probe_client, args=(relay, f"127.0.0.1:{silent.getsockname()[1]}",
+                                                             SECRET, 0.5))
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive() and "could not reach the client" in relay.link_error
+
