@@ -79,16 +79,21 @@ def test_logs_stream_live_when_the_client_is_reachable(capsys: pytest.CaptureFix
         assert f"[{rank}]<stdout>:callback all from rank {rank}" in out
 
 
-def _fail_after_output() -> None:
+def _fail_after_output(marker: str) -> None:
     print(f"rank {os.environ['RANK']} was here", flush=True)
     if os.environ["RANK"] == "1":
+        deadline = time.monotonic() + 60  # fail once rank 0 has written its line
+        while not Path(marker).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise ValueError("bad learning rate 42")
+    Path(marker).write_text("")
     time.sleep(120)  # rank 0 would hang: phalanx must tear it down
 
 
 @pytest.mark.timeout(180)
 def test_unreachable_client_still_gets_the_result_the_error_and_the_logs(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(N.PHALANX_CONNECT_CLIENT_HOST, UNREACHABLE)
     caplog.set_level(logging.INFO, logger="phalanx")
     assert HorovodRunner(np=2, driver_log_verbosity="all").run(_chatty, tag="late") == "late"
@@ -99,7 +104,7 @@ def test_unreachable_client_still_gets_the_result_the_error_and_the_logs(
     assert "logs returned with the result" in caplog.text and UNREACHABLE in caplog.text
     assert "logs stream live:" not in caplog.text
     with pytest.raises(WorkerFailedError) as info:
-        run(_fail_after_output, num_proc=2)
+        run(_fail_after_output, args=(str(tmp_path / "rank0-wrote"),), num_proc=2)
     root = info.value.root_cause
     assert root.rank == 1 and "ValueError: bad learning rate 42" in root.summary
     assert 'raise ValueError("bad learning rate 42")' in root.traceback

@@ -110,11 +110,15 @@ class ConnectLauncher:
             thread = threading.Thread(target=self._collect, args=(query, tag), name="phalanx-connect", daemon=True)
             thread.start()
             self._pump(link, sinks, thread, tag)
+            outcome = self._outcome()
+            if not outcome.link:  # streamed to the end: the task closed the link before returning; read it out
+                while self._read_link(link, sinks, DRAIN_WAIT_S):
+                    pass
+            return self._finish(outcome, sinks)
         finally:
             link.close()
             if sinks.files is not None:
                 sinks.files.close()
-        return self._finish(sinks)
 
     def _sinks(self) -> _Sinks:
         console = StreamSink(self.spec.stdout, self.spec.stderr)
@@ -148,8 +152,6 @@ class ConnectLauncher:
             self.session.interruptTag(tag)  # Ctrl-C: Spark kills the tasks, their workers die with them
             thread.join(DRAIN_WAIT_S)
             raise
-        while self._live and self._read_link(link, sinks, DRAIN_WAIT_S):
-            pass
 
     def _read_link(self, link: DriverChannel, sinks: _Sinks, timeout: float) -> bool:
         """Handle one event of the log link; False when it closed or nothing came within ``timeout``."""
@@ -158,7 +160,6 @@ class ConnectLauncher:
         except queue.Empty:
             return False
         if isinstance(event, Closed):
-            self._live = False
             return False
         if isinstance(event, Custom):
             if not self._live:
@@ -169,13 +170,17 @@ class ConnectLauncher:
             sinks.flush()
         return True
 
-    def _finish(self, sinks: _Sinks) -> list[Any]:
+    def _outcome(self) -> W.Outcome:
+        """Rank 0's outcome, checked; or the error of Spark failing the query."""
         if self._failure is not None:
             raise self._spark_failed(self._failure)
         assert self._collected is not None
         if self._collected.outcome is None:
             raise self._spark_failed(SparkJobError(_status_errors(self._collected.statuses) or "no outcome"))
-        outcome = W.verify(self._collected.outcome, self._secret)
+        return W.verify(self._collected.outcome, self._secret)
+
+    def _finish(self, outcome: W.Outcome, sinks: _Sinks) -> list[Any]:
+        assert self._collected is not None
         self._show_logs(outcome, sinks)
         self.resets = outcome.resets
         self.rank0_stdout.lines = list(outcome.rank0_stdout)
