@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import socket
 import threading
 from dataclasses import replace
 from typing import Any
@@ -138,9 +139,10 @@ class Hosted(SparkLauncher):
 
     def host(self, advertise: str) -> JobContract:
         """Open the channel and the store on this executor, start the monitor; return the job's contract."""
-        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host="0.0.0.0", advertise_host=advertise)
+        bind = _bind_host(advertise)
+        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=bind, advertise_host=advertise)
         self._channel = channel
-        self._store = RendezvousStore(self._channel_size(), bind_host="0.0.0.0")
+        self._store = RendezvousStore(self._channel_size(), channel.secret, bind_host=bind)
         job = JobContract(run_id=self.run_id, master_addr=advertise, master_port=self._store.port,
                           channel=channel.address, secret=channel.secret, start_timeout_s=self.spec.start_timeout_s)
         monitor = self._monitor(channel, self._sinks())
@@ -212,6 +214,16 @@ class HostedElasticLauncher(Hosted, ElasticSparkLauncher):
 
     def _resets(self) -> int:
         return self.resets
+
+
+def _bind_host(advertise: str) -> str:
+    """Listen on the address Spark gives this executor when it is one of this machine's, else everywhere
+    (a name or a NAT-ed address); the channel and the store authenticate every peer either way."""
+    try:
+        with socket.create_server((advertise, 0)):
+            return advertise
+    except OSError:
+        return "0.0.0.0"
 
 
 def _pickled(error: BaseException | None) -> bytes | None:
