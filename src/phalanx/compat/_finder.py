@@ -36,6 +36,7 @@ SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
     "horovod": {"run": ("phalanx.compat.horovod_run", "run")},
     # Horovod's framework-neutral elastic base classes and exceptions.
     "horovod.common": {},
+    "horovod.common.util": {"env": ("phalanx.compat.horovod_util", "env")},
     "horovod.common.elastic": {"State": ("phalanx.torch.elastic.state", "State"),
                                "ObjectState": ("phalanx.torch.elastic.state", "ObjectState")},
     "horovod.common.exceptions": {"HorovodInternalError": ("phalanx.errors", "HorovodInternalError"),

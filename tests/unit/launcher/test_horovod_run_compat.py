@@ -146,3 +146,17 @@ def test_phalanx_runs_own_ssh_options_receive_horovods(monkeypatch: pytest.Monke
         horovod_run.run(_train, (1,), num_proc=1, ssh_port=2222, ssh_identity_file="id",
                         network_interfaces=["eth1"])  # fmt: skip
     assert (seen["ssh_port"], seen["ssh_identity_file"], seen["network_interfaces"]) == (2222, "id", ["eth1"])
+
+
+def test_horovod_common_util_env_sets_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from phalanx.compat import _finder
+
+    util = _finder._synthetic("horovod.common.util", _finder.SYNTHETIC["horovod.common.util"])
+    monkeypatch.setenv("PHALANX_TEST_KEPT", "before")
+    monkeypatch.delenv("PHALANX_TEST_NEW", raising=False)
+    with util.env(PHALANX_TEST_KEPT="inside", PHALANX_TEST_NEW="1", PHALANX_TEST_NONE=None):
+        assert os.environ["PHALANX_TEST_KEPT"] == "inside" and os.environ["PHALANX_TEST_NEW"] == "1"
+        assert "PHALANX_TEST_NONE" not in os.environ
+    assert os.environ["PHALANX_TEST_KEPT"] == "before" and "PHALANX_TEST_NEW" not in os.environ
