@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -154,15 +155,33 @@ def test_both_spellings_fit_on_one_rank_after_the_import(one_rank: None) -> None
         pl.Trainer(accelerator="horovod", strategy="ddp")
 
 
-@pytest.mark.timeout(120)
-def test_inside_a_job_pytorch_lightning_has_it_without_the_import() -> None:
-    """The wheel's start-up hook (``phalanx-lightning.pth``) in an interpreter with the job's run id."""
-    pytest.importorskip("pytorch_lightning")
-    code = ("import pytorch_lightning as pl; t = pl.Trainer(strategy='horovod', logger=False); "
-            "print(type(t.strategy).__module__, type(t.strategy).__mro__[1].__module__)")
-    out = _python(code, PHALANX_RUN_ID="unit-test")
-    assert out == "phalanx.lightning.strategy phalanx.lightning.strategy"
-    assert S.strategy_class("pytorch_lightning").__mro__[2].__module__.startswith("pytorch_lightning.")
+FAKE_FLAVOUR = {  # the two modules of a flavour that registration touches (real flavours: tests/multiprocess)
+    "pytorch_lightning/__init__.py": "",
+    "pytorch_lightning/strategies/__init__.py": (
+        "class _Registry(dict):\n"
+        "    def register(self, name, strategy, description='', **init_params):\n"
+        "        self[name] = {'strategy': strategy, 'init_params': init_params}\n"
+        "StrategyRegistry = _Registry()\n"),
+    "pytorch_lightning/trainer/__init__.py": "",
+    "pytorch_lightning/trainer/connectors/__init__.py": "",
+    "pytorch_lightning/trainer/connectors/accelerator_connector.py": (
+        "class _AcceleratorConnector:\n"
+        "    def __init__(self, devices='auto', accelerator='auto', strategy='auto'):\n"
+        "        self.flags = (accelerator, strategy)\n"),
+}
+
+
+def test_inside_a_job_a_flavour_gets_it_when_imported_without_the_import(tmp_path: Path) -> None:
+    """The wheel's start-up hook (``phalanx-lightning.pth``) registers with a flavour imported later, and
+    makes its Trainer take ``accelerator="horovod"``; without the job's run id nothing happens."""
+    for name, text in FAKE_FLAVOUR.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import pytorch_lightning.strategies as s; "
+            "import pytorch_lightning.trainer.connectors.accelerator_connector as a; "
+            "print('horovod' in s.StrategyRegistry, a._AcceleratorConnector(accelerator='horovod').flags)")
+    assert _python(code, PHALANX_RUN_ID="unit-test") == "True ('auto', 'horovod')"
+    assert _python(code) == "False ('horovod', 'auto')"
 
 
 def test_start_up_hook_costs_nothing_outside_a_job_and_little_inside() -> None:
