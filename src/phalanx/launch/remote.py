@@ -22,7 +22,7 @@ from phalanx.env import JobContract
 from phalanx.env import names as N
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.logs import LogSink
-from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.job.records import ErrorRecord
 from phalanx.launch.agent import AgentPlan
 from phalanx.launch.core import DRAIN_WAIT_S
@@ -30,7 +30,7 @@ from phalanx.launch.hosts import HostSlots, is_local, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.ssh import SshOptions, agent_command, check_hosts, interface_address, route_address, ssh_argv
-from phalanx.launch.supervisor import parse_exit_event
+from phalanx.launch.supervisor import ExitReports
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ class HostsLauncher(LocalLauncher):
         self._addr = self._choose_address()
         self._agents: dict[str, subprocess.Popen[bytes]] = {}
         self._tails: dict[str, deque[str]] = {h: deque(maxlen=_AGENT_TAIL_LINES) for h in self._order}
-        self._reported: set[int] = set()
-        self._report_lock = threading.Lock()
+        self._exits = ExitReports(spec.command is None)
         self._channel: DriverChannel | None = None
         self._stopping = threading.Event()
 
@@ -123,6 +122,7 @@ class HostsLauncher(LocalLauncher):
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         self._channel = channel
+        self._exits.attach(channel)
         return JobMonitor(self._monitor_config(), channel.events, sinks,  # type: ignore[arg-type]
                           stop_all=self._stop_all, on_custom=self._on_custom)
 
@@ -173,9 +173,9 @@ class HostsLauncher(LocalLauncher):
         reader.join(DRAIN_WAIT_S)
         ranks = [r for r, h in enumerate(self.placement) if h == host]
         deadline = time.monotonic() + (REPORT_WAIT_S if returncode == 0 else DRAIN_WAIT_S)
-        while time.monotonic() < deadline and not self._all_reported(ranks) and not self._stopping.is_set():
+        while time.monotonic() < deadline and not self._exits.reported(ranks) and not self._stopping.is_set():
             time.sleep(0.05)
-        missing = [r for r in ranks if not self._all_reported([r])]
+        missing = [r for r in ranks if not self._exits.reported([r])]
         if not missing:
             return
         if not self._stopping.is_set():
@@ -186,32 +186,11 @@ class HostsLauncher(LocalLauncher):
                 message=f"the agent on host {host} ended (exit code {returncode}; {how}) before rank(s) "
                         f"{missing} reported their end:\n{tail}", traceback=""))
         for rank in missing:
-            self._post_exit(rank, returncode or 1)
-
-    def _all_reported(self, ranks: list[int]) -> bool:
-        with self._report_lock:
-            return all(r in self._reported for r in ranks)
+            self._exits.post(rank, returncode or 1)
 
     def _on_custom(self, event: Custom) -> None:
-        returncode = parse_exit_event(event.body)
-        if returncode is None or event.rank >= self.spec.np:
-            return
-        threading.Thread(target=self._after_drain, args=(event.rank, returncode), daemon=True).start()
-
-    def _after_drain(self, rank: int, returncode: int) -> None:
-        # The worker's result travels on its own connection: wait until that connection is read out.
-        assert self._channel is not None
-        if self.spec.command is None and self._channel.is_connected(rank):
-            self._channel.worker_done(rank, DRAIN_WAIT_S)
-        self._post_exit(rank, returncode)
-
-    def _post_exit(self, rank: int, returncode: int) -> None:
-        with self._report_lock:
-            if rank in self._reported:
-                return
-            self._reported.add(rank)
-        assert self._channel is not None
-        self._channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+        if event.rank < self.spec.np:
+            self._exits.on_event(event)
 
     def _stop_all(self, grace_s: float | None = None) -> None:
         # Each agent stops its ranks on ABORT (their supervisors) and on the end of its stdin.

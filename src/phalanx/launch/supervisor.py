@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from phalanx.errors import ChannelError
-from phalanx.job.channel import WorkerChannel
+from phalanx.job.channel import Custom, DriverChannel, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.logs import pump_lines
-from phalanx.job.records import LogLine, Stream
+from phalanx.job.monitor import RankExit
+from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch import warm
 from phalanx.launch.core import DRAIN_WAIT_S, spawn_rank
 from phalanx.launch.proctree import terminate_tree
@@ -108,3 +109,57 @@ class RankSupervisor:
         else:
             self.channel.wait_for_abort()
         self.stop()
+
+
+class ExitReports:
+    """The driver's side of the supervisors' exit reports: each rank's end posted once as a ``RankExit``.
+
+    A supervisor's exit event is posted only once the rank's own worker connection has been read out (a
+    function job's result travels there, and may still be in flight). Used by every launcher whose ranks are
+    supervised away from the driver (Spark tasks, host agents).
+
+    Args:
+        function_job: True when ranks connect themselves (a result must be waited for).
+    """
+
+    def __init__(self, function_job: bool) -> None:
+        self.function_job = function_job
+        self.lock = threading.Lock()
+        #: Ranks (worker ids) whose end was posted.
+        self.exited: set[int] = set()
+        self._channel: DriverChannel | None = None
+
+    def attach(self, channel: DriverChannel) -> None:
+        """The job's channel (its queue receives the exits); call before any event arrives."""
+        self._channel = channel
+
+    def on_event(self, event: Custom) -> bool:
+        """Handle a supervisor's EVENT frame; False when it is not an exit report."""
+        returncode = parse_exit_event(event.body)
+        if returncode is None:
+            return False
+        threading.Thread(target=self._after_drain, args=(event.rank, returncode), daemon=True).start()
+        return True
+
+    def _after_drain(self, rank: int, returncode: int) -> None:
+        assert self._channel is not None
+        if self.function_job and self._channel.is_connected(rank):
+            self._channel.worker_done(rank, DRAIN_WAIT_S)
+        self.post(rank, returncode)
+
+    def post(self, rank: int, returncode: int, error: str = "") -> None:
+        """Post ``rank``'s end (and ``error`` as its error record first), unless it was posted already."""
+        with self.lock:
+            if rank in self.exited:
+                return
+            self.exited.add(rank)
+        assert self._channel is not None
+        if error:
+            self._channel.events.put(ErrorRecord(rank=rank, exc_type="phalanx.errors.ChannelError",
+                                                 message=error, traceback=""))
+        self._channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+
+    def reported(self, ranks: Iterable[int]) -> bool:
+        """Whether every one of ``ranks`` was posted."""
+        with self.lock:
+            return all(r in self.exited for r in ranks)

@@ -83,8 +83,8 @@ class ElasticSparkLauncher(SparkLauncher):
             self._channel.abort_all()
 
     def _unfinished(self) -> list[int]:
-        with self._lock:
-            return [w for w in range(len(self.slot_of)) if w not in self._exited]
+        with self._exits.lock:
+            return [w for w in range(len(self.slot_of)) if w not in self._exits.exited]
 
     def _give_up(self) -> str:
         if self.spark_error is None:

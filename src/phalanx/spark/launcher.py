@@ -23,10 +23,11 @@ from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import SparkJobError
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.logs import FileSink, LogSink
-from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.job.records import ErrorRecord, LogLine, Stream
-from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id
+from phalanx.launch.core import monitor_config, new_run_id
 from phalanx.launch.rendezvous import RendezvousStore
+from phalanx.launch.supervisor import ExitReports
 from phalanx.spark.session import bind_address, driver_host, executor_python, python_exec
 from phalanx.spark.task import TaskSpec, barrier_task
 
@@ -134,8 +135,7 @@ class SparkLauncher:
         self.spark_error: SparkJobError | None = None
         self._console = StreamSink(spec.stdout, spec.stderr)
         self._files: FileSink | None = None
-        self._lock = threading.Lock()
-        self._exited: set[int] = set()
+        self._exits = ExitReports(spec.command is None)
         self._stopping = threading.Event()
         self._job_thread: threading.Thread | None = None
         self._channel: DriverChannel | None = None
@@ -152,6 +152,7 @@ class SparkLauncher:
         channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=bind, advertise_host=host)
         store = RendezvousStore(self._channel_size(), channel.secret, bind_host=bind)
         self._channel = channel
+        self._exits.attach(channel)
         job = JobContract(run_id=self.run_id, master_addr=host, master_port=store.port,
                           channel=channel.address, secret=channel.secret,
                           start_timeout_s=self.spec.start_timeout_s)
@@ -193,8 +194,8 @@ class SparkLauncher:
 
     def _unfinished(self) -> list[int]:
         """The ranks (worker ids) still expected to end, when Spark failed the stage."""
-        with self._lock:
-            return [r for r in range(self.spec.np) if r not in self._exited]
+        with self._exits.lock:
+            return [r for r in range(self.spec.np) if r not in self._exits.exited]
 
     def _monitor_config(self) -> MonitorConfig:
         return monitor_config(self.spec.np, self.spec.command is None, self.spec.start_timeout_s,
@@ -229,7 +230,7 @@ class SparkLauncher:
             return
         for status in statuses:
             if not status["reported"]:
-                self._post_exit(int(status["rank"]), int(status["exit"]), status.get("error") or "")
+                self._exits.post(int(status["rank"]), int(status["exit"]), status.get("error") or "")
 
     def _spark_failed(self, error: Exception) -> None:
         if self._stopping.is_set():
@@ -246,18 +247,7 @@ class SparkLauncher:
         record = ErrorRecord.from_exception(missing[0], self.spark_error)
         self._channel.events.put(record)  # type: ignore[union-attr]
         for rank in missing:
-            self._post_exit(rank, 1, "")
-
-    def _post_exit(self, rank: int, returncode: int, error: str) -> None:
-        with self._lock:
-            if rank in self._exited:
-                return
-            self._exited.add(rank)
-        assert self._channel is not None
-        if error:
-            self._channel.events.put(ErrorRecord(rank=rank, exc_type="phalanx.errors.ChannelError",
-                                                 message=error, traceback=""))
-        self._channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+            self._exits.post(rank, 1)
 
     def _on_custom(self, event: Custom) -> None:
         try:
@@ -269,15 +259,8 @@ class SparkLauncher:
             for sink in (self._console, self._files):
                 if sink is not None:
                     sink.write(line)
-        elif "exit" in body:
-            threading.Thread(target=self._after_drain, args=(event.rank, int(body["exit"])), daemon=True).start()
-
-    def _after_drain(self, rank: int, returncode: int) -> None:
-        # The worker's result travels on its own connection: wait until that connection is read out.
-        assert self._channel is not None
-        if self.spec.command is None and self._channel.is_connected(rank):
-            self._channel.worker_done(rank, DRAIN_WAIT_S)
-        self._post_exit(rank, returncode, "")
+        else:
+            self._exits.on_event(event)
 
     def _stop_all(self) -> None:
         if self._stopping.is_set():
