@@ -24,7 +24,7 @@ def collectives(ps: Any, members: list[int], n: int) -> dict[str, Any]:
     gathered = hvd.allgather(torch.tensor([[hvd.rank(), hvd.rank() * 2]]), process_set=ps)
     bcast = hvd.broadcast(torch.tensor([float(hvd.rank()) * 10.0] * 3), root_rank=members[-1], process_set=ps)
     scattered = hvd.reducescatter(torch.arange(2.0 * len(members)) + hvd.rank(), op=hvd.Sum, process_set=ps)
-    a2a, _ = hvd.alltoall(torch.tensor([float(hvd.rank() * 100 + j) for j in range(len(members))]), process_set=ps)
+    a2a = hvd.alltoall(torch.tensor([float(hvd.rank() * 100 + j) for j in range(len(members))]), process_set=ps)
     return {"me": me, "small": sorted(set(small.tolist())), "big": sorted(set(big.tolist())),
             "gathered": gathered.tolist(), "bcast": bcast.tolist(), "scattered": scattered.tolist(),
             "a2a": a2a.tolist()}
