@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,8 @@ from typing import Any
 
 import pytest
 from tests.hosts.simhosts import Cluster
+
+from phalanx.launch.proctree import cmdline, descendants
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts, pytest.mark.timeout(180)]
 
@@ -130,4 +134,24 @@ def test_driver_killed_leaves_nothing_on_any_host(cluster: Cluster) -> None:
     assert cluster.leftovers().keys() == {"hosta", "hostb"}
     driver.kill()
     driver.wait()
+    assert cluster.wait_clean(10.0) == {}
+
+
+def test_a_dropped_ssh_connection_ends_the_job_naming_the_host(cluster: Cluster) -> None:
+    argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable,
+                                               "tests/hosts/job_lifetime.py", "wait"))
+    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert driver.stdout is not None and driver.stderr is not None
+    ready = 0
+    for line in driver.stdout:
+        ready += "READY" in line
+        if ready == 4:
+            break
+    ssh = [p for p in descendants(driver.pid) if cmdline(p).startswith("ssh ")]
+    assert len(ssh) == 1, [cmdline(p) for p in descendants(driver.pid)]
+    os.kill(ssh[0], signal.SIGKILL)
+    _, stderr = driver.communicate(timeout=120)
+    assert driver.returncode != 0
+    # hostb's agent saw its stdin end and stopped its ranks: the root cause is one of them, on hostb.
+    assert "[on host hostb]" in stderr.split("Also failed")[0], stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}
