@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,7 @@ class LocalLauncher:
             raise
         finally:
             self._stop_all(grace_s=0.5)
+            channel.events.close()  # the job is judged: readers of the ranks' pipes must not block any more
             self._join_threads()
             channel.close()
             store.close()
@@ -109,7 +111,7 @@ class LocalLauncher:
         return self.spec.np
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
-        return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)  # type: ignore[arg-type]
+        return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)
 
     def _monitor_config(self) -> MonitorConfig:
         return monitor_config(self.spec.np, self.spec.command is None, self.spec.start_timeout_s,
@@ -164,11 +166,12 @@ class LocalLauncher:
     def _await_exit(self, rank: int, proc: RankProcess, pumps: Sequence[threading.Thread],
                     channel: DriverChannel) -> None:
         returncode = proc.wait()
+        ended_at = time.monotonic()
         for pump in pumps:
             pump.join(DRAIN_WAIT_S)
         if self.spec.command is None and channel.is_connected(rank):
             channel.worker_done(rank, DRAIN_WAIT_S)
-        channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+        channel.events.put(RankExit(rank=rank, returncode=returncode, ended_at=ended_at))
 
     def _stop_all(self, grace_s: float | None = None) -> None:
         with self._stop_lock:
