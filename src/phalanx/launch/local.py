@@ -96,6 +96,7 @@ class LocalLauncher:
             channel.events.close()  # the job is judged: readers of the ranks' pipes must not block any more
             self._join_threads()
             channel.close()
+            self._remove_leftovers(store)
             store.close()
             if files:
                 files.close()
@@ -105,6 +106,14 @@ class LocalLauncher:
     def _address(self) -> str:
         """The address the channel and the store listen on and the ranks connect to: loopback here."""
         return "127.0.0.1"
+
+    @staticmethod
+    def _remove_leftovers(store: RendezvousStore) -> None:
+        """The ranks are gone: shared-memory files a rank killed during its transport's set-up left on this
+        host are removed now (their names are in the store), not by some later job's sweep."""
+        removed = store.remove_shm_leftovers()
+        if removed:
+            log.debug("removed shared-memory files left by killed ranks: %s", removed)
 
     def _channel_size(self) -> int:
         """How many worker ids the channel accepts (subclasses that replace workers need more)."""
