@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from phalanx.env import names as N
+from phalanx.errors import ShmTransportError
 from phalanx.transport import _check, _ops, _segment, _setup
 from phalanx.transport._channel import Channel, _pid_dead, layout
 from phalanx.transport._hier import Hierarchy
@@ -69,7 +70,10 @@ class ShmProcessGroup(dist.ProcessGroup):
         assert hier is not None
 
         def checked() -> None:
-            _check.check(sig, self.size(), hier.allgather_, f"{NAME} group of {self.size()} ranks")
+            try:
+                _check.check(sig, self.size(), hier.allgather_, f"{NAME} group of {self.size()} ranks")
+            except ShmTransportError as e:  # name the call the user made, not the check's own exchange
+                raise ShmTransportError(f"shared-memory {_check.KINDS[sig[0]]}: {e}") from e
             fn()
 
         return self.serial.submit(checked, result)
