@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/phalanx/*/*.pth)
 	$(PIP) install -c constraints-dev.txt torch
 	# TensorFlow (phalanx[tensorflow], ~1.5 GB, ~30 s) and the Spark Connect client (phalanx[connect]):
 	# make test covers phalanx.tensorflow.keras and phalanx.spark on a Connect session too.
-	$(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect]"
+	# phalanx[estimator]: pyarrow, pandas and fsspec for the Spark estimators.
+	$(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect,estimator]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,7 +40,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(PIP) install -c constraints-dev.txt 'pandas<3' pyarrow
 	touch $@
 
-BENCHES ?= launch spark_launch allreduce train timeline shm keras hosts lightning_horovod driver_memory
+BENCHES ?= launch spark_launch allreduce train timeline shm keras hosts lightning_horovod estimator
 
 bench: $(VENV)/.bench-installed
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || exit 1; done

@@ -88,3 +88,25 @@ def test_keras_horovod_runner_on_spark(local_spark: Any, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     for epoch in range(1, int(EPOCHS) + 1):
         assert f"[0]<stdout>:epoch {epoch}: accuracy: " in out, out[-2000:]
+
+
+@pytest.mark.timeout(480)
+def test_torch_estimator_digits(local_spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TorchEstimator -> fit -> transform on held-out rows: accuracy floor; one line per epoch on the driver."""
+    pytest.importorskip("pyarrow")
+    result = load_example("spark_estimator_digits").main(["--np", "2", "--epochs", EPOCHS, "--store", str(tmp_path)])
+    assert result["accuracy"] > FLOOR
+    history = result["history"]
+    assert len(history) == int(EPOCHS) and "validation" in history[-1]
+    assert all(len(set(h["steps_per_rank"])) == 1 for h in history)  # 80/20 split: unequal shares
+    assert f"[0]<stdout>:epoch {EPOCHS}/{EPOCHS}: loss=" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("framework", ["keras", "lightning"])
+def test_keras_and_lightning_estimators_digits(local_spark: Any, framework: str) -> None:
+    """KerasEstimator and Lightning's TorchEstimator on the digits: held-out accuracy floor."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("tensorflow" if framework == "keras" else "lightning")
+    result = load_example("spark_estimator_keras_lightning").main(["--framework", framework, "--epochs", EPOCHS])
+    assert result["accuracy"] > FLOOR, result["history"]

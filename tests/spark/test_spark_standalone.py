@@ -122,3 +122,28 @@ def test_slot_shortage_on_a_cluster_waits_then_fails_with_the_numbers() -> None:
     assert "5 ranks were asked for" in message and "only 4 task(s)" in message
     assert "spark.task.resource.gpu.amount=1" in message and "start_timeout" in message
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(240)
+def test_torch_estimator_on_the_cluster(standalone_spark: Any, tmp_path: Path) -> None:
+    """TorchEstimator over 4 ranks on 2 workers: a store is required on a cluster; equal steps on every
+    rank; transform runs on the executors."""
+    pytest.importorskip("pyarrow")
+    import torch
+    from pyspark.ml.linalg import Vectors
+
+    from phalanx.errors import InvalidArgumentError
+    from phalanx.spark.torch import LocalStore, TorchEstimator
+
+    rows = [(Vectors.dense([float(i % 3), float(i % 5)]), float(i % 3)) for i in range(90)]
+    df = standalone_spark.createDataFrame(rows, ["x", "y"])
+    model = torch.nn.Linear(2, 1)
+    kwargs: dict[str, Any] = dict(num_proc=4, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                                  loss=lambda out, y: torch.nn.functional.mse_loss(out[:, 0], y),
+                                  feature_cols=["x"], label_cols=["y"], batch_size=4, epochs=1, verbose=0)
+    with pytest.raises(InvalidArgumentError, match="store=None on the cluster"):
+        TorchEstimator(**kwargs).fit(df)
+    trained = TorchEstimator(store=LocalStore(str(tmp_path)), **kwargs).fit(df)
+    assert trained.getHistory()[0]["steps_per_rank"] == [5, 5, 5, 5]
+    out = trained.transform(df.limit(6)).collect()
+    assert len(out) == 6 and all(isinstance(r["y__output"], float) for r in out)

@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "tensorflow": {"torch", "env", "timeline", "errors"},
     "lightning": {"torch", "env", "errors"},
     "spark": {"launch", "job", "env", "errors", "worker"},
+    "estimator": {"spark", "torch", "tensorflow", "lightning", "launch", "job", "env", "errors", "worker"},
     "cli": {"launch", "env", "errors", "timeline", "job", "__init__"},
     "compat": {"torch", "tensorflow", "spark", "launch", "lightning", "env", "errors", "__init__"},
     "__init__": {"launch"},
@@ -38,8 +39,19 @@ INTERFACE: dict[str, set[str]] = {
 }
 
 
+# Sub-layers: paths inside a layer's package that form a layer of their own (the estimators sit in
+# phalanx.spark for Horovod's names, but train with phalanx.torch / phalanx.tensorflow, which spark/ may not).
+SUBLAYERS = {"spark/estimator": "estimator", "spark/torch.py": "estimator", "spark/keras.py": "estimator",
+             "spark/lightning.py": "estimator", "spark/common": "estimator"}
+SUBLAYER_MODULES = {"spark.estimator": "estimator", "spark.torch": "estimator", "spark.keras": "estimator",
+                    "spark.lightning": "estimator", "spark.common": "estimator"}
+
+
 def _layer(path: Path) -> str:
     rel = path.relative_to(PKG)
+    for prefix, layer in SUBLAYERS.items():
+        if rel.as_posix() == prefix or rel.as_posix().startswith(prefix + "/"):
+            return layer
     return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
 
 
@@ -49,7 +61,7 @@ def _phalanx_imports(path: Path) -> set[str]:
 
 def _layer_of(module: str) -> str:
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "__init__"
+    return SUBLAYER_MODULES.get(".".join(parts[1:3]), parts[1] if len(parts) > 1 else "__init__")
 
 
 def _phalanx_modules(path: Path) -> set[str]:

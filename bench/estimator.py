@@ -1,0 +1,111 @@
+"""The Spark estimators' data path: rows per second that reach a no-op training step on each rank, vs
+pyarrow reading the same Parquet data from local disk straight into torch tensors in one process.
+
+The data (``--rows`` rows of a 64-value vector and an integer label, as the digits example has) is
+written into a LocalStore by the estimator's own preparation step (``prepare``: checks, Parquet in the
+store). Then, alternating ``--rounds`` times:
+
+* ceiling: one process, ``pyarrow.parquet.ParquetFile.iter_batches`` over every file, each batch's columns
+  to NumPy and ``torch.from_numpy``: the practical ceiling of reading the data on this host;
+* estimator: a 2-rank ``phalanx.spark.run`` job on ``local[2]``; each rank reads its shard through the
+  estimator's reader (row groups shared out, shuffled every pass, fixed-size batches) and turns each batch
+  into tensors as ``TorchEstimator``'s training loop does, for one epoch; the rate of the slower rank.
+
+Printed: the medians and the per-rank ratio estimator / ceiling (target >= 0.8). Both sides run on the
+same cores; on a loaded host the ranks share them with everything else (say so with the figures).
+
+    .venv/bin/python bench/estimator.py [--rows 200000] [--batch-size 256] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+def ceiling(paths: list[str], batch_size: int) -> float:
+    """Rows/s of pyarrow -> NumPy -> torch over every file, one process."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    rows = 0
+    start = time.perf_counter()
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["features", "label"]):
+            column = batch.column(0)
+            x = torch.from_numpy(np.asarray(column.flatten().to_numpy(), np.float32).reshape(len(column), -1))
+            y = torch.from_numpy(batch.column(1).to_numpy())
+            rows += len(x) if len(y) else 0
+    return rows / (time.perf_counter() - start)
+
+
+def estimator_rank(spec: Any) -> float:
+    """One rank: an epoch of the estimator's batches as tensors, no-op step; rows/s."""
+    import os
+
+    import torch
+
+    from phalanx.spark.estimator.torch_remote import tensors
+
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rows = 0
+    start = time.perf_counter()
+    for batch in spec.batches(rank, size, 0, validation=False):
+        x = tensors(batch, spec.data.features, None, torch.device("cpu"))
+        y = tensors(batch, spec.data.labels, None, torch.device("cpu"))
+        rows += len(x[0]) if len(y[0]) else 0
+    return rows / (time.perf_counter() - start)
+
+
+def prepare_data(spark: Any, rows: int, batch_size: int) -> Any:
+    from pyspark.sql import functions as F
+
+    from phalanx.spark.estimator.job import TrainSpec
+    from phalanx.spark.estimator.prepare import prepare
+    from phalanx.spark.estimator.store import LocalStore
+
+    df = spark.range(rows).select(F.array(*[F.rand(i).cast("float") for i in range(64)]).alias("features"),
+                                  (F.col("id") % 10).alias("label"))
+    store = LocalStore(tempfile.mkdtemp(prefix="bench-estimator-"))
+    params = {"feature_cols": ["features"], "label_cols": ["label"], "partitions_per_process": 4,
+              "batch_size": batch_size, "shuffle": True, "random_seed": 0}
+    data = prepare(df, store, "bench", params, 2)
+    return TrainSpec(b"", data, store, "bench", params)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    import phalanx.spark
+
+    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    spec = prepare_data(spark, args.rows, args.batch_size)
+    paths = sorted({p.path for p in spec.data.train})
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        theirs.append(ceiling(paths, args.batch_size))
+        ours.append(min(phalanx.spark.run(estimator_rank, args=(spec,), num_proc=2, verbose=0)))
+    ceiling_rate, rank_rate = statistics.median(theirs), statistics.median(ours)
+    print(f"rows: {spec.data.train_rows}, 64 float32 + 1 int64 each, batch {args.batch_size}, {args.rounds} rounds")
+    print(f"ceiling (pyarrow -> torch, one process): {ceiling_rate:,.0f} rows/s  rounds {[round(t) for t in theirs]}")
+    print(f"estimator data path, slower of 2 ranks:  {rank_rate:,.0f} rows/s  rounds {[round(t) for t in ours]}")
+    print(f"per-rank ratio estimator / ceiling: {rank_rate / ceiling_rate:.2f}x (target >= 0.8)")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

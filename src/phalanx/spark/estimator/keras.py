@@ -1,0 +1,143 @@
+"""``KerasEstimator`` and ``KerasModel``: Horovod's ``horovod.spark.keras`` on phalanx (no Petastorm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from phalanx.errors import InvalidArgumentError, PayloadError
+from phalanx.spark.estimator.base import PhalanxEstimator
+from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.estimator.model import PhalanxModel
+from phalanx.spark.estimator.params import add_params
+from phalanx.spark.estimator.schema import VECTOR, ColumnSpec
+from phalanx.spark.estimator.transform import Predictor
+
+KERAS_PARAMS: dict[str, tuple[Any, str]] = {
+    "input_shapes": (None, "shape of each input (default: the model's input shapes)"),
+    "custom_objects": ({}, "custom Keras objects the model needs to load"),
+    "checkpoint_callback": (None, "ignored: phalanx checkpoints every epoch into the store"),
+    "backend_env": (None, "ignored: use the ranks' env of phalanx.spark.run"),
+}
+
+
+class KerasEstimator(PhalanxEstimator):
+    """Spark ML ``Estimator`` that trains a Keras model on a DataFrame with ``phalanx.tensorflow.keras``.
+
+    ``KerasEstimator(model=..., optimizer=keras.optimizers.Adam(...), loss=..., metrics=[...],
+    feature_cols=[...], label_cols=[...], batch_size=32, epochs=1, store=..., num_proc=...).fit(df)``
+    returns a :class:`KerasModel`. Each rank wraps the optimizer in ``hvd.DistributedOptimizer``, compiles
+    the model and fits one epoch at a time on its shard (NumPy batches).
+    """
+
+    framework = "keras"
+
+    @classmethod
+    def extra_params(cls) -> dict[str, tuple[Any, str]]:
+        """``input_shapes``, ``custom_objects``, ``checkpoint_callback``, ``backend_env``."""
+        return KERAS_PARAMS
+
+    def check_framework(self, values: dict[str, Any]) -> None:
+        """``model`` a ``keras.Model``, an ``optimizer`` and a ``loss``."""
+        import keras
+
+        if not isinstance(values["model"], keras.Model):
+            raise InvalidArgumentError(f"model={type(values['model']).__name__}: give a keras.Model")
+        if not isinstance(values.get("optimizer"), keras.optimizers.Optimizer):
+            raise InvalidArgumentError(f"optimizer={values.get('optimizer')!r}: give a keras optimizer instance")
+        if values.get("loss") is None:
+            raise InvalidArgumentError("loss=None: give the Keras loss (a name, a function or a Loss object)")
+
+    def model_blob(self, values: dict[str, Any]) -> bytes:
+        """The model's ``.keras`` bytes, the optimizer's config, the loss and the metrics."""
+        import keras
+
+        from phalanx.spark.estimator.keras_remote import save_model
+
+        try:
+            return bytes(cloudpickle.dumps({
+                "model": save_model(values["model"]), "optimizer": keras.optimizers.serialize(values["optimizer"]),
+                "loss": values["loss"], "metrics": values.get("metrics") or [],
+                "custom_objects": values.get("custom_objects") or {}}))
+        except Exception as e:
+            raise PayloadError(f"the Keras model, loss or metrics cannot be serialized: {type(e).__name__}: {e}") from e
+
+    def remote(self) -> Any:
+        """``keras_remote.train``."""
+        from phalanx.spark.estimator.keras_remote import train
+
+        return train
+
+    def make_model(self, result: dict[str, Any], spec: TrainSpec) -> KerasModel:
+        """A :class:`KerasModel` holding the trained model."""
+        import pickle
+
+        from phalanx.spark.estimator.keras_remote import load_model, save_model
+
+        custom = self.getOrDefault("custom_objects") or {}
+        model = load_model(save_model(self.getOrDefault("model")), custom)
+        model.set_weights(pickle.loads(result["state"]))
+        blob = save_model(model)
+        feature_specs = list(spec.data.features)
+        shapes = spec.params.get("input_shapes")
+        predict = _KerasPredictorFactory(blob, feature_specs, shapes, custom)()
+        sizes = [int(np.prod(o.shape[1:])) for o in predict([np.zeros((1, s.size), np.float32) for s in feature_specs])]
+        vectors = [label.kind == VECTOR for label in spec.data.labels] + [False] * len(sizes)
+        labels = [c.name for c in spec.data.labels]
+        return KerasModel(history=result["history"], model=model,
+                          feature_columns=[c.name for c in feature_specs], label_columns=labels,
+                          run_id=spec.run_id, input_shapes=shapes, feature_specs=feature_specs, output_sizes=sizes,
+                          vector_outputs=vectors[:len(sizes)], custom_objects=custom)
+
+
+add_params(KerasEstimator, KERAS_PARAMS)
+
+
+class _KerasPredictorFactory:
+    """Carries the model's ``.keras`` bytes to the executors and builds the predictor there."""
+
+    def __init__(self, blob: bytes, specs: list[ColumnSpec], shapes: Any, custom: dict[str, Any]) -> None:
+        self.blob, self.specs, self.shapes, self.custom = blob, specs, shapes, custom
+
+    def __call__(self) -> Predictor:
+        from phalanx.spark.estimator.keras_remote import load_model, shaped
+
+        model = load_model(self.blob, self.custom)
+        shapes = self.shapes or [tuple(t.shape) for t in model.inputs]
+
+        def predict(inputs: list[np.ndarray]) -> list[np.ndarray]:
+            x = shaped([np.asarray(a, np.float32) for a in inputs], shapes)
+            out = model(x[0] if len(x) == 1 else x, training=False)
+            outs = list(out) if isinstance(out, (list, tuple)) else [out]
+            return [np.asarray(o).reshape(len(inputs[0]), -1) for o in outs]
+
+        return predict
+
+
+class KerasModel(PhalanxModel):
+    """Spark ML ``Transformer`` wrapping a trained Keras model (``getModel()``); ``transform(df)`` adds
+    ``<label>__output`` columns, computed on the executors."""
+
+    def __init__(self, custom_objects: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.custom_objects = dict(custom_objects or {})
+
+    def model_bytes(self) -> bytes:
+        """The model's ``.keras`` file."""
+        from phalanx.spark.estimator.keras_remote import save_model
+
+        return save_model(self.getOrDefault("model"))
+
+    @classmethod
+    def model_from_bytes(cls, data: bytes) -> Any:
+        """The model from :meth:`model_bytes` (custom objects must be registered with Keras)."""
+        from phalanx.spark.estimator.keras_remote import load_model
+
+        return load_model(data, None)
+
+    def predictor_factory(self) -> Any:
+        """Builds the predictor on the executor."""
+        return _KerasPredictorFactory(self.model_bytes(), self.getOrDefault("feature_specs"),
+                                      self.getOrDefault("input_shapes"), self.custom_objects)

@@ -1,0 +1,137 @@
+"""The training loop every rank of a ``KerasEstimator`` run executes (runs in the phalanx worker)."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from phalanx.spark.driver_log import log_to_driver
+from phalanx.spark.estimator.job import TrainSpec, epoch_line
+from phalanx.spark.estimator.reader import Batch
+
+
+def load_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
+    """A Keras model from the bytes of its ``.keras`` file."""
+    import keras
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        with open(path, "wb") as f:
+            f.write(data)
+        return keras.models.load_model(path, custom_objects=custom_objects, compile=False)
+
+
+def save_model(model: Any) -> bytes:
+    """The bytes of ``model``'s ``.keras`` file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.keras")
+        model.save(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def shaped(arrays: Sequence[np.ndarray], shapes: Sequence[Any]) -> list[np.ndarray]:
+    """Each array reshaped to its input's shape (``(rows, *shape)``) when the sizes agree."""
+    out = []
+    for array, shape in zip(arrays, shapes):
+        dims = [d for d in list(shape)[1:] if d is not None]
+        fits = len(dims) == len(shape) - 1 and math.prod(dims) == math.prod(array.shape[1:])
+        out.append(array.reshape(len(array), *dims) if fits else array)
+    return out
+
+
+def _xy(batch: Batch, spec: TrainSpec, model: Any) -> tuple[Any, ...]:
+    data = spec.data
+    given = spec.params.get("input_shapes")
+    shapes = given or [tuple(t.shape) for t in model.inputs]
+    x = shaped([batch[c.name] for c in data.features], shapes)
+    y = [batch[c.name] for c in data.labels]
+    xs = x[0] if len(x) == 1 else tuple(x)
+    ys = y[0] if len(y) == 1 else tuple(y)
+    return (xs, ys, batch[data.weight.name]) if data.weight else (xs, ys)
+
+
+def _batches(spec: TrainSpec, model: Any, rank: int, size: int, epoch: int, validation: bool,
+             counter: list[int]) -> Iterator[tuple[Any, ...]]:
+    for batch in spec.batches(rank, size, epoch, validation):
+        counter[0] += 1
+        yield _xy(batch, spec, model)
+
+
+def _checkpoint(spec: TrainSpec, model: Any, epoch: int, history: list[Any]) -> None:
+    state = {"weights": model.get_weights(), "optimizer": [np.asarray(v) for v in model.optimizer.variables],
+             "history": history, "epoch": epoch}
+    spec.store.write(spec.checkpoint_path(epoch), pickle.dumps(state))
+    spec.log_epoch(history[-1])
+
+
+def _restore(spec: TrainSpec, model: Any) -> list[Any]:
+    if spec.resume_epoch < 0:
+        return []
+    state = pickle.loads(spec.store.read(spec.checkpoint_path(spec.resume_epoch)))
+    model.set_weights(state["weights"])
+    model.optimizer.build(model.trainable_variables)
+    for variable, value in zip(model.optimizer.variables, state["optimizer"]):
+        variable.assign(value)
+    return list(state["history"])
+
+
+def _record(epoch: int, logs: dict[str, Any], steps: int) -> dict[str, Any]:
+    train = {k: float(v) for k, v in logs.items() if not k.startswith("val_")}
+    val = {k[4:]: float(v) for k, v in logs.items() if k.startswith("val_")}
+    record: dict[str, Any] = {"epoch": epoch, "train": train, "steps": steps}
+    if val:
+        record["validation"] = val
+    return record
+
+
+def train(spec: TrainSpec) -> dict[str, Any]:
+    """Train on this rank's shard with ``phalanx.tensorflow.keras``; rank 0 checkpoints every epoch.
+    Returns the history, this rank's steps per epoch, and (rank 0) the trained weights, pickled."""
+    import keras
+    import tensorflow as tf
+
+    import phalanx.tensorflow.keras as hvd
+
+    hvd.init()
+    if spec.params.get("random_seed") is not None:
+        keras.utils.set_random_seed(int(spec.params["random_seed"]))
+    payload = cloudpickle.loads(spec.model_blob)
+    model = load_model(payload["model"], payload.get("custom_objects"))
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.deserialize(payload["optimizer"]))
+    model.compile(optimizer=optimizer, loss=payload["loss"], loss_weights=spec.params.get("loss_weights"),
+                  metrics=payload.get("metrics") or None)
+    history = _restore(spec, model)
+    rank, size, epochs, steps = hvd.rank(), hvd.size(), int(spec.params["epochs"]), []
+    for epoch in range(spec.resume_epoch + 1, epochs):
+        counter = [0]
+        callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
+                     *(spec.params.get("callbacks") or [])]
+        val = None
+        if spec.data.val:
+            val = _batches(spec, model, rank, size, epoch, True, [0])
+        batches = _batches(spec, model, rank, size, epoch, False, counter)
+        fit = model.fit(batches, steps_per_epoch=spec.steps(size, False),
+                        initial_epoch=epoch, epochs=epoch + 1, validation_data=val,
+                        validation_steps=spec.steps(size, True) if val is not None else None, callbacks=callbacks,
+                        verbose=0)
+        record = _record(epoch, {k: v[-1] for k, v in fit.history.items()}, counter[0])
+        record["steps_per_rank"] = hvd.allgather(tf.constant([counter[0]])).numpy().tolist()
+        steps.append(counter[0])
+        history.append(record)
+        if rank == 0:
+            _checkpoint(spec, model, epoch, history)
+            if int(spec.params.get("verbose") or 0) > 0:
+                log_to_driver(epoch_line(record, epochs))
+    result: dict[str, Any] = {"history": history, "steps": steps}
+    if rank == 0:  # the weights only: the compiled model holds the distributed optimizer wrapper
+        result["state"] = pickle.dumps(model.get_weights())
+    return result
+

@@ -1,0 +1,84 @@
+"""Lightning's ``TorchEstimator`` and ``TorchModel``: Horovod's ``horovod.spark.lightning`` on phalanx.
+
+The model is a ``LightningModule``; its ``training_step(batch, batch_idx)`` (and ``validation_step``)
+receive Horovod's batch format, a dict ``column name -> tensor`` (features shaped by ``input_shapes``), and
+its ``configure_optimizers`` gives the optimizer. Every rank runs one ``Trainer.fit`` with phalanx's
+``HorovodStrategy`` (``strategy="horovod"``: ``hvd.DistributedOptimizer``, learning rate scaled by the
+number of ranks, as Horovod's strategy does).
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import cloudpickle
+
+from phalanx.errors import InvalidArgumentError, PayloadError
+from phalanx.spark.estimator.base import PhalanxEstimator
+from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.estimator.params import add_params
+from phalanx.spark.estimator.schema import VECTOR
+from phalanx.spark.estimator.torch import TorchModel, _output_sizes
+
+LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
+    "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
+    "trainer_args": ({}, "ignored: phalanx builds the Trainer (epochs, steps, strategy)"),
+    "logger": (None, "ignored: metrics go to the history and the store's logs"),
+}
+
+
+class TorchEstimator(PhalanxEstimator):
+    """Spark ML ``Estimator`` that trains a ``LightningModule`` on a DataFrame (``horovod.spark.lightning``).
+
+    ``TorchEstimator(model=module, feature_cols=[...], label_cols=[...], input_shapes=[...], batch_size=32,
+    epochs=1, store=..., num_proc=...).fit(df)`` returns a :class:`TorchModel`.
+    """
+
+    framework = "lightning"
+
+    @classmethod
+    def extra_params(cls) -> dict[str, tuple[Any, str]]:
+        """``input_shapes``, ``trainer_args``, ``logger``."""
+        return LIGHTNING_PARAMS
+
+    def check_framework(self, values: dict[str, Any]) -> None:
+        """``model`` a ``LightningModule`` with a ``training_step``."""
+        try:
+            import lightning as L
+        except ImportError as e:
+            raise InvalidArgumentError("the Lightning estimator needs lightning: pip install lightning") from e
+        if not isinstance(values["model"], L.LightningModule):
+            raise InvalidArgumentError(f"model={type(values['model']).__name__}: give a lightning.LightningModule")
+
+    def model_blob(self, values: dict[str, Any]) -> bytes:
+        """The module, pickled."""
+        try:
+            return bytes(cloudpickle.dumps(values["model"]))
+        except Exception as e:
+            raise PayloadError(f"the LightningModule cannot be pickled: {type(e).__name__}: {e}") from e
+
+    def remote(self) -> Any:
+        """``lightning_remote.train``."""
+        from phalanx.spark.estimator.lightning_remote import train
+
+        return train
+
+    def make_model(self, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
+        """A :class:`TorchModel` holding a copy of the module with the trained weights."""
+        import torch
+
+        module = copy.deepcopy(self.getOrDefault("model"))
+        module.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
+        module.eval()
+        features = list(spec.data.features)
+        shapes = spec.params.get("input_shapes")
+        sizes = _output_sizes(module, features, shapes)
+        vectors = [label.kind == VECTOR for label in spec.data.labels] + [False] * len(sizes)
+        return TorchModel(history=result["history"], model=module, feature_columns=[c.name for c in features],
+                          label_columns=[c.name for c in spec.data.labels], run_id=spec.run_id, input_shapes=shapes,
+                          feature_specs=features, output_sizes=sizes, vector_outputs=vectors[:len(sizes)])
+
+
+add_params(TorchEstimator, LIGHTNING_PARAMS)

@@ -1,0 +1,143 @@
+"""The training loop every rank of a ``TorchEstimator`` run executes (runs in the phalanx worker)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import cloudpickle
+import torch
+
+import phalanx.torch as hvd
+from phalanx.spark.driver_log import log_to_driver
+from phalanx.spark.estimator.job import TrainSpec, epoch_line
+from phalanx.spark.estimator.reader import Batch
+from phalanx.spark.estimator.schema import ColumnSpec, row_shape
+
+
+def tensors(batch: Batch, specs: Sequence[ColumnSpec], shapes: Sequence[Any] | None,
+            device: torch.device) -> list[torch.Tensor]:
+    """The batch's columns as tensors shaped ``(rows, *shape)`` on ``device``."""
+    out = []
+    for i, spec in enumerate(specs):
+        array = batch[spec.name]
+        shape = row_shape(spec, shapes[i] if shapes else None)
+        out.append(torch.from_numpy(array).reshape(len(array), *shape).to(device))
+    return out
+
+
+def compute_loss(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor], weights: torch.Tensor | None) -> Any:
+    """Horovod's rule: one loss per label (or one for all), weighted by ``loss_weights``; with sample weights
+    each loss must return one value per row (``reduction='none'``), which are weighted and averaged."""
+    outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    fns = spec.params["loss"]
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns] * len(labels)
+    factors = spec.params.get("loss_weights") or [1.0] * len(labels)
+    total: Any = 0.0
+    for fn, out, label, factor in zip(fns, outs, labels, factors):
+        value = fn(out, label)
+        if weights is not None:
+            value = (value * weights.reshape(value.shape[0], *[1] * (value.dim() - 1))).mean()
+        total = total + factor * value
+    return total
+
+
+def _metrics(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor]) -> dict[str, float]:
+    outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    found = {}
+    for fn in spec.params.get("metrics") or []:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        found[name] = float(sum(float(fn(o, lab)) for o, lab in zip(outs, labels)) / len(labels))
+    return found
+
+
+def run_epoch(spec: TrainSpec, model: torch.nn.Module, optimizer: Any, epoch: int, device: torch.device,
+              validation: bool) -> tuple[dict[str, float], int]:
+    """One epoch (training or validation) on this rank: the metrics averaged over its steps, and the steps."""
+    data = spec.data
+    model.train(not validation)
+    sums: dict[str, float] = {}
+    steps = 0
+    for batch in spec.batches(hvd.rank(), hvd.size(), epoch, validation):
+        inputs = tensors(batch, data.features, spec.params.get("input_shapes"), device)
+        labels = tensors(batch, data.labels, spec.params.get("label_shapes"), device)
+        weights = tensors(batch, [data.weight], None, device)[0] if data.weight else None
+        with torch.set_grad_enabled(not validation):
+            outputs = model(*inputs)
+            loss = compute_loss(spec, outputs, labels, weights)
+        if not validation:
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        for name, value in {"loss": float(loss.detach()), **_metrics(spec, outputs.detach(), labels)}.items():
+            sums[name] = sums.get(name, 0.0) + value
+        steps += 1
+    means = {k: v / steps for k, v in sums.items()}
+    averaged = hvd.allreduce(torch.tensor(list(means.values()), dtype=torch.float64), op=hvd.Average,
+                             name=f"estimator.{'val' if validation else 'train'}.{epoch}")
+    return dict(zip(means, averaged.tolist())), steps
+
+
+def _restore(spec: TrainSpec, model: torch.nn.Module, optimizer: Any) -> list[dict[str, Any]]:
+    if spec.resume_epoch < 0:
+        return []
+    state = torch.load(io.BytesIO(spec.store.read(spec.checkpoint_path(spec.resume_epoch))), weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return list(state["history"])
+
+
+def _save(spec: TrainSpec, model: torch.nn.Module, optimizer: Any, epoch: int, history: list[Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
+                "epoch": epoch}, buffer)
+    spec.store.write(spec.checkpoint_path(epoch), buffer.getvalue())
+    spec.log_epoch(history[-1])
+
+
+def _device(spec: TrainSpec) -> torch.device:
+    if spec.params.get("use_gpu") and torch.cuda.is_available():
+        torch.cuda.set_device(hvd.local_rank())
+        return torch.device("cuda", hvd.local_rank())
+    return torch.device("cpu")
+
+
+def train(spec: TrainSpec) -> dict[str, Any]:
+    """Train on this rank's shard; rank 0 checkpoints every epoch. Returns the history, this rank's steps
+    per epoch, and (rank 0) the final model's ``state_dict`` as ``torch.save`` bytes."""
+    hvd.init()
+    if spec.params.get("random_seed") is not None:
+        torch.manual_seed(int(spec.params["random_seed"]))
+    model, optimizer = cloudpickle.loads(spec.model_blob)
+    history = _restore(spec, model, optimizer)
+    device = _device(spec)
+    model.to(device)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    compression = spec.params.get("gradient_compression") or hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+    epochs, steps = int(spec.params["epochs"]), []
+    for epoch in range(spec.resume_epoch + 1, epochs):
+        record: dict[str, Any] = {"epoch": epoch}
+        record["train"], taken = run_epoch(spec, model, optimizer, epoch, device, validation=False)
+        record["steps"] = taken
+        record["steps_per_rank"] = hvd.allgather_object(taken)
+        steps.append(taken)
+        if spec.data.val:
+            with torch.no_grad():
+                record["validation"], _ = run_epoch(spec, model, optimizer, epoch, device, validation=True)
+        history.append(record)
+        if hvd.rank() == 0:
+            _save(spec, model, optimizer, epoch, history)
+            if int(spec.params.get("verbose") or 0) > 0:
+                log_to_driver(epoch_line(record, epochs))
+        for callback in spec.params.get("callbacks") or []:
+            callback(epoch, record)
+    result: dict[str, Any] = {"history": history, "steps": steps}
+    if hvd.rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(model.cpu().state_dict(), buffer)
+        result["state"] = buffer.getvalue()
+    return result
