@@ -25,6 +25,7 @@ Run: ``.venv/bin/python bench/shm.py [--rounds 9] [--skip-train]``.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -79,6 +80,38 @@ def _allreduce(rounds: int) -> list[dict[str, float]]:
 
 
 HOST_SIZES = [4 << 10, 1 << 20, 16 << 20]
+
+
+def _check_cost(rounds: int) -> dict[str, float]:
+    """Per-call time of a phalanx_shm allreduce (4 KB, 4 MB) with the signature check that every rank issued the
+    same call (issue 24), and with the check skipped, interleaved round by round: medians in us."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from phalanx.transport import _check
+
+    dist.init_process_group("gloo")  # a one-host job: phalanx_shm stands in
+    real = _check.check
+    out: dict[str, list[float]] = {}
+    for size in (4 << 10, 4 << 20):
+        t = torch.ones(size // 4)
+        calls = 200 if size < (1 << 20) else 20
+        for _ in range(rounds):
+            for label, check in (("checked", real), ("unchecked", lambda *a: None)):
+                _check.check = check  # type: ignore[assignment]
+                out.setdefault(f"{size}/{label}", []).append(_time(functools.partial(dist.all_reduce, t), calls) * 1e6)
+    _check.check = real
+    dist.destroy_process_group()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def _print_check_cost(r: dict[str, float]) -> None:
+    for size in (4 << 10, 4 << 20):
+        on, off = r[f"{size}/checked"], r[f"{size}/unchecked"]
+        print(f"phalanx_shm allreduce {size >> 10:>5} KB: {on:8.1f} us checked, {off:8.1f} us unchecked: the "
+              f"signature check costs {on - off:6.1f} us per call ({on / off:.2f}x)")
 
 
 def _hosts_allreduce(hosts: list[str], rounds: int) -> dict[str, Any]:
@@ -382,7 +415,12 @@ def main() -> None:
     parser.add_argument("--host-runs", type=int, default=2, help="jobs per setting (on / off) on simulated hosts")
     parser.add_argument("--ddp-only", action="store_true", help="only the DDP / FSDP2 gloo vs phalanx_shm A/B")
     parser.add_argument("--hosts-ddp-only", action="store_true", help="only DDP / FSDP2 gloo vs phalanx_shm on AABB")
+    parser.add_argument("--check-only", action="store_true", help="only the cost of phalanx_shm's signature check")
     args = parser.parse_args()
+    if args.check_only:
+        _print_check_cost(phalanx.run(_check_cost, args=(args.rounds,), np=2)[0])
+        print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
+        return
     if args.hosts_ddp_only:
         _print_hosts_ddp(_hosts_ddp(args.steps, args.train_rounds))
         print(f"load: {os.getloadavg()[0]:.2f} (1-min average) after the run")
@@ -393,6 +431,7 @@ def main() -> None:
         return
     print(f"load: {os.getloadavg()[0]:.2f} (1-min average) on {os.cpu_count()} cores")
     _print_allreduce(phalanx.run(_allreduce, args=(args.rounds,), np=2)[0])
+    _print_check_cost(phalanx.run(_check_cost, args=(args.rounds,), np=2)[0])
     if not args.skip_hosts:
         _print_hosts(args.rounds, args.host_runs)
         _print_hosts_ddp(_hosts_ddp(args.steps, args.train_rounds))

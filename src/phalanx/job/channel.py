@@ -14,7 +14,6 @@ timeout. The accepting thread survives any error but the channel's own close.
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 
 from phalanx.errors import ChannelError
 from phalanx.job import handshake
+from phalanx.job.events import EventQueue
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
 from phalanx.job.handshake import Role, new_secret
 from phalanx.job.records import ErrorRecord, Hello, LogLine
@@ -80,13 +80,14 @@ class DriverChannel:
                  advertise_host: str | None = None) -> None:
         self.world_size = world_size
         self.secret = new_secret()
-        self.events: queue.Queue[Event] = queue.Queue()
+        self.events = EventQueue()
         self._payload = payload
         self._server = socket.create_server((bind_host, 0), backlog=max(128, 2 * world_size))
         self._advertise = advertise_host or bind_host
         self._lock = threading.Lock()
         self._peers: dict[tuple[int, Role], FrameWriter] = {}
         self._closed = {r: threading.Event() for r in range(world_size)}
+        self._closed_at: dict[tuple[int, Role], float] = {}
         self._stopping = False
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._accepter = threading.Thread(target=self._accept_loop, name="phalanx-channel", daemon=True)
@@ -135,6 +136,7 @@ class DriverChannel:
         ``shutdown`` every job left that thread and its listening port behind in the driver for good.
         """
         self._stopping = True
+        self.events.close()
         try:
             self._server.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -207,9 +209,15 @@ class DriverChannel:
             self._peers[who] = FrameWriter(conn)
             return True
 
+    def closed_at(self, rank: int, role: Role) -> float | None:
+        """``time.monotonic()`` when an authenticated peer's connection ended (None: still open, or never)."""
+        with self._lock:
+            return self._closed_at.get((rank, role))
+
     def _unregister(self, who: tuple[int, Role]) -> None:
         with self._lock:
             self._peers.pop(who, None)
+            self._closed_at[who] = time.monotonic()
         self.events.put(Closed(rank=who[0], role=who[1]))
         if who[1] is Role.WORKER:
             self._closed[who[0]].set()

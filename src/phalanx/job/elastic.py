@@ -148,12 +148,12 @@ class ElasticMonitor(JobMonitor):
             return
         super()._handle(event)
 
-    def _exited(self, state: _RankState, returncode: int) -> None:
+    def _exited(self, state: _RankState, returncode: int, ended_at: float | None) -> None:
         state.exited = True
         state.returncode = returncode
         if returncode == 0 and (state.result is not None or not self.config.expect_results):
             return
-        state.failed_at = time.monotonic()
+        state.failed_at = time.monotonic() if ended_at is None else ended_at
         if self._stopped_at is not None:
             return
         self._lost.add(next(w for w, s in enumerate(self._ranks) if s is state))

@@ -1,12 +1,15 @@
 """Worker output: read line by line from pipes, written to the driver's console and to files.
 
-Lines are never truncated or dropped: a pipe is read with ``readline`` (no length limit) and a last line
-without a newline is still delivered. Console output is written to whatever ``sys.stdout`` /
-``sys.stderr`` are at the moment of writing, so notebooks that swap them show the lines.
+Lines are never truncated or dropped, and a last line without a newline is still delivered. A line
+longer than :data:`PIECE_BYTES` travels in pieces (``LogLine.more``) that the sinks write one after the
+other, so the driver never holds a whole multi-megabyte line (or several copies of it). Console output is
+written to whatever ``sys.stdout`` / ``sys.stderr`` are at the moment of writing, so notebooks that swap
+them show the lines.
 """
 
 from __future__ import annotations
 
+import codecs
 import sys
 import time
 from collections import deque
@@ -18,6 +21,8 @@ from phalanx.job.records import LogLine, Stream
 
 #: Characters of one log line kept in an error report (the console and files get the whole line).
 TAIL_LINE_CHARS = 1000
+#: Largest piece of a line read from a rank's pipe at once.
+PIECE_BYTES = 1 << 20
 
 
 class LogSink(Protocol):
@@ -31,11 +36,33 @@ class LogSink(Protocol):
 
 
 def pump_lines(pipe: IO[bytes], rank: int, stream: Stream, emit: Callable[[LogLine], None]) -> None:
-    """Read ``pipe`` to its end, emitting one :class:`LogLine` per line (run in a thread)."""
+    """Read ``pipe`` to its end, emitting one :class:`LogLine` per line, or per piece of a line longer than
+    :data:`PIECE_BYTES` (run in a thread). ``emit`` may block: the rank then blocks on its next write."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     with pipe:
-        for raw in iter(pipe.readline, b""):
-            text = raw.decode("utf-8", "replace")
-            emit(LogLine(rank=rank, stream=stream, text=text[:-1] if text.endswith("\n") else text))
+        for raw in iter(lambda: pipe.readline(PIECE_BYTES), b""):
+            whole = raw.endswith(b"\n") or len(raw) < PIECE_BYTES  # a short piece without "\n": the end
+            text = decoder.decode(raw, final=whole)
+            emit(LogLine(rank=rank, stream=stream, text=text[:-1] if text.endswith("\n") else text,
+                         more=not whole))
+
+
+class LineJoiner:
+    """Tracks which (rank, stream) lines are open (a piece with ``more`` was written), so that a sink writes
+    a line's prefix once and ends an open line before another rank's line is written to the same stream."""
+
+    def __init__(self) -> None:
+        self._open: dict[Stream, tuple[int, Stream] | None] = {}
+
+    def piece(self, line: LogLine, head: str) -> str:
+        """The text to write for ``line``: prefix (unless it continues the open line), text, newline (unless
+        more follows)."""
+        key = (line.rank, line.stream)
+        current = self._open.get(line.stream)
+        out = "" if current is None or current == key else "\n"
+        out += (head if current != key else "") + line.text
+        self._open[line.stream] = key if line.more else None
+        return out if line.more else out + "\n"
 
 
 class ConsoleSink:
@@ -48,14 +75,15 @@ class ConsoleSink:
     def __init__(self, prefix: bool = True, timestamp: bool = False) -> None:
         self.prefix = prefix
         self.timestamp = timestamp
+        self._joiner = LineJoiner()
 
     def write(self, line: LogLine) -> None:
-        """Write one line to sys.stdout or sys.stderr."""
+        """Write one line (or piece) to sys.stdout or sys.stderr."""
         out = sys.stdout if line.stream is Stream.STDOUT else sys.stderr
         head = f"[{line.rank}]<{line.stream.label}>:" if self.prefix else ""
         if self.timestamp:
             head = time.asctime() + head
-        out.write(f"{head}{line.text}\n")
+        out.write(self._joiner.piece(line, head))
 
     def flush(self) -> None:
         """Flush both streams."""
@@ -79,8 +107,11 @@ class FileSink:
         return self._files[key]
 
     def write(self, line: LogLine) -> None:
-        """Append one line to the rank's file."""
-        self._file(line.rank, line.stream).write(line.text + "\n")
+        """Append one line (or piece) to the rank's file."""
+        f = self._file(line.rank, line.stream)
+        f.write(line.text)
+        if not line.more:
+            f.write("\n")
 
     def flush(self) -> None:
         """Flush every open file."""
@@ -100,13 +131,23 @@ class TailBuffer:
     def __init__(self, lines: int = 20) -> None:
         self._lines = lines
         self._tails: dict[int, deque[str]] = {}
+        self._open: dict[tuple[int, Stream], int] = {}  # line still in pieces -> characters it has so far
 
     def write(self, line: LogLine) -> None:
-        """Remember a line (cut to TAIL_LINE_CHARS in the report only)."""
-        text = line.text
-        if len(text) > TAIL_LINE_CHARS:
-            text = text[:TAIL_LINE_CHARS] + f"... ({len(line.text) - TAIL_LINE_CHARS} more characters)"
-        self._tails.setdefault(line.rank, deque(maxlen=self._lines)).append(text)
+        """Remember a line (cut to TAIL_LINE_CHARS in the report only); pieces of a line make one entry."""
+        tail = self._tails.setdefault(line.rank, deque(maxlen=self._lines))
+        key = (line.rank, line.stream)
+        before = self._open.pop(key, None)
+        if before is None:
+            tail.append(line.text[:TAIL_LINE_CHARS])
+            before = 0
+        elif before < TAIL_LINE_CHARS and tail:
+            tail[-1] = (tail[-1] + line.text)[:TAIL_LINE_CHARS]
+        total = before + len(line.text)
+        if line.more:
+            self._open[key] = total
+        elif total > TAIL_LINE_CHARS and tail:
+            tail[-1] = tail[-1][:TAIL_LINE_CHARS] + f"... ({total - TAIL_LINE_CHARS} more characters)"
 
     def flush(self) -> None:
         """Nothing to flush."""

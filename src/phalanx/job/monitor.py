@@ -27,10 +27,18 @@ _STOPPED_CODES = {-15, -9, 143, 137}
 
 @dataclass(frozen=True)
 class RankExit:
-    """A rank's process ended and its output has been drained."""
+    """A rank's process ended and its output has been drained.
+
+    Attributes:
+        rank: the rank.
+        returncode: ``Popen.returncode``.
+        ended_at: ``time.monotonic()`` on the driver when the process ended (its output is drained
+            afterwards, which may take seconds); None: when this event arrived.
+    """
 
     rank: int
     returncode: int
+    ended_at: float | None = None
 
 
 @dataclass
@@ -134,21 +142,25 @@ class JobMonitor:
             state.error = event
             self._fail(state)
         elif isinstance(event, RankExit):
-            self._exited(state, event.returncode)
+            self._exited(state, event.returncode, event.ended_at)
         elif isinstance(event, Custom) and self.on_custom is not None:
             self.on_custom(event)
         elif isinstance(event, Closed):
             pass
 
-    def _exited(self, state: _RankState, returncode: int) -> None:
+    def _exited(self, state: _RankState, returncode: int, ended_at: float | None) -> None:
         state.exited = True
         state.returncode = returncode
         if returncode != 0 or (self.config.expect_results and state.result is None):
-            self._fail(state)
+            self._fail(state, ended_at)
 
-    def _fail(self, state: _RankState) -> None:
-        if state.failed_at is None:
-            state.failed_at = time.monotonic()
+    def _fail(self, state: _RankState, at: float | None = None) -> None:
+        """Record a failure that happened at ``at`` (now when None): the root cause is the rank that failed
+        first, by when it failed, not by when the driver heard of it (a killed rank's exit is posted only
+        after its output is drained, and a survivor's error about the lost peer may arrive before it)."""
+        at = time.monotonic() if at is None else at
+        if state.failed_at is None or at < state.failed_at:
+            state.failed_at = at
         if self._stopped_at is None:
             self._stopped_at = time.monotonic()
             self.stop_all()

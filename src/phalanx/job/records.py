@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from enum import IntEnum
 
 _LOG_HEADER = struct.Struct(">IB")
+_MORE = 0x80
 
 
 class Stream(IntEnum):
@@ -30,22 +31,32 @@ class Stream(IntEnum):
 
 @dataclass(frozen=True)
 class LogLine:
-    """One line a rank wrote (without its trailing newline)."""
+    """One line a rank wrote (without its trailing newline), or one piece of a long line.
+
+    Attributes:
+        rank: the rank that wrote it.
+        stream: stdout or stderr.
+        text: the text.
+        more: the line goes on in the next record of this rank and stream (a line longer than
+            :data:`phalanx.job.logs.PIECE_BYTES` travels in pieces, so no copy of it is ever whole).
+    """
 
     rank: int
     stream: Stream
     text: str
+    more: bool = False
 
     def encode(self) -> bytes:
-        """Frame body: rank, stream, then the UTF-8 text."""
-        return _LOG_HEADER.pack(self.rank, int(self.stream)) + self.text.encode("utf-8", "surrogateescape")
+        """Frame body: rank, stream (high bit: ``more``), then the UTF-8 text."""
+        flags = int(self.stream) | (_MORE if self.more else 0)
+        return _LOG_HEADER.pack(self.rank, flags) + self.text.encode("utf-8", "surrogateescape")
 
     @classmethod
     def decode(cls, body: bytes) -> LogLine:
         """Inverse of :meth:`encode`."""
-        rank, stream = _LOG_HEADER.unpack_from(body)
+        rank, flags = _LOG_HEADER.unpack_from(body)
         text = body[_LOG_HEADER.size :].decode("utf-8", "replace")
-        return cls(rank=rank, stream=Stream(stream), text=text)
+        return cls(rank=rank, stream=Stream(flags & ~_MORE), text=text, more=bool(flags & _MORE))
 
 
 @dataclass(frozen=True)

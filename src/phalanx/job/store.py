@@ -133,6 +133,11 @@ class KeyValues:
         with self._changed:
             return len(self._data)
 
+    def values(self) -> list[bytes]:
+        """Every value (a copy of the list)."""
+        with self._changed:
+            return list(self._data.values())
+
 
 def _add(delta: bytes) -> Callable[[bytes | None], tuple[bytes | None, bytes]]:
     def change(old: bytes | None) -> tuple[bytes | None, bytes]:

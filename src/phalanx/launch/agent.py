@@ -137,7 +137,7 @@ class Agent:
         except (PhalanxError, OSError) as e:
             supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
             returncode = EXIT_NOT_STARTED
-        supervisor.send(Kind.EVENT, exit_event(returncode))
+        supervisor.send(Kind.EVENT, exit_event(returncode, supervisor.ended_at))
         channel.close()
 
 

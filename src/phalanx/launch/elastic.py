@@ -89,11 +89,11 @@ class ElasticLocalLauncher(LocalLauncher):
         # In the discovery thread: replacements fill up to the discovered slots from now on; the monitor grows.
         self._target = max(1, min(slots, self.elastic.policy.max_np))
         assert self._channel is not None
-        self._channel.events.put(HostsUpdated(slots))  # type: ignore[arg-type]
+        self._channel.events.put(HostsUpdated(slots))
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         return ElasticMonitor(
-            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,  # type: ignore[arg-type]
+            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,
             policy=self.elastic.policy, reform=self._reform, free_slots=self._free_slots,
             holds_state=self._holds_state,
         )

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +93,10 @@ class LocalLauncher:
             raise
         finally:
             self._stop_all(grace_s=0.5)
+            channel.events.close()  # the job is judged: readers of the ranks' pipes must not block any more
             self._join_threads()
             channel.close()
+            self._remove_leftovers(store)
             store.close()
             if files:
                 files.close()
@@ -104,12 +107,20 @@ class LocalLauncher:
         """The address the channel and the store listen on and the ranks connect to: loopback here."""
         return "127.0.0.1"
 
+    @staticmethod
+    def _remove_leftovers(store: RendezvousStore) -> None:
+        """The ranks are gone: shared-memory files a rank killed during its transport's set-up left on this
+        host are removed now (their names are in the store), not by some later job's sweep."""
+        removed = store.remove_shm_leftovers()
+        if removed:
+            log.debug("removed shared-memory files left by killed ranks: %s", removed)
+
     def _channel_size(self) -> int:
         """How many worker ids the channel accepts (subclasses that replace workers need more)."""
         return self.spec.np
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
-        return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)  # type: ignore[arg-type]
+        return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all)
 
     def _monitor_config(self) -> MonitorConfig:
         return monitor_config(self.spec.np, self.spec.command is None, self.spec.start_timeout_s,
@@ -164,11 +175,12 @@ class LocalLauncher:
     def _await_exit(self, rank: int, proc: RankProcess, pumps: Sequence[threading.Thread],
                     channel: DriverChannel) -> None:
         returncode = proc.wait()
+        ended_at = time.monotonic()
         for pump in pumps:
             pump.join(DRAIN_WAIT_S)
         if self.spec.command is None and channel.is_connected(rank):
             channel.worker_done(rank, DRAIN_WAIT_S)
-        channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+        channel.events.put(RankExit(rank=rank, returncode=returncode, ended_at=ended_at))
 
     def _stop_all(self, grace_s: float | None = None) -> None:
         with self._stop_lock:

@@ -123,7 +123,7 @@ class HostsLauncher(LocalLauncher):
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         self._channel = channel
         self._exits.attach(channel)
-        return JobMonitor(self._monitor_config(), channel.events, sinks,  # type: ignore[arg-type]
+        return JobMonitor(self._monitor_config(), channel.events, sinks,
                           stop_all=self._stop_all, on_custom=self._on_custom)
 
     def _plan(self, job: JobContract, host: str) -> AgentPlan:

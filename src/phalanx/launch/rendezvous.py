@@ -10,6 +10,7 @@ in every rank of a phalanx job (:mod:`phalanx.worker.dist_backend`).
 
 from __future__ import annotations
 
+from phalanx.env.shm import remove_named
 from phalanx.job.store import StoreServer
 
 
@@ -34,6 +35,11 @@ class RendezvousStore:
     def check(self, key: str) -> bool:
         """Whether ``key`` is set in the store."""
         return self._server.data.has([key.encode()])
+
+    def remove_shm_leftovers(self) -> list[str]:
+        """Remove the shared-memory files the job's ranks named in the store and left behind (a rank killed
+        while its group set up its transport); call once every rank has ended. Returns their names."""
+        return remove_named(self._server.data.values())
 
     def close(self) -> None:
         """Stop the store, close every client's connection and release the port."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 from phalanx.errors import ChannelError
@@ -28,9 +29,24 @@ from phalanx.launch.warm import RankProcess
 EXIT_NOT_STARTED = 1
 
 
-def exit_event(returncode: int) -> bytes:
-    """Body of the EVENT frame a supervisor sends once its rank ended and its output was drained."""
-    return json.dumps({"exit": returncode}).encode()
+def exit_event(returncode: int, ended_at: float | None = None) -> bytes:
+    """Body of the EVENT frame a supervisor sends once its rank ended and its output was drained.
+
+    Args:
+        returncode: the rank's exit code.
+        ended_at: ``time.monotonic()`` here when the rank's process ended; sent as the seconds since (clocks
+            of two hosts cannot be compared), so the driver can order failures by when they happened.
+    """
+    age = 0.0 if ended_at is None else max(0.0, time.monotonic() - ended_at)
+    return json.dumps({"exit": returncode, "dead_for_s": age}).encode()
+
+
+def parse_exit_age(body: bytes) -> float:
+    """Seconds the rank had been dead when its supervisor sent the exit event (0 when not given)."""
+    try:
+        return max(0.0, float(json.loads(body).get("dead_for_s", 0.0)))
+    except (ValueError, TypeError, AttributeError):
+        return 0.0
 
 
 def parse_exit_event(body: bytes) -> int | None:
@@ -58,6 +74,8 @@ class RankSupervisor:
         self.rank = rank
         self.teardown_grace_s = teardown_grace_s
         self.proc: RankProcess | None = None
+        #: ``time.monotonic()`` when the rank's process ended (None while it runs)
+        self.ended_at: float | None = None
         self.channel_ok = True
         self._done = threading.Event()
         self._aborted = aborted
@@ -91,6 +109,7 @@ class RankSupervisor:
         threading.Thread(target=self._abort_watch, name="phalanx-abort", daemon=True).start()
         try:
             returncode = self.proc.wait()
+            self.ended_at = time.monotonic()
         finally:
             self._done.set()
             terminate_tree([self.proc.pid], 0.5)
@@ -138,17 +157,19 @@ class ExitReports:
         returncode = parse_exit_event(event.body)
         if returncode is None:
             return False
-        threading.Thread(target=self._after_drain, args=(event.rank, returncode), daemon=True).start()
+        ended_at = time.monotonic() - parse_exit_age(event.body)
+        threading.Thread(target=self._after_drain, args=(event.rank, returncode, ended_at), daemon=True).start()
         return True
 
-    def _after_drain(self, rank: int, returncode: int) -> None:
+    def _after_drain(self, rank: int, returncode: int, ended_at: float) -> None:
         assert self._channel is not None
         if self.function_job and self._channel.is_connected(rank):
             self._channel.worker_done(rank, DRAIN_WAIT_S)
-        self.post(rank, returncode)
+        self.post(rank, returncode, ended_at=ended_at)
 
-    def post(self, rank: int, returncode: int, error: str = "") -> None:
-        """Post ``rank``'s end (and ``error`` as its error record first), unless it was posted already."""
+    def post(self, rank: int, returncode: int, error: str = "", ended_at: float | None = None) -> None:
+        """Post ``rank``'s end (and ``error`` as its error record first), unless it was posted already;
+        ``ended_at``: ``time.monotonic()`` here when the rank's process ended (None: now)."""
         with self.lock:
             if rank in self.exited:
                 return
@@ -157,7 +178,7 @@ class ExitReports:
         if error:
             self._channel.events.put(ErrorRecord(rank=rank, exc_type="phalanx.errors.ChannelError",
                                                  message=error, traceback=""))
-        self._channel.events.put(RankExit(rank=rank, returncode=returncode))  # type: ignore[arg-type]
+        self._channel.events.put(RankExit(rank=rank, returncode=returncode, ended_at=ended_at))
 
     def reported(self, ranks: Iterable[int]) -> bool:
         """Whether every one of ``ranks`` was posted."""

@@ -63,7 +63,7 @@ class ElasticSparkLauncher(SparkLauncher):
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         self._elastic_monitor = ElasticMonitor(
-            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,  # type: ignore[arg-type]
+            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,
             on_custom=self._on_custom, policy=self.elastic.policy, reform=self._reform,
             free_slots=self._free_slots, holds_state=self._holds_state, give_up=self._give_up,
         )

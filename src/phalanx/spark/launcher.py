@@ -21,8 +21,8 @@ from typing import IO, TYPE_CHECKING, Any
 from phalanx.env import JobContract
 from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import SparkJobError
-from phalanx.job.channel import Custom, DriverChannel
-from phalanx.job.logs import FileSink, LogSink
+from phalanx.job.channel import Custom, DriverChannel, Role
+from phalanx.job.logs import FileSink, LineJoiner, LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch.core import monitor_config, new_run_id
@@ -83,6 +83,7 @@ class StreamSink:
     def __init__(self, stdout: IO[str] | None, stderr: IO[str] | None) -> None:
         self._out = stdout
         self._err = stderr
+        self._joiner = LineJoiner()
 
     def _stream(self, stream: Stream) -> IO[str]:
         import sys
@@ -93,7 +94,7 @@ class StreamSink:
 
     def write(self, line: LogLine) -> None:
         """Write one line, prefixed with its rank and stream."""
-        self._stream(line.stream).write(f"[{line.rank}]<{line.stream.label}>:{line.text}\n")
+        self._stream(line.stream).write(self._joiner.piece(line, f"[{line.rank}]<{line.stream.label}>:"))
 
     def flush(self) -> None:
         """Flush both streams."""
@@ -106,11 +107,16 @@ class Rank0Stdout:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self._open = False  # the last line came in pieces and goes on
 
     def write(self, line: LogLine) -> None:
-        """Keep the line when it is rank 0's stdout."""
+        """Keep the line when it is rank 0's stdout (the pieces of a long line make one)."""
         if line.rank == 0 and line.stream is Stream.STDOUT:
-            self.lines.append(line.text)
+            if self._open and self.lines:
+                self.lines[-1] += line.text
+            else:
+                self.lines.append(line.text)
+            self._open = line.more
 
     def flush(self) -> None:
         """Nothing to flush."""
@@ -167,6 +173,7 @@ class SparkLauncher:
             self._stop_all()  # Ctrl-C, or an error of our own: stop the ranks now, not after a wait
             raise
         finally:
+            channel.events.close()  # the job is judged: nobody reads the events any more
             self._finish()
             channel.close()
             store.close()
@@ -178,7 +185,7 @@ class SparkLauncher:
         return self.spec.np
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
-        return JobMonitor(self._monitor_config(), channel.events, sinks,  # type: ignore[arg-type]
+        return JobMonitor(self._monitor_config(), channel.events, sinks,
                           stop_all=self._stop_all, on_custom=self._on_custom)
 
     def _prepare(self, store: RendezvousStore) -> None:
@@ -233,7 +240,14 @@ class SparkLauncher:
                 self._exits.post(int(status["rank"]), int(status["exit"]), status.get("error") or "")
 
     def _spark_failed(self, error: Exception) -> None:
-        if self._stopping.is_set():
+        """Spark ended the stage with an error: a lost task or executor, unless phalanx cancelled it itself.
+
+        The ranks that had not reported are failed with a :class:`SparkJobError` carrying Spark's own
+        words (the lost executor, its host and exit code), even when phalanx was already stopping the job
+        because a survivor noticed the loss first; each one failed when its supervisor's connection
+        closed (its task died), so the lost rank, not the survivor, is the root cause.
+        """
+        if self._stopping.is_set() and "cancel" in str(error).lower():
             return
         missing = self._unfinished()
         if not missing:
@@ -244,10 +258,12 @@ class SparkLauncher:
             f"Spark failed the barrier stage of job {self.run_id} before rank(s) {missing} finished (a task "
             f"or its executor died, or Spark refused the stage): {message}"
         )
-        record = ErrorRecord.from_exception(missing[0], self.spark_error)
-        self._channel.events.put(record)  # type: ignore[union-attr]
-        for rank in missing:
-            self._exits.post(rank, 1)
+        channel = self._channel
+        assert channel is not None
+        lost = sorted(missing, key=lambda r: channel.closed_at(r, Role.SUPERVISOR) or float("inf"))
+        channel.events.put(ErrorRecord.from_exception(lost[0], self.spark_error))
+        for rank in lost:
+            self._exits.post(rank, 1, ended_at=channel.closed_at(rank, Role.SUPERVISOR))
 
     def _on_custom(self, event: Custom) -> None:
         try:

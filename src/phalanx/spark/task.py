@@ -162,7 +162,7 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]
     except (PhalanxError, OSError) as e:
         supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
         returncode = EXIT_NOT_STARTED
-    supervisor.send(Kind.EVENT, exit_event(returncode))
+    supervisor.send(Kind.EVENT, exit_event(returncode, supervisor.ended_at))
     channel.close()
     if spec.warm() and spec.warm_preload is not None:
         warm.prepare(spec.warm_preload)  # in the background, for this driver's next job
@@ -213,7 +213,7 @@ def _run_worker(spec: TaskSpec, channel: WorkerChannel, worker: int, env_for: Ca
     except (PhalanxError, OSError) as e:
         supervisor.send(Kind.ERROR, ErrorRecord.from_exception(worker, e).encode())
         returncode = EXIT_NOT_STARTED
-    supervisor.send(Kind.EVENT, exit_event(returncode))
+    supervisor.send(Kind.EVENT, exit_event(returncode, supervisor.ended_at))
     return returncode
 
 

@@ -25,6 +25,7 @@ from phalanx.tensorflow.collectives import (
 from phalanx.tensorflow.ops import allreduce, grouped_allreduce
 from phalanx.torch import _reduce as reduce_ops
 from phalanx.torch import process_sets
+from phalanx.torch._membership import add_process_set, remove_process_set
 from phalanx.torch.basics import (
     ccl_built,
     cross_rank,
@@ -48,7 +49,7 @@ from phalanx.torch.basics import (
     start_timeline,
     stop_timeline,
 )
-from phalanx.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 Average, Sum, Adasum = reduce_ops.Average, reduce_ops.Sum, reduce_ops.Adasum
 Min, Max, Product = reduce_ops.Min, reduce_ops.Max, reduce_ops.Product

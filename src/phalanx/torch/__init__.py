@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from phalanx.errors import HorovodInternalError
 from phalanx.torch import elastic
+from phalanx.torch._membership import add_process_set, remove_process_set
 from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
 from phalanx.torch.async_ops import (
     allgather_async,
@@ -73,7 +74,7 @@ from phalanx.torch.mpi_ops import (
     sparse_allreduce_async,
 )
 from phalanx.torch.optimizer import DistributedOptimizer
-from phalanx.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from phalanx.torch.process_sets import ProcessSet, global_process_set
 from phalanx.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [

@@ -16,8 +16,8 @@ from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch import _speculate as S
 from phalanx.torch import _state
-from phalanx.torch._engine import Collective
-from phalanx.torch.process_sets import _Groups
+from phalanx.torch._collective import Collective
+from phalanx.torch.process_sets import REGISTRY, _Groups
 from phalanx.transport import api as shm
 
 
@@ -225,8 +225,6 @@ class Broadcast(Collective):
         self.output.copy_(_from_bytes(payloads[index], self.tensor.dtype, tuple(self.output.shape)))
 
     def _root_index(self) -> int:
-        from phalanx.torch.process_sets import REGISTRY
-
         ranks = REGISTRY.sets[self.sig.process_set_id].ranks
         return ranks.index(self.root)
 

@@ -23,74 +23,18 @@ from typing import Any
 import torch
 
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _background, _generations, _stall, _state, _trace
+from phalanx.torch import _background, _generations, _join, _stall, _state, _trace
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
+from phalanx.torch._collective import Collective, Entry
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 from phalanx.transport import api as shm
 
 
-class Collective:
-    """One collective's local side. Subclasses implement the kind-specific parts."""
-
-    sig: H.Signature
-
-    def aux(self) -> list[int]:
-        """Auxiliary integers for the control block (alltoall splits)."""
-        return []
-
-    def payload_bytes(self) -> torch.Tensor:
-        """This rank's payload as a flat uint8 tensor (a view when possible)."""
-        raise NotImplementedError
-
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
-        """Compute the result from every rank's payload bytes (the one-round-trip path)."""
-        raise NotImplementedError
-
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
-        """Launch the payload collective asynchronously on ``groups.data``."""
-        raise NotImplementedError
-
-    def speculative_buffer(self, key: S.Key) -> torch.Tensor:
-        """This rank's data for a speculative allreduce predicted as ``key`` (only called when this
-        collective's key equals the prediction, which only allreduce keys can)."""
-        raise NotImplementedError
-
-    def adopt(self, buffer: torch.Tensor, work: Any) -> None:
-        """Take a confirmed speculative allreduce as this collective's payload."""
-        raise NotImplementedError
-
-    def is_done(self) -> bool:
-        """Whether the issued payload work has completed."""
-        return True
-
-    def pending(self) -> list[Any]:
-        """The issued payload works ``finish`` will wait for (the stall inspector waits for them first)."""
-        return []
-
-    def finish(self) -> Any:
-        """Wait for the payload and return the result."""
-        raise NotImplementedError
-
-
-@dataclass
-class _Entry:
-    coll: Collective
-    groups: _Groups | None
-    gathered: torch.Tensor | None = None
-    work: Any = None
-    state: str = "negotiating"
-    error: BaseException | None = None
-    name: str = ""
-    spec: tuple[S.Key, torch.Tensor, Any] | None = None
-    row: str = ""
-    seq: int = 0  # this collective's index among those this rank issued on its membership (stall inspector)
-
-
 @dataclass
 class _Engine:
-    queue: deque[_Entry] = field(default_factory=deque)
-    handles: dict[int, _Entry] = field(default_factory=dict)
+    queue: deque[Entry] = field(default_factory=deque)
+    handles: dict[int, Entry] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)
     counter: itertools.count[int] = field(default_factory=itertools.count)
     predictors: dict[tuple[int, ...], S.Predictor] = field(default_factory=dict)
@@ -144,7 +88,7 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
             f"a collective named {name!r} is already in flight on rank {_state.topology().rank}; "
             "synchronize() it first or give the new one a different name="
         )
-    entry = _Entry(coll=coll, groups=groups, name=name)
+    entry = Entry(coll=coll, groups=groups, name=name)
     handle = next(ENGINE.counter)
     entry.row = f"{coll.sig.kind}.{name}" if name else f"{coll.sig.kind}.noname.{handle}"  # Horovod's op names
     n = len(groups.ranks)
@@ -192,7 +136,7 @@ def _predictor(ranks: tuple[int, ...]) -> S.Predictor:
     return predictor
 
 
-def _finish_single(entry: _Entry) -> None:
+def _finish_single(entry: Entry) -> None:
     coll = entry.coll
     try:
         coll.run_inline([coll.payload_bytes()], [coll.sig], [coll.aux()])
@@ -201,7 +145,7 @@ def _finish_single(entry: _Entry) -> None:
     entry.state = "done"
 
 
-def _negotiated(entry: _Entry) -> None:
+def _negotiated(entry: Entry) -> None:
     """Check the gathered blocks, then finish inline or issue the payload."""
     assert entry.groups is not None and entry.gathered is not None
     ranks = list(entry.groups.ranks)
@@ -217,8 +161,6 @@ def _negotiated(entry: _Entry) -> None:
     else:
         sigs = [H.decode(h) for h in headers]
         if any(s.kind == "join" for s in sigs):  # some ranks have joined, others have not (see _join)
-            from phalanx.torch import _join
-
             _predictor(entry.groups.ranks).record(None)
             _join.negotiated(entry, sigs, ranks, rows)
             return
@@ -255,7 +197,7 @@ def _negotiated(entry: _Entry) -> None:
         entry.state = "done"
 
 
-def advance(until: _Entry | None = None, block: bool = True) -> None:
+def advance(until: Entry | None = None, block: bool = True) -> None:
     """Move negotiated collectives on, in issue order.
 
     Args:
@@ -278,7 +220,7 @@ def advance(until: _Entry | None = None, block: bool = True) -> None:
             return
 
 
-def _abandoned(entry: _Entry) -> bool:
+def _abandoned(entry: Entry) -> bool:
     """Fail a queued entry of a membership abandoned in a deadlock (``_stall``); True when it was."""
     assert entry.groups is not None
     entry.error = _stall.broken(entry.groups.ranks)
@@ -295,7 +237,7 @@ def flush() -> None:
         advance()
 
 
-def _lookup(handle: int) -> _Entry:
+def _lookup(handle: int) -> Entry:
     entry = ENGINE.handles.get(handle)
     if entry is None:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")

@@ -28,8 +28,8 @@ from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch import _speculate as S
 from phalanx.torch import _state
+from phalanx.torch._collective import Entry
 from phalanx.torch._collectives import Allreduce, Barrier
-from phalanx.torch._engine import _Entry
 from phalanx.torch.compression import Compressor
 from phalanx.transport import api as shm
 
@@ -131,7 +131,7 @@ def _refusal(lead: H.Signature, joined: list[int], detail: str | None, live_sigs
     )
 
 
-def _speculated(entry: _Entry, live: list[int], sigs: list[H.Signature], lead: H.Signature, ok: bool) -> bool:
+def _speculated(entry: Entry, live: list[int], sigs: list[H.Signature], lead: H.Signature, ok: bool) -> bool:
     """Settle a speculative payload: True when it was the allreduce (the joined ranks sent zeros)."""
     if entry.spec is None:
         return False
@@ -150,7 +150,7 @@ def _speculated(entry: _Entry, live: list[int], sigs: list[H.Signature], lead: H
     return False
 
 
-def negotiated(entry: _Entry, sigs: list[H.Signature], ranks: list[int], rows: torch.Tensor) -> None:
+def negotiated(entry: Entry, sigs: list[H.Signature], ranks: list[int], rows: torch.Tensor) -> None:
     """Handle a round in which some ranks sent ``join`` blocks and others did not (see the module doc)."""
     assert entry.groups is not None
     live = [i for i, s in enumerate(sigs) if s.kind != "join"]
@@ -177,7 +177,7 @@ def negotiated(entry: _Entry, sigs: list[H.Signature], ranks: list[int], rows: t
         entry.error = e
 
 
-def _allreduce_round(entry: _Entry, live: list[int], live_sigs: list[H.Signature], rows: torch.Tensor,
+def _allreduce_round(entry: Entry, live: list[int], live_sigs: list[H.Signature], rows: torch.Tensor,
                      n: int) -> None:  # fmt: skip
     assert entry.groups is not None
     coll = entry.coll

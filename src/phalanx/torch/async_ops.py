@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from phalanx.torch import _background, _engine, _state
+from phalanx.torch import _background, _engine, _join, _state
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
 from phalanx.torch._collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
@@ -291,8 +291,6 @@ def join(device: int = -1) -> int:
         The global rank that called ``join`` last.
     """
     del device
-    from phalanx.torch import _join
-
     ranks = groups_of(global_process_set).ranks
     _engine.flush()  # earlier collectives first: the round count below is then the same on every rank
     joined_at = _engine.rounds(ranks)
@@ -307,7 +305,5 @@ def optimizer_step_async(layout: int, process_set: ProcessSet) -> int:
     """Send the control block a ``DistributedOptimizer`` sends before waiting for its buckets (lets joined
     ranks serve the step; see ``_join``); returns a handle for :func:`synchronize`. Its round trip overlaps
     the bucket waits: a joined rank needs only the block itself to start serving."""
-    from phalanx.torch import _join
-
     sig = _sig("optimizer step", None, None, process_set, root=layout)
     return _engine.submit(_join.OptimizerStep(sig), process_set)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx.timeline as timeline
-from phalanx.torch import _background, _engine, _generations, _log, _malloc, _state
+from phalanx.torch import _background, _engine, _generations, _log, _malloc, _membership, _state
 from phalanx.torch import process_sets as P
 
 
@@ -45,8 +45,8 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | str | None = N
     try:
         _background.prepare()
         _engine.start_inspector()  # every rank clears its stall record before the first collective
-        P.init_process_sets(None if isinstance(process_sets, str) else process_sets,
-                            dynamic=process_sets == "dynamic")  # fmt: skip
+        static = None if isinstance(process_sets, str) else process_sets
+        _membership.init_process_sets(static, dynamic=process_sets == "dynamic")
         timeline.start_from_env()
     except BaseException:
         shutdown()

@@ -24,6 +24,7 @@ from phalanx.torch._autograd import (
     HorovodGroupedReducescatter,
     HorovodReducescatter,
 )
+from phalanx.torch._membership import add_process_set, remove_process_set
 from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
 from phalanx.torch.async_ops import (
     allgather_async,
@@ -67,7 +68,7 @@ from phalanx.torch.basics import (
     stop_timeline,
 )
 from phalanx.torch.compression import Compression, Compressor
-from phalanx.torch.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
 def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:

@@ -24,6 +24,7 @@ from phalanx.torch import _join, _sparse, _state, _trace
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch.compression import Compression, Compressor
+from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 from phalanx.transport import api as shm
 
@@ -186,13 +187,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             bucket.reset()
 
     def _check_layout(self) -> None:
-        from phalanx.torch.functions import allgather_object
-
         mine = [(str(b.buffer.dtype), b.buffer.numel()) for b in self._buckets]
         seen = allgather_object(mine, name="DistributedOptimizer.layout", process_set=self._ps)
         if any(s != mine for s in seen):
-            from phalanx.errors import CollectiveMismatchError
-
             detail = "; ".join(f"rank {groups_of(self._ps).ranks[i]}: {s}" for i, s in enumerate(seen))
             raise CollectiveMismatchError(
                 f"DistributedOptimizer gradient buckets (dtype, elements) differ between ranks: {detail}. "

@@ -99,12 +99,13 @@ class Channel:
         timeout_s: seconds one wait may take before ``ShmTransportError``.
         label: names the group in error messages.
         ranks: the ranks on the channel in index order, to name a peer in errors (empty: its index).
+        knob: what raises ``timeout_s``, for the timeout's message.
     """
 
     def __init__(self, seg: Segment, base: int, n: int, me: int, slot_bytes: int, timeout_s: float,
-                 label: str, ranks: Sequence[int] = ()) -> None:  # fmt: skip
+                 label: str, ranks: Sequence[int] = (), knob: str = "PHALANX_SHM_TIMEOUT_S") -> None:  # fmt: skip
         self.seg, self.n, self.me, self.slot_bytes = seg, n, me, slot_bytes
-        self.timeout_s, self.label = timeout_s, label
+        self.timeout_s, self.label, self.knob = timeout_s, label, knob
         self.ranks = tuple(ranks)
         ctl, _total = layout(n, slot_bytes)
         self.words = memoryview(seg.buf)[base : base + ctl].cast("q")
@@ -228,7 +229,7 @@ class Channel:
         if waited > self.timeout_s:
             self._fail(
                 f"{peer} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
-                "(raise PHALANX_SHM_TIMEOUT_S if ranks legitimately run apart that long)", g, what,
+                f"(raise {self.knob} if ranks legitimately run apart that long)", g, what,
             )  # fmt: skip
 
     def _peer(self, j: int) -> str:

@@ -14,10 +14,13 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
-SHM_DIR = "/dev/shm"
-PREFIX = "phalanx-shm-"
+from phalanx.env.shm import NAME_PATTERN, PREFIX, SHM_DIR
+
+__all__ = ["NAME_PATTERN", "PREFIX", "SHM_DIR", "Segment", "attach", "create", "make_fifo", "open_fifo", "unlink"]
 
 
 @dataclass
@@ -41,7 +44,29 @@ class Segment:
 
 
 def _path(name: str) -> str:
+    """``/dev/shm/<name>`` for a name this module made.
+
+    Raises:
+        OSError: ``name`` is not one (a path, ``..``, anything else read from outside).
+    """
+    if not NAME_PATTERN.fullmatch(name):
+        raise OSError(f"{name!r} is not a phalanx shared-memory name; refusing to use it as a path")
     return os.path.join(SHM_DIR, name)
+
+
+def _open_own(name: str, flags: int, kind: Callable[[int], bool]) -> int:
+    """Open a peer's file under ``/dev/shm`` only if it is not a symbolic link, is of the expected kind
+    and belongs to this user (another user's file of that name is never written to).
+
+    Raises:
+        OSError: it is missing, a link, of another kind or another user's.
+    """
+    fd = os.open(_path(name), flags | os.O_NOFOLLOW)
+    info = os.fstat(fd)
+    if not kind(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise OSError(f"{SHM_DIR}/{name} is not this user's phalanx file (uid {info.st_uid}); not using it")
+    return fd
 
 
 def available() -> bool:
@@ -71,7 +96,7 @@ def sweep_stale() -> None:
         pid_text = name[len(PREFIX) :].split("-", 1)[0]
         if pid_text.isdigit() and not _pid_alive(int(pid_text)):
             try:
-                os.unlink(_path(name))
+                os.unlink(os.path.join(SHM_DIR, name))  # a directory entry: never a path elsewhere
             except OSError:
                 pass  # another creator removed it first
 
@@ -101,10 +126,10 @@ def attach(name: str, nbytes: int) -> Segment:
     """Map an existing segment created by a peer.
 
     Raises:
-        OSError: the segment does not exist here (the peer is on another host or in another mount
-            namespace) or has another size.
+        OSError: ``name`` is not a phalanx name, or the segment does not exist here (the peer is on another
+            host or in another mount namespace), is not this user's, or has another size.
     """
-    fd = os.open(_path(name), os.O_RDWR)
+    fd = _open_own(name, os.O_RDWR, stat.S_ISREG)
     try:
         if os.fstat(fd).st_size != max(nbytes, 1):
             raise OSError(f"shared-memory segment {name} has {os.fstat(fd).st_size} bytes, expected {nbytes}")
@@ -142,6 +167,6 @@ def open_fifo(name: str) -> int:
     """Open a peer's wake-up FIFO for writing (non-blocking).
 
     Raises:
-        OSError: it does not exist here.
+        OSError: ``name`` is not a phalanx name, or the FIFO does not exist here or is not this user's.
     """
-    return os.open(_path(name), os.O_WRONLY | os.O_NONBLOCK)
+    return _open_own(name, os.O_WRONLY | os.O_NONBLOCK, stat.S_ISFIFO)

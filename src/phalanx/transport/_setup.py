@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,10 +96,16 @@ class Transport:
         self.wake_r, self.wake_w, self.grad_wake_r, self.grad_wake_w = -1, [], -1, []
 
 
+#: Machines whose memory ordering the transport's lock-free counters are known correct on (docs/shm.md).
+SUPPORTED_MACHINES = ("x86_64", "amd64")
+
+
 def enabled() -> bool:
-    """Whether this rank allows the transport (``PHALANX_SHM``, default on) and has ``/dev/shm``."""
+    """Whether this rank allows the transport (``PHALANX_SHM``, default on), runs on an x86-64 machine
+    (elsewhere it turns itself off: its memory ordering is only known correct there) and has ``/dev/shm``."""
     flag = os.environ.get(N.PHALANX_SHM, "1").strip().lower()
-    return flag not in ("0", "false", "no", "off") and _segment.available()
+    on_x86 = platform.machine().lower() in SUPPORTED_MACHINES
+    return flag not in ("0", "false", "no", "off") and on_x86 and _segment.available()
 
 
 def _float_env(name: str, default: float) -> float:

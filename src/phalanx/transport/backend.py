@@ -17,6 +17,7 @@ import collections
 import os
 import time
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +26,8 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
 from phalanx.env import names as N
-from phalanx.transport import _ops, _segment, _setup
+from phalanx.errors import ShmTransportError
+from phalanx.transport import _check, _ops, _segment, _setup
 from phalanx.transport._channel import Channel, _pid_dead, layout
 from phalanx.transport._hier import Hierarchy
 from phalanx.transport._serial import Serial
@@ -61,6 +63,21 @@ class ShmProcessGroup(dist.ProcessGroup):
         """The name torch.distributed gave this group (``_set_group_name``)."""
         return getattr(self, "_phalanx_name", "")
 
+    def _submit(self, sig: bytes, fn: Callable[[], None], result: list[torch.Tensor]) -> Any:
+        """Queue ``fn`` after the check that every rank issued the same call (``_check``; gloo checks
+        the same), so ranks that disagree raise on every rank instead of exchanging wrong data."""
+        hier = self.hier
+        assert hier is not None
+
+        def checked() -> None:
+            try:
+                _check.check(sig, self.size(), hier.allgather_, f"{NAME} group of {self.size()} ranks")
+            except ShmTransportError as e:  # name the call the user made, not the check's own exchange
+                raise ShmTransportError(f"shared-memory {_check.KINDS[sig[0]]}: {e}") from e
+            fn()
+
+        return self.serial.submit(checked, result)
+
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
         return self.hier is not None and len(tensors) == 1 and tensors[0].device.type == "cpu" and (
             tensors[0].is_contiguous())  # fmt: skip
@@ -74,7 +91,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             hier, flat = self.hier, tensors[0].view(-1)
             assert hier is not None
             self.shm_calls["allreduce"] += 1
-            return self.serial.submit(lambda: hier.allreduce_(flat, op), tensors)
+            sig = _check.signature("allreduce", flat.dtype, flat.numel(), op)
+            return self._submit(sig, lambda: hier.allreduce_(flat, op), tensors)
         return self.gloo.allreduce(tensors, opts or dist.AllreduceOptions())
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
@@ -86,14 +104,15 @@ class ShmProcessGroup(dist.ProcessGroup):
             assert hier is not None
             data = flat.view(torch.uint8) if flat.numel() else flat
             self.shm_calls["broadcast"] += 1
-            return self.serial.submit(lambda: hier.broadcast_(data, root), tensors)
+            sig = _check.signature("broadcast", flat.dtype, flat.numel(), root=root)
+            return self._submit(sig, lambda: hier.broadcast_(data, root), tensors)
         return self.gloo.broadcast(tensors, opts or dist.BroadcastOptions())
 
     def barrier(self, opts: Any = None) -> Any:
         """Return once every rank arrived."""
         if self.hier is not None:
             self.shm_calls["barrier"] += 1
-            return self.serial.submit(self.hier.barrier, [])
+            return self._submit(_check.signature("barrier"), self.hier.barrier, [])
         return self.gloo.barrier(opts or dist.BarrierOptions())
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
@@ -112,7 +131,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             hier, out, src = self.hier, output.view(-1).view(torch.uint8), inp.view(-1).view(torch.uint8)
             assert hier is not None
             self.shm_calls["allgather"] += 1
-            return self.serial.submit(lambda: hier.allgather_(out, src), [output])
+            sig = _check.signature("allgather", inp.dtype, inp.numel())
+            return self._submit(sig, lambda: hier.allgather_(out, src), [output])
         return self.gloo._allgather_base(output, inp, opts or _c10d.AllgatherOptions())
 
     def all_gather_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
@@ -130,7 +150,8 @@ class ShmProcessGroup(dist.ProcessGroup):
             path = hier.reduce_scatter_path(src, op)
             self.shm_calls["reduce_scatter"] += 1
             self.shm_calls[f"reduce_scatter_{path}"] += 1
-            return self.serial.submit(lambda: hier.reduce_scatter_(dst, src, op, path), [output])
+            sig = _check.signature("reduce_scatter", inp.dtype, inp.numel(), op)
+            return self._submit(sig, lambda: hier.reduce_scatter_(dst, src, op, path), [output])
         return self.gloo._reduce_scatter_base(output, inp, opts or dist.ReduceScatterOptions())
 
     def reduce_scatter_single(self, output: Any, inp: Any, opts: Any = None) -> Any:
@@ -184,7 +205,7 @@ def _hierarchy(store: Any, rank: int, size: int, timeout: timedelta) -> Hierarch
         return None
     mine = next(i for i, h in enumerate(hosts) if rank in h)
     local = hosts[mine]
-    ch = _channel(store, f"shm/{mine}/", local, rank) if len(local) > 1 else None
+    ch = _channel(store, f"shm/{mine}/", local, rank, timeout.total_seconds()) if len(local) > 1 else None
     if not _agreed(store, rank, size, ch is not None or len(local) == 1):
         if ch is not None:
             _drop(ch)
@@ -205,8 +226,11 @@ def _agreed(store: Any, rank: int, size: int, ok: bool) -> bool:
     return all(store.get(f"shm/ok/{r}") == b"1" for r in range(size))
 
 
-def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int) -> Channel | None:
+def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int, timeout: float) -> Channel | None:
     """Map one segment for the group ranks ``local`` of this host (keys under ``prefix``; ``rank``: this one).
+
+    ``timeout`` (seconds) is the group's (``init_process_group(timeout=...)``), as gloo's: every wait of the
+    set-up and of every later collective on the channel gives up after it.
 
     None when this rank could not create / map it or open its peers' wake-up FIFOs, or cannot see every
     peer's process (ranks in other pid namespaces: the liveness checks would fail): ``_agreed`` then
@@ -214,7 +238,7 @@ def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int) -> Chan
     """
     me, n = local.index(rank), len(local)
     slot = int(_setup._float_env(N.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
-    total, timeout = layout(n, slot)[1], _setup._float_env(N.PHALANX_SHM_TIMEOUT_S, _setup.DEFAULT_TIMEOUT_S)
+    total = layout(n, slot)[1]
     seg, channel, fifo, wake_r = None, None, "", -1
     try:
         seg = _segment.create(total) if me == 0 else None
@@ -227,7 +251,7 @@ def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int) -> Chan
         seg = seg or (_segment.attach(name, total) if name else None)
         if seg is not None:
             label = f"{NAME} group, {n} ranks of this host (pid {os.getpid()})"
-            channel = Channel(seg, 0, n, me, slot, timeout, label, local)
+            channel = Channel(seg, 0, n, me, slot, timeout, label, local, knob="init_process_group(timeout=...)")
             fifo, wake_r = _segment.make_fifo()
     except OSError:
         channel = None
@@ -280,7 +304,7 @@ def _wait_count(store: Any, key: str, n: int, timeout_s: float) -> None:
     while int(store.add(key, 0)) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{NAME}: only {int(store.add(key, 0))} of {n} ranks reached {key!r} within "
-                               f"{timeout_s:g} s (PHALANX_SHM_TIMEOUT_S)")  # fmt: skip
+                               f"{timeout_s:g} s (the group's timeout: init_process_group(timeout=...))")  # fmt: skip
         time.sleep(0.001)
 
 

@@ -28,6 +28,7 @@ import importlib.machinery
 import importlib.util
 import inspect
 import os
+import platform
 import sys
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -54,13 +55,18 @@ def _shares_a_host(environ: Mapping[str, str]) -> bool:
     return world >= 2 and (local == world or 0 < hosts < world)
 
 
+def _x86_64() -> bool:
+    """The transport is only known correct on x86-64 (docs/shm.md): elsewhere gloo is left alone."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def _on(environ: Mapping[str, str], name: str, default: str) -> bool:
     return environ.get(name, default).strip().lower() not in ("0", "false", "no", "off", "")
 
 
 def choose(backend: Any, environ: Mapping[str, str]) -> Any:
     """The backend to really use for ``init_process_group(backend)`` in a rank with ``environ``."""
-    if not isinstance(backend, str) or not _shares_a_host(environ):
+    if not isinstance(backend, str) or not _shares_a_host(environ) or not _x86_64():
         return backend
     if not _on(environ, N.PHALANX_SHM_NATIVE, "1") or not _on(environ, N.PHALANX_SHM, "1"):
         return backend

@@ -183,3 +183,39 @@ def _unpicklable_result() -> Any:
 def test_unpicklable_return_value_is_reported() -> None:
     with pytest.raises(WorkerFailedError, match="return value of type lock cannot be pickled"):
         phalanx.run(_unpicklable_result, np=1)
+
+
+def _killed_with_a_grandchild_holding_its_output(pidfile: str) -> None:
+    """Rank 1 dies by SIGKILL while a grandchild keeps its stdout open (so its exit reaches the driver only
+    after the drain wait); rank 0 then fails because its peer is gone."""
+    import subprocess
+
+    if os.environ["RANK"] == "1":
+        subprocess.Popen(["sleep", "60"])  # inherits stdout and stderr
+        Path(pidfile).write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    while not Path(pidfile).exists():
+        time.sleep(0.01)
+    peer = int(Path(pidfile).read_text())
+    while _running(peer):
+        time.sleep(0.01)
+    time.sleep(0.5)  # a survivor notices a lost peer some time after its death (a warm rank's is reported
+    # by the template's reaper, up to its poll interval later)
+    raise ConnectionError("peer rank 1 is gone")
+
+
+@pytest.mark.timeout(90)
+def test_the_rank_that_died_first_is_the_root_cause(tmp_path: Path) -> None:
+    with pytest.raises(WorkerFailedError) as info:
+        phalanx.run(_killed_with_a_grandchild_holding_its_output, args=(str(tmp_path / "pid"),), np=2)
+    failures = info.value.failures
+    assert [f.rank for f in failures] == [1, 0]
+    assert "SIGKILL" in failures[0].summary and not failures[0].secondary
+    assert failures[1].summary == "ConnectionError: peer rank 1 is gone"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

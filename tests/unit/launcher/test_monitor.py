@@ -45,6 +45,24 @@ def test_first_failure_is_root_cause_and_others_follow() -> None:
     assert stops == ["stop"]
 
 
+def test_the_root_cause_is_the_rank_that_died_first_not_the_first_heard_of() -> None:
+    """A SIGKILLed rank's exit is posted after its output is drained; the survivor's error about the lost
+    peer can arrive first. The rank whose process ended first is the root cause, and it is not listed as
+    stopped by phalanx."""
+    import time
+
+    died = time.monotonic() - 5.0
+    err = ErrorRecord(rank=0, exc_type="ShmTransportError", message="peer rank 1 is gone", traceback="")
+    events = [Hello(0, 1, "h"), Hello(1, 2, "h"), err, RankExit(0, 1), RankExit(1, -9, ended_at=died)]
+    mon, _ = _monitor(events)
+    with pytest.raises(WorkerFailedError) as info:
+        mon.run()
+    failures = info.value.failures
+    assert [f.rank for f in failures] == [1, 0]
+    assert failures[0].summary == "process ended with signal SIGKILL (9)" and not failures[0].secondary
+    assert failures[1].summary == "ShmTransportError: peer rank 1 is gone"
+
+
 def test_exit_zero_without_result_is_a_failure() -> None:
     mon, _ = _monitor([Hello(0, 1, "h"), RankExit(0, 0)], n=1)
     with pytest.raises(WorkerFailedError, match="without reporting a result"):
