@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: demo test lint typecheck unit bench soak clean
 
 # The .pth start-up hooks are copied into site-packages by the (editable) install: a change re-installs.
-$(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/phalanx/*/*.pth)
+$(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/_phalanx_startup/*.pth)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	# torch first, pinned: an open range would pull a multi-GB CUDA build.

@@ -1,8 +1,14 @@
-"""The layering rule of docs/design.md: imports flow one way, heavy dependencies stay out of light layers."""
+"""The layering rule of docs/design.md: imports flow one way, heavy dependencies stay out of light layers.
+
+An import is an ``import`` statement, or a phalanx module named in a string (``importlib.import_module``,
+the warm-start template's preload list, the start-up hooks' targets); a module name that follows ``"-m"``
+starts another process and is not an import.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +18,8 @@ import pytest
 import phalanx
 
 PKG = Path(phalanx.__file__).parent
+#: The interpreter start-up hooks the .pth files call: a top-level package (start-up must not import phalanx).
+STARTUP = PKG.parent / "_phalanx_startup"
 
 # layer -> the phalanx layers it may import (itself always allowed)
 ALLOWED: dict[str, set[str]] = {
@@ -19,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "env": {"errors"},
     "job": {"errors", "env"},
     "launch": {"job", "env", "errors"},
-    "worker": {"job", "env", "errors"},
+    "worker": {"transport", "compat", "job", "env", "errors"},  # transport, compat: by name, at run time
     "timeline": {"env", "errors"},
     "transport": {"env", "errors"},
     "torch": {"transport", "job", "env", "timeline", "errors"},
@@ -30,12 +38,13 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {"launch", "env", "errors", "timeline", "job", "__init__"},
     "compat": {"torch", "tensorflow", "spark", "launch", "lightning", "env", "errors", "__init__"},
     "__init__": {"launch"},
+    "_phalanx_startup": {"compat", "worker", "lightning"},
 }
 
 # layer -> the only modules of it that other layers may import (its interface); a layer not named here
 # exposes every module
 INTERFACE: dict[str, set[str]] = {
-    "transport": {"phalanx.transport.api", "phalanx.transport.backend"},
+    "transport": {"phalanx.transport.api", "phalanx.transport.backend", "phalanx.transport.native"},
 }
 
 
@@ -48,6 +57,8 @@ SUBLAYER_MODULES = {"spark.estimator": "estimator", "spark.torch": "estimator", 
 
 
 def _layer(path: Path) -> str:
+    if path.is_relative_to(STARTUP):
+        return STARTUP.name
     rel = path.relative_to(PKG)
     for prefix, layer in SUBLAYERS.items():
         if rel.as_posix() == prefix or rel.as_posix().startswith(prefix + "/"):
@@ -68,9 +79,13 @@ def _phalanx_modules(path: Path) -> set[str]:
     """The phalanx modules ``path`` imports (``from phalanx.x import y``: ``phalanx.x.y`` when that is a
     module, else ``phalanx.x``)."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    started = _process_entry_points(tree)
+    for node in ast.walk(tree):
         names = []
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node not in started:
+            names = [node.value] if _is_module(node.value) else []
+        elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [_submodule(node.module, a.name) for a in node.names]
@@ -78,29 +93,78 @@ def _phalanx_modules(path: Path) -> set[str]:
     return found
 
 
+def _process_entry_points(tree: ast.AST) -> set[ast.AST]:
+    """The string constants that follow ``"-m"`` in a list or tuple (``[python, "-m", "phalanx.worker"]``)."""
+    found: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.List, ast.Tuple)):
+            for before, after in zip(node.elts, node.elts[1:]):
+                if isinstance(before, ast.Constant) and before.value == "-m":
+                    found.add(after)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a phalanx module (``phalanx.x.y``, a file or a package of the tree)."""
+    parts = name.split(".")
+    if parts[0] != "phalanx" or len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        return False
+    rel = Path(*parts[1:])
+    return (PKG / rel).is_dir() or (PKG / rel).with_suffix(".py").is_file()
+
+
 def _submodule(module: str, name: str) -> str:
     """``module.name`` when that is a module of phalanx, else ``module``."""
-    rel = Path(*f"{module}.{name}".split(".")[1:])
-    return f"{module}.{name}" if (PKG / rel).is_dir() or (PKG / rel).with_suffix(".py").is_file() else module
+    return f"{module}.{name}" if _is_module(f"{module}.{name}") else module
 
 
 def _modules() -> list[Path]:
-    return sorted(p for p in PKG.rglob("*.py") if _layer(p) in ALLOWED)
+    return sorted(p for p in [*PKG.rglob("*.py"), *STARTUP.rglob("*.py")] if _layer(p) in ALLOWED)
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+def _rel(path: Path) -> Path:
+    return path.relative_to(PKG.parent)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(_rel(p)))
 def test_imports_flow_one_way(path: Path) -> None:
     layer = _layer(path)
     bad = _phalanx_imports(path) - ALLOWED[layer] - {layer}
-    assert not bad, f"{path.relative_to(PKG)} (layer {layer}) imports {sorted(bad)}; allowed: {sorted(ALLOWED[layer])}"
+    assert not bad, f"{_rel(path)} (layer {layer}) imports {sorted(bad)}; allowed: {sorted(ALLOWED[layer])}"
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PKG)))
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(_rel(p)))
 def test_other_layers_use_only_a_layers_interface(path: Path) -> None:
     layer = _layer(path)
     outside = {m for m in _phalanx_modules(path) if _layer_of(m) != layer and _layer_of(m) in INTERFACE}
     bad = sorted(m for m in outside if m not in INTERFACE[_layer_of(m)])
-    assert not bad, f"{path.relative_to(PKG)} imports {bad}, outside their layer's interface {INTERFACE}"
+    assert not bad, f"{_rel(path)} imports {bad}, outside their layer's interface {INTERFACE}"
+
+
+def test_start_up_files_are_one_import_of_the_start_up_package() -> None:
+    pths = sorted(PKG.parent.rglob("*.pth"))
+    assert pths, "no .pth start-up files found"
+    for pth in pths:
+        assert pth.parent == STARTUP, f"{_rel(pth)}: start-up files live in {_rel(STARTUP)}"
+        lines = pth.read_text().splitlines()
+        tree = ast.parse(lines[0]) if len(lines) == 1 else None
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names] if tree else []
+        assert imported == [STARTUP.name], f"{_rel(pth)} must be one line importing {STARTUP.name}: {lines}"
+
+
+def _design_table() -> dict[str, set[str]]:
+    """docs/design.md's layer table: layer -> what it may import (last column)."""
+    text = (PKG.parent.parent / "docs" / "design.md").read_text()
+    table: dict[str, set[str]] = {}
+    for path, rights in re.findall(r"^\| `([\w./]+)`[^|]*\|.*\| ([^|]*) \|$", text, re.M):
+        layer = path.rstrip("/").split("/")[-1].removesuffix(".py")
+        names = re.sub(r"\([^)]*\)|by name at run time:|`", "", rights).replace(";", ",").split(",")
+        table[layer] = {"__init__" if n.strip() == "phalanx" else n.strip() for n in names} - {"", "—"}
+    return table
+
+
+def test_design_md_draws_the_same_table() -> None:
+    assert _design_table() == ALLOWED
 
 
 def test_every_module_belongs_to_a_layer() -> None:

@@ -6,9 +6,9 @@ Also ``horovod.spark`` -> ``phalanx.spark``, ``horovod.tensorflow`` -> ``phalanx
 ``sparkdl.HorovodRunner`` and ``sparkdl.horovod.log_to_driver`` -> ``phalanx.spark``. The aliases apply
 only where the real package is not importable (see ``_finder``).
 They are active in every environment phalanx is pip-installed in: the wheel ships ``phalanx-compat.pth``,
-whose one line registers a tiny inline finder that imports this package only when ``horovod`` or
-``sparkdl`` is first imported (start-up imports nothing). phalanx's worker entry calls :func:`install`, so
-workers always have them.
+whose one line calls ``_phalanx_startup.install_alias_hook``: a finder that imports this package only when
+``horovod`` or ``sparkdl`` is first imported (start-up imports nothing). phalanx's worker entry calls
+:func:`install`, so workers always have them.
 """
 
 from __future__ import annotations

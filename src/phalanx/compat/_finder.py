@@ -131,7 +131,7 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         return False
 
 
-LAZY_HOOK_NAME = "PhalanxLazyAliasHook"  # the inline finder of phalanx-compat.pth
+LAZY_HOOK_NAME = "PhalanxLazyAliasHook"  # _phalanx_startup's finder (phalanx-compat.pth), superseded here
 
 
 def _is_lazy_hook(finder: object) -> bool:

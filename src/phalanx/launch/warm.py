@@ -37,12 +37,6 @@ _MAX_MESSAGE_BYTES = 1 << 20
 READY_WAIT_S = 3.0
 #: Seconds the template has to answer a spawn request.
 SPAWN_TIMEOUT_S = 10.0
-#: phalanx.transport.backend: a one-host job's ``init_process_group("gloo")`` becomes ``phalanx_shm`` (docs/shm.md),
-#: whose module every such rank would otherwise import itself.
-_ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.transport.backend")
-#: phalanx's installed API packages, preloaded when the job's function references one of their modules
-#: (phalanx's own code, unlike the user's, does not change between jobs).
-_APIS = ("phalanx.torch",)
 
 
 class RankProcess(Protocol):
@@ -200,21 +194,25 @@ def _third_party(module: types.ModuleType) -> str | None:
 
 
 def preload_for(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """Modules worth importing in the template: torch, numpy if loaded, and the function's packages."""
-    names = list(_ALWAYS) + (["numpy"] if "numpy" in sys.modules else [])
+    """Modules worth importing in the template besides its own (``worker.template.ALWAYS``): numpy if loaded,
+    and the packages of the modules the function references (third-party, and phalanx's own)."""
+    names = ["numpy"] if "numpy" in sys.modules else []
     code = getattr(fn, "__code__", None)
     scope = getattr(fn, "__globals__", {})
     for name in code.co_names if code is not None else ():
         value = scope.get(name)
         module = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", ""))
-        top = _third_party(module) or _api(module) if isinstance(module, types.ModuleType) else None
+        top = _third_party(module) or _phalanx_package(module) if isinstance(module, types.ModuleType) else None
         if top and top not in names:
             names.append(top)
     return tuple(names)
 
 
-def _api(module: types.ModuleType) -> str | None:
-    return next((api for api in _APIS if module.__name__ == api or module.__name__.startswith(f"{api}.")), None)
+def _phalanx_package(module: types.ModuleType) -> str | None:
+    """``phalanx.x`` for a module of phalanx's package ``x``: phalanx's own code, unlike the user's, does not
+    change between jobs (and may live outside site-packages in an editable install)."""
+    parts = module.__name__.split(".")
+    return ".".join(parts[:2]) if parts[0] == "phalanx" and len(parts) > 1 else None
 
 
 class _Starter:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from phalanx.env import DEFAULT_START_TIMEOUT_S
 from phalanx.env import names as N
 from phalanx.errors import HorovodInternalError, InvalidArgumentError
+from phalanx.transport import api as transport
 
 PREFIX = "phalanx.gen/"
 POLL_S = 0.005  # between two reads of the arrival count while peers are missing
@@ -78,7 +79,7 @@ def rejoin(backend: str, rank: int, size: int, timeout: timedelta | None) -> Non
     JOB.store.set(f"{PREFIX}{rank}", str(gen))
     JOB.store.add(f"phalanx.init.{gen}/arrived", 1)
     _await_peers(gen, rank, size, timeout.total_seconds() if timeout is not None else start_timeout_s())
-    dist.init_process_group(backend, store=store_of(gen), rank=rank, world_size=size, timeout=timeout)
+    transport.init_process_group(backend, store=store_of(gen), rank=rank, world_size=size, timeout=timeout)
     JOB.generation, JOB.rank, JOB.superseded = gen, rank, None
 
 

@@ -21,6 +21,7 @@ from phalanx.env import names as N
 from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
 from phalanx.torch import _generations
+from phalanx.transport import api as transport
 
 
 @dataclass(frozen=True)
@@ -131,13 +132,13 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
         STATE.owns_group = True
     elif env.get(N.MASTER_ADDR):
         rank, size = _rank_and_size(env)
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
-                                timeout=gloo_timeout(env))
+        transport.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
+                                     timeout=gloo_timeout(env))
         _generations.first(rank)
         STATE.owns_group = True
     else:
         # No launcher: one rank on a private in-process store (no TCP port, so no port race).
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        transport.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         STATE.owns_group = True
     STATE.topology = topology_from_env(env, dist.get_rank(), dist.get_world_size())
     _share_cores(env, STATE.topology)

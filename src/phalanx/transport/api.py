@@ -17,7 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch.distributed as dist
+
+from phalanx.transport import native
 from phalanx.transport._channel import HOOKS
 from phalanx.transport._dispatch import (
     Done,
@@ -35,8 +39,8 @@ from phalanx.transport._dispatch import (
 from phalanx.transport._setup import Transport, build, enabled
 
 __all__ = ["Done", "Transport", "WaitHooks", "all_gather_single", "all_reduce", "all_reduce_many", "broadcast",
-           "build", "clear", "early_claim", "early_find", "enabled", "grad_barrier", "overlaps", "register",
-           "set_wait_hooks"]
+           "build", "clear", "early_claim", "early_find", "enabled", "grad_barrier", "init_process_group",
+           "overlaps", "register", "set_wait_hooks"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +65,12 @@ def set_wait_hooks(hooks: WaitHooks | None) -> None:
     HOOKS.stalled = hooks.stalled if hooks is not None else None
     HOOKS.resumed = hooks.resumed if hooks is not None else None
     HOOKS.verdict = hooks.verdict if hooks is not None else None
+
+
+def init_process_group(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` with exactly the backend asked for: in a rank where it is
+    wrapped to substitute ``phalanx_shm`` for gloo (``phalanx.worker.dist_backend``), the wrapper leaves the
+    backend alone. phalanx.torch's default group carries this transport's own groups, never a ``phalanx_shm``
+    group."""
+    with native.exact_backend():
+        dist.init_process_group(*args, **kwargs)

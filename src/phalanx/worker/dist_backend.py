@@ -2,8 +2,8 @@
 
 The worker entry calls :func:`install` before the user's function runs; in command ranks (``phalanxrun
 python train.py``, a script given to a Spark launcher), which exec the user's program instead, the start-up
-hook ``phalanx-shm-native.pth`` that the wheel installs does the same in every interpreter started with the
-job's ``PHALANX_RUN_ID`` in its environment. It wraps
+hook ``phalanx-shm-native.pth`` that the wheel installs does the same (``_phalanx_startup``) in every
+interpreter started with the job's ``PHALANX_RUN_ID`` in its environment. It wraps
 ``torch.distributed.init_process_group`` (now if torch is already imported, else right after
 ``torch.distributed`` is first imported, through a one-shot import hook) so that a request for gloo, on a
 job where some host runs two or more ranks, becomes a request for ``phalanx_shm``
@@ -35,9 +35,10 @@ from datetime import timedelta
 from typing import Any
 
 from phalanx.env import names as N
+from phalanx.transport import native
 
-SHM_BACKEND = "phalanx_shm"
-_BACKEND_MODULE = "phalanx.transport.backend"
+SHM_BACKEND = native.BACKEND
+_BACKEND_MODULE = native.BACKEND_MODULE
 _TARGET = "torch.distributed"
 _MARK = "__phalanx_shm_wrapped__"
 _CLIENTS: list[Any] = []  # the job-store clients this process made (see job_store_arguments)
@@ -112,15 +113,14 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        # phalanx.torch's own default group stays as asked: it carries its own shared-memory transport.
-        chosen = backend if caller.startswith("phalanx.") else choose(backend, os.environ)
+        chosen = backend if native.backend_is_exact() else choose(backend, os.environ)
         if chosen is not backend:
             importlib.import_module(_BACKEND_MODULE)  # registers the backend with torch.distributed
         call = dict(signature.bind_partial(chosen, *args, **kwargs).arguments)
         return original(**job_store_arguments(call, os.environ))
 
     setattr(init_process_group, _MARK, True)
+    # phalanx.torch carries its own shared-memory transport: it calls inside ``native.exact_backend``.
     return init_process_group
 
 

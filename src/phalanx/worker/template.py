@@ -30,6 +30,10 @@ from phalanx.env import names as N
 from phalanx.env.contract import process_name
 from phalanx.worker.lifeline import die_with_parent, set_process_name
 
+#: What every template imports before the job's own modules: torch, the worker entry, and the
+#: ``phalanx_shm`` backend, which a one-host job's ``init_process_group("gloo")`` becomes (docs/shm.md).
+ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.transport.backend")
+
 MAX_MESSAGE_BYTES = 1 << 20
 _REAP_INTERVAL_S = 0.005
 
@@ -141,7 +145,7 @@ def main(argv: list[str]) -> int:
     """Entry point: ``FD MODULE...``."""
     die_with_parent()
     sock = socket.socket(fileno=int(argv[0]))
-    _preload(argv[1:])
+    _preload([*ALWAYS, *(name for name in argv[1:] if name not in ALWAYS)])
     send(sock, {"ready": True})
     try:
         serve(sock)

@@ -23,6 +23,7 @@ from phalanx.env import elastic as K
 from phalanx.env import names as N
 from phalanx.errors import ElasticTimeoutError, WorkerContractError
 from phalanx.job import store_client
+from phalanx.transport import api as transport
 
 
 class _Round:
@@ -99,8 +100,8 @@ def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
     # Before the group forms: a round that fails to form (another loss meanwhile) is not waited for again.
     ROUND.number = number
     prefixed = dist.PrefixStore(K.group_prefix(number), _client(env))
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout_s(env)))
+    transport.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
+                                 timeout=timedelta(seconds=timeout_s(env)))
     return {**env, **_topology_env(env, rank)}
 
 
