@@ -68,7 +68,7 @@ def _bench(rounds: int) -> list[dict[str, float]]:
             ours.append(_time(lambda x=x: hvd.allreduce_(x, op=hvd.Sum), calls))
             ours_oop.append(_time(lambda x=x: hvd.allreduce(x), calls))
         rows.append({"bytes": nbytes, "raw": statistics.median(raw), "hvd_": statistics.median(ours),
-                     "hvd": statistics.median(ours_oop), "raw_oop": statistics.median(raw_oop)})  # fmt: skip
+                     "hvd": statistics.median(ours_oop), "raw_oop": statistics.median(raw_oop)})
     rows.append(_async_figures(hvd, rounds))
     hvd.shutdown()
     return rows
@@ -110,13 +110,13 @@ def main() -> None:
     print(f"allreduce fp32, {args.np} ranks, gloo; median of {args.rounds} rounds (time per call)")
     print(f"{'size':>7} {'raw dist':>10} {'hvd.allreduce_':>15} {'hvd.allreduce':>14} "
           f"{'throughput ratio (in-place / new tensor)':>42} {'raw new tensor':>15} "
-          f"{'new tensor ratio':>17}")  # fmt: skip
+          f"{'new tensor ratio':>17}")
     for r in rows:
         print(f"{_fmt_size(int(r['bytes'])):>7} {r['raw'] * 1e3:>8.3f}ms {r['hvd_'] * 1e3:>13.3f}ms "
               f"{r['hvd'] * 1e3:>12.3f}ms {r['raw'] / r['hvd_']:>21.2f}x / {r['raw'] / r['hvd']:.2f}x "
-              f"{r['raw_oop'] * 1e3:>14.3f}ms {r['raw_oop'] / r['hvd']:>16.2f}x")  # fmt: skip
+              f"{r['raw_oop'] * 1e3:>14.3f}ms {r['raw_oop'] / r['hvd']:>16.2f}x")
     print(f"allreduce_async_ 64 MB: returns in {asynchrony['async_return'] * 1e3:.3f} ms (median); poll() False "
-          f"until the data moved: {'yes' if asynchrony['poll_honest'] else 'NO'}")  # fmt: skip
+          f"until the data moved: {'yes' if asynchrony['poll_honest'] else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def _mnist_cnn() -> Any:
         keras.layers.Conv2D(64, 3, activation="relu"), keras.layers.MaxPooling2D(2), keras.layers.Dropout(0.25),
         keras.layers.Flatten(), keras.layers.Dense(128, activation="relu"), keras.layers.Dropout(0.5),
         keras.layers.Dense(10),
-    ])  # fmt: skip
+    ])
 
 
 def _digits_cnn() -> Any:
@@ -70,7 +70,7 @@ def _digits_cnn() -> Any:
         keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
         keras.layers.Conv2D(32, 3, padding="same", activation="relu"), keras.layers.MaxPooling2D(2),
         keras.layers.Flatten(), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10),
-    ])  # fmt: skip
+    ])
 
 
 MODELS = {"mnist_cnn": (_mnist_cnn, 28), "digits_cnn": (_digits_cnn, 8)}
@@ -106,11 +106,11 @@ class _Lockstep:
         import numpy as np
 
         from phalanx.tensorflow import _bridge
-        from phalanx.torch import _reduce as R
+        from phalanx.torch import _reduce
 
         one = np.zeros(1, dtype=np.float32)
         self.callback = keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda batch, logs=None: _bridge.np_allreduce(one, "lockstep", R.Sum, 1.0, 1.0))
+            on_train_batch_end=lambda batch, logs=None: _bridge.np_allreduce(one, "lockstep", _reduce.Sum, 1.0, 1.0))
 
 
 VARIANTS = ("plain", "lockstep", "hvd")
@@ -123,7 +123,7 @@ def _compiled(hvd: Any, make: Any, distributed: bool) -> Any:
     model = make()
     opt = keras.optimizers.Adam(1e-3)
     model.compile(optimizer=hvd.DistributedOptimizer(opt) if distributed else opt,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)  # fmt: skip
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
     return model
 
 
@@ -253,17 +253,17 @@ def _row(name: str, one: dict[str, Any], two: list[dict[str, Any]]) -> str:
     target = two[0]["allreduce_ms"] + 1.0
     diff = {k: [x - y for x, y in zip(rounds[a], rounds[b])]
             for k, (a, b) in {"overhead": ("hvd", "plain"), "lockstep": ("lockstep", "plain"),
-                              "exchange": ("hvd", "lockstep")}.items()}  # fmt: skip
+                              "exchange": ("hvd", "lockstep")}.items()}
     ratio = [d / target for d in diff["overhead"]]
     alone = statistics.median(rounds["hvd"]) - statistics.median(one["chunks"]["plain"])
     spread = " ; ".join(f"{v} " + "/".join(f"{q:.1f}" for q in max((r["spread"][v] for r in two), key=lambda t: t[1]))
-                        for v in VARIANTS)  # fmt: skip
+                        for v in VARIANTS)
     return (f"{name} | {one['params']:,} | {statistics.median(one['chunks']['plain']):.2f} | "
             + " | ".join(f"{statistics.median(rounds[v]):.2f}" for v in VARIANTS)
             + f" | {two[0]['allreduce_ms']:.2f} / {two[0]['raw_allreduce_ms']:.2f} | {target:.2f} | "
             f"{_fmt(diff['overhead'])} | {_fmt(ratio)} | {_fmt(diff['lockstep'])} | {_fmt(_jitter_tax(two))} | "
             f"{_fmt(diff['exchange'])} | "
-            f"{alone:.2f} | {alone / target:.2f} | {spread} | {_fmt(_others_cores(two))}")  # fmt: skip
+            f"{alone:.2f} | {alone / target:.2f} | {spread} | {_fmt(_others_cores(two))}")
 
 
 def _print_rounds(name: str, two: list[dict[str, Any]]) -> None:
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
           "2-rank plain) | overhead / target | of which lockstep | lockstep explained by the spread of plain "
           "steps (median of max of 2 draws - median) | of which gradient exchange | vs 1 rank alone "
           "ms (2-rank hvd - 1-rank plain) | vs 1 rank / target | step gaps p10/p50/p90 ms (slower rank) | "
-          "CPU of other processes during the 2-rank chunks (cores)")  # fmt: skip
+          "CPU of other processes during the 2-rank chunks (cores)")
     for name in args.models.split(","):
         job_args = (name, args.steps or STEPS[name], args.rounds, (args.intra_op, args.inter_op))
         one = phalanx.run(_job, args=job_args, np=1, env=ENV)[0]

@@ -86,7 +86,7 @@ def _report(per_round: dict[str, list[float]], steps: int) -> None:
     print(f"  strategy='horovod': {total['horovod']:7.2f} steps/s")
     print(f"  strategy='ddp':     {total['ddp']:7.2f} steps/s")
     print(f"  horovod / ddp: {total['horovod'] / total['ddp']:.2f}x (per-round IQR {q[0]:.2f}-{q[2]:.2f}; "
-          "target >= 1.0x)")  # fmt: skip
+          "target >= 1.0x)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     phalanxrun = Path(sys.executable).parent / "phalanxrun"
     cmd = [str(phalanxrun), "-np", "2", sys.executable, str(Path(__file__).resolve()), "--worker",
-           f"--rounds={args.rounds}", f"--steps={args.steps}"]  # fmt: skip
+           f"--rounds={args.rounds}", f"--steps={args.steps}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     line = next((ln for ln in proc.stdout.splitlines() if "BENCH " in ln), None)
     if proc.returncode != 0 or line is None:

@@ -66,7 +66,7 @@ def _allreduce(rounds: int) -> list[dict[str, float]]:
         x = torch.ones(nbytes // 4)
         calls = max(3, min(200, (8 << 20) // nbytes))
         paths = {"gloo": lambda x=x: dist.all_reduce(x), "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum),
-                 "shm": lambda x=x: shm.all_reduce(x, group=data)}  # fmt: skip
+                 "shm": lambda x=x: shm.all_reduce(x, group=data)}
         times: dict[str, list[float]] = {k: [] for k in paths}
         keys = list(paths)
         for r in range(rounds + 1):  # the first round warms up
@@ -135,7 +135,7 @@ def _hosts_allreduce(hosts: list[str], rounds: int) -> dict[str, Any]:
         calls = max(3, min(100, (4 << 20) // nbytes))
         paths = {"gloo": lambda x=x: dist.all_reduce(x, group=data), "shm": lambda x=x: shm.all_reduce(x, group=data),
                  "hvd": lambda x=x: hvd.allreduce_(x, op=hvd.Sum), "allgather": lambda x=x: hvd.allgather(x),
-                 "broadcast_": lambda x=x: hvd.broadcast_(x, root_rank=len(hosts) - 1)}  # fmt: skip
+                 "broadcast_": lambda x=x: hvd.broadcast_(x, root_rank=len(hosts) - 1)}
         times: dict[str, list[float]] = {k: [] for k in paths}
         for _ in range(rounds + 1):
             for key, fn in paths.items():
@@ -152,7 +152,7 @@ def _host_jobs(hosts: list[str], rounds: int, runs: int) -> tuple[dict[str, Any]
     for _ in range(runs):
         jobs["on"].append(phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts))[0])
         jobs["off"].append(phalanx.run(_hosts_allreduce, args=(hosts, rounds), np=len(hosts),
-                                       env={"PHALANX_SHM": "0"})[0])  # fmt: skip
+                                       env={"PHALANX_SHM": "0"})[0])
     merged = []
     for results in jobs.values():
         out: dict[str, Any] = {"routed": results[0]["routed"]}
@@ -165,7 +165,7 @@ def _host_jobs(hosts: list[str], rounds: int, runs: int) -> tuple[dict[str, Any]
 def _print_hosts(rounds: int, runs: int) -> None:
     print("ranks on distinct (simulated) hosts, fp32 medians: allreduce on the payload group through the transport "
           f"(hierarchical) vs plain gloo, interleaved in one job; hvd with shm on vs PHALANX_SHM=0 ({runs} jobs "
-          "each, alternating; off / on > 1: the transport is faster)")  # fmt: skip
+          "each, alternating; off / on > 1: the transport is faster)")
     for hosts in (["A", "B"], AABB):
         on, off = _host_jobs(hosts, rounds, runs)
         print(f"  hosts {''.join(hosts)}: transport {'used' if on['routed'] else 'not used (one rank per host)'}")
@@ -173,7 +173,7 @@ def _print_hosts(rounds: int, runs: int) -> None:
             size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
             r, o = on[n], off[n]
             hvd = " | ".join(f"{k} on {r[k] * 1e3:.3f} ms, off {o[k] * 1e3:.3f} ms ({o[k] / r[k]:.2f}x)"
-                             for k in ("hvd", "allgather", "broadcast_"))  # fmt: skip
+                             for k in ("hvd", "allgather", "broadcast_"))
             print(f"    {size:>6}: gloo {r['gloo'] * 1e3:.3f} ms, transport {r['shm'] * 1e3:.3f} ms "
                   f"(gloo / transport {r['gloo'] / r['shm']:.2f}x) | hvd.allreduce_ / allgather / broadcast_: {hvd}")
 
@@ -185,7 +185,7 @@ def _print_allreduce(rows: list[dict[str, float]]) -> None:
         n = int(r["bytes"])
         size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
         print(f"{size:>7} {r['gloo'] * 1e3:>8.3f}ms {r['hvd'] * 1e3:>9.3f}ms {r['shm'] * 1e3:>8.3f}ms "
-              f"{r['gloo'] / r['hvd']:>9.2f}x {r['gloo'] / r['shm']:>15.2f}x")  # fmt: skip
+              f"{r['gloo'] / r['hvd']:>9.2f}x {r['gloo'] / r['shm']:>15.2f}x")
 
 
 class _Floor:
@@ -349,17 +349,17 @@ AABB = ["A", "A", "B", "B"]
 
 def _print_hosts_ddp(r: dict[str, Any]) -> None:
     print("torch-native code on hosts AABB (4 ranks, simulated): the gloo default group vs a phalanx_shm group "
-          "(hierarchical: shm in host, gloo between the hosts' first ranks), interleaved in one job")  # fmt: skip
+          "(hierarchical: shm in host, gloo between the hosts' first ranks), interleaved in one job")
     for key, call in (("allreduce", "all_reduce"), ("reduce_scatter", "reduce_scatter_tensor")):
         for n, t in r[key].items():
             size = f"{n >> 20} MB" if n >= 1 << 20 else f"{n >> 10} KB"
             print(f"  dist.{call} fp32 {size:>6}: gloo {t['gloo'] * 1e3:.3f} ms, phalanx_shm {t['shm'] * 1e3:.3f} "
-                  f"ms (gloo / phalanx_shm {t['gloo'] / t['shm']:.2f}x)")  # fmt: skip
+                  f"ms (gloo / phalanx_shm {t['gloo'] / t['shm']:.2f}x)")
     for name in train.MODELS:
         m = r[name]
         print(f"  {name}: DDP gloo {m['gloo']:.2f}/s  DDP phalanx_shm {m['shm']:.2f}/s  ratio "
               f"{m['shm'] / m['gloo']:.2f}x | FSDP2 gloo {m['fsdp gloo']:.2f}/s  FSDP2 phalanx_shm "
-              f"{m['fsdp shm']:.2f}/s  ratio {m['fsdp shm'] / m['fsdp gloo']:.2f}x (steps/s per rank)")  # fmt: skip
+              f"{m['fsdp shm']:.2f}/s  ratio {m['fsdp shm'] / m['fsdp gloo']:.2f}x (steps/s per rank)")
 
 
 _GLOO_DEFAULT = {"PHALANX_SHM_NATIVE": "0"}  # the A/B job's default group stays gloo
@@ -371,11 +371,11 @@ def _hosts_ddp(steps: int, rounds: int) -> dict[str, Any]:
 
 def _print_ddp_ab(ddp_ab: dict[str, Any]) -> None:
     print("DDP and FSDP2, 2 ranks, on the gloo default group vs on a phalanx_shm group, interleaved in one job, "
-          "steps/s per rank")  # fmt: skip
+          "steps/s per rank")
     for name, r in ddp_ab.items():
         print(f"  {name}: DDP gloo {r['gloo']:.2f}/s  DDP phalanx_shm {r['shm']:.2f}/s  "
               f"ratio {r['shm'] / r['gloo']:.2f}x | FSDP2 gloo {r['fsdp gloo']:.2f}/s  "
-              f"FSDP2 phalanx_shm {r['fsdp shm']:.2f}/s  ratio {r['fsdp shm'] / r['fsdp gloo']:.2f}x")  # fmt: skip
+              f"FSDP2 phalanx_shm {r['fsdp shm']:.2f}/s  ratio {r['fsdp shm'] / r['fsdp gloo']:.2f}x")
 
 
 def _print_train(shm: dict[str, Any], gloo: dict[str, Any], ddp_ab: dict[str, Any]) -> None:
@@ -395,13 +395,13 @@ def _print_train(shm: dict[str, Any], gloo: dict[str, Any], ddp_ab: dict[str, An
         base = {"eff": r["alone all cores"], "eff1t": r["alone"], "effpair": r["pair"]}
         rows = {"hvd shm": r["hvd"], "floor": r["floor"], "DDP gloo": r["ddp"], "pair": r["pair"]}
         cells = " | ".join(f"{k} {v:.2f}/s (" + ", ".join(f"{e} {v / b:.2f}" for e, b in base.items()) + ")"
-                           for k, v in rows.items())  # fmt: skip
+                           for k, v in rows.items())
         print(f"  {name}: alone {r['alone']:.2f}/s, alone all cores {r['alone all cores']:.2f}/s | {cells}"
               f" | hvd shm / floor {r['hvd'] / r['floor']:.2f}x | hvd shm / DDP gloo {r['hvd'] / r['ddp']:.2f}x"
               f" (per-round interquartile range {r['hvd/ddp q1']:.2f}-{r['hvd/ddp q3']:.2f})"
               f" | other jobs: hvd gloo {gloo[name]['hvd']:.2f}/s ({gloo[name]['hvd'] / gloo[name]['ddp']:.2f}x"
               f" DDP gloo in its job); DDP phalanx_shm / DDP gloo {ddp_ab[name]['shm'] / ddp_ab[name]['gloo']:.2f}x"
-              f" ({ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")  # fmt: skip
+              f" ({ddp_ab[name]['shm']:.2f}/s vs {ddp_ab[name]['gloo']:.2f}/s)")
 
 
 def main() -> None:

@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "multi
 import _digits_job as job
 
 import phalanx
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 
 
 def leftover_workers() -> list[int]:
     """Live processes that carry an elastic worker id (none should survive a job)."""
     found = []
-    marker = f"{N.PHALANX_ELASTIC_WORKER_ID}=".encode()
+    marker = f"{env_names.PHALANX_ELASTIC_WORKER_ID}=".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -54,7 +54,7 @@ def one_job(data: Any, args: argparse.Namespace, rng: random.Random, folder: str
     kwargs = {"steps": args.steps, "commit_every": args.commit_every, "kill_at": kill_at, "victim": victim,
               "marker": os.path.join(folder, f"killed.{time.monotonic_ns()}")}
     started = time.perf_counter()
-    env = {N.PHALANX_ELASTIC_TIMEOUT_S: "30"}
+    env = {env_names.PHALANX_ELASTIC_TIMEOUT_S: "30"}
     try:
         if args.spark:
             from phalanx.spark import run_elastic

@@ -69,17 +69,17 @@ def _bench_hooks(model: Any) -> Any:
     2 events per parameter tensor plus 1 per step - more than fused buckets would produce.
     Returns ``finish(timeline)``, to call after ``optimizer.step()``.
     """
-    from phalanx import timeline as T
+    from phalanx import timeline as phalanx_timeline
 
     params = list(model.named_parameters())
 
     def hook_for(name: str, args: dict[str, object]) -> Any:
         def hook(_: Any) -> None:
-            tl = T.current()
+            tl = phalanx_timeline.current()
             if tl is not None:
-                tl.begin(name, T.QUEUE, args)
-                tl.end(name, T.QUEUE)
-                tl.begin(name, T.ALLREDUCE, args)
+                tl.begin(name, phalanx_timeline.QUEUE, args)
+                tl.end(name, phalanx_timeline.QUEUE)
+                tl.begin(name, phalanx_timeline.ALLREDUCE, args)
 
         return hook
 
@@ -89,7 +89,7 @@ def _bench_hooks(model: Any) -> Any:
 
     def finish(tl: Any) -> None:
         for name, _ in params:
-            tl.end(name, T.ALLREDUCE)
+            tl.end(name, phalanx_timeline.ALLREDUCE)
 
     return finish
 

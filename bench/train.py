@@ -26,7 +26,7 @@ def cnn() -> Any:
         nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(64 * 8 * 8, 196), nn.ReLU(), nn.Linear(196, 10),
-    )  # fmt: skip
+    )
 
 
 def mlp() -> Any:
@@ -99,7 +99,7 @@ def _trainers(name: str) -> dict[str, Any]:
     ddp_model = DDP(make())
     hvd_model = make()
     hvd_opt = hvd.DistributedOptimizer(torch.optim.SGD(hvd_model.parameters(), lr=0.01),
-                                       named_parameters=hvd_model.named_parameters())  # fmt: skip
+                                       named_parameters=hvd_model.named_parameters())
     return {"ddp": (ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.01)), "hvd": (hvd_model, hvd_opt)}
 
 

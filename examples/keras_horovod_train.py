@@ -30,7 +30,7 @@ def train(epochs: int = 4, batch_size: int = 32, out: str | None = None) -> dict
     scaled_lr = 0.001 * hvd.size()  # Horovod: scale the learning rate by the number of workers
     opt = hvd.DistributedOptimizer(tf.optimizers.Adam(scaled_lr))
     model.compile(loss=tf.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer=opt,
-                  metrics=["accuracy"], experimental_run_tf_function=False)  # fmt: skip
+                  metrics=["accuracy"], experimental_run_tf_function=False)
     callbacks = [
         hvd.callbacks.BroadcastGlobalVariablesCallback(0),  # the same initial weights everywhere
         hvd.callbacks.MetricAverageCallback(),
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = train(epochs=args.epochs, out=os.path.abspath(args.out))
     if result["rank"] == 0:
         print(f"test accuracy: {result['accuracy']:.3f}; weights identical on {result['size']} ranks: "
-              f"{result['weights_agree']}", flush=True)  # fmt: skip
+              f"{result['weights_agree']}", flush=True)
     return result
 
 

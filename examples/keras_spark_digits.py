@@ -33,12 +33,12 @@ def train_keras(epochs: int = 4, batch_size: int = 32) -> dict[str, Any]:
     model = make_keras_model()
     opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])  # fmt: skip
+                  metrics=["accuracy"])
     callbacks: list[Any] = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
     if hvd.rank() == 0:
         callbacks.append(LogCallback())  # one line per epoch on the driver
     model.fit(data.batch(batch_size), steps_per_epoch=len(x_train) // (batch_size * hvd.size()), epochs=epochs,
-              callbacks=callbacks, verbose=0)  # fmt: skip
+              callbacks=callbacks, verbose=0)
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     return {"accuracy": float(accuracy), "weights_agree": keras_weights_agree(hvd, model), "size": hvd.size()}
 
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = HorovodRunner(np=args.np).run(train_keras, epochs=args.epochs)
     where = "on Spark" if args.np > 0 else "on the driver"
     print(f"test accuracy: {result['accuracy']:.3f} ({result['size']} ranks {where}); "
-          f"identical weights: {result['weights_agree']}")  # fmt: skip
+          f"identical weights: {result['weights_agree']}")
     return result
 
 

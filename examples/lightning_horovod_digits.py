@@ -66,7 +66,7 @@ def _weights_agree(trainer: Any, model: Any) -> bool:
 
 
 def train(epochs: int = 4, lr: float = 0.005, batch_size: int = 32, flavour: str = "lightning",
-          ckpt_dir: str = "lightning_horovod_ckpt") -> dict[str, Any]:  # fmt: skip
+          ckpt_dir: str = "lightning_horovod_ckpt") -> dict[str, Any]:
     """What every rank runs: fit with ``strategy="horovod"``; rank 0 writes ``ckpt_dir/digits.ckpt``."""
     from _digits import accuracy, load_digits_split
     from torch.utils.data import DataLoader, TensorDataset
@@ -93,16 +93,16 @@ def train(epochs: int = 4, lr: float = 0.005, batch_size: int = 32, flavour: str
 def _summary(result: dict[str, Any]) -> str:
     return (f"test accuracy: {result['accuracy']:.3f}; synced validation accuracy: {result['val_acc']:.3f}; "
             f"weights identical on {result['size']} ranks: {result['weights_agree']}; "
-            f"checkpoint: {result['checkpoint']}")  # fmt: skip
+            f"checkpoint: {result['checkpoint']}")
 
 
 def _parse_summary(text: str) -> dict[str, Any]:
     found = re.search(r"test accuracy: ([0-9.]+); synced validation accuracy: ([0-9.]+); weights identical on "
-                      r"(\d+) ranks: (True|False); checkpoint: (\S*)", text)  # fmt: skip
+                      r"(\d+) ranks: (True|False); checkpoint: (\S*)", text)
     if found is None:
         raise RuntimeError(f"rank 0 printed no summary; its output was:\n{text[-3000:]}")
     return {"accuracy": float(found[1]), "val_acc": float(found[2]), "size": int(found[3]),
-            "weights_agree": found[4] == "True", "checkpoint": found[5]}  # fmt: skip
+            "weights_agree": found[4] == "True", "checkpoint": found[5]}
 
 
 def launch(args: argparse.Namespace) -> dict[str, Any]:

@@ -84,7 +84,7 @@ def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "lightning_horovod_digits.py"),
          "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = re.search(LIGHTNING_SUMMARY, proc.stdout)
     assert found is not None, proc.stdout[-3000:]
@@ -117,7 +117,7 @@ def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
     proc = subprocess.run(
         [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "keras_horovod_train.py"),
          "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+); weights identical on 2 ranks: True", proc.stdout)
     assert found is not None, proc.stdout[-3000:]
@@ -147,7 +147,7 @@ def test_classic_horovod_keras_function_under_phalanx_run() -> None:
     import phalanx
 
     results = phalanx.run(load_example("keras_horovod_train").train, kwargs={"epochs": int(EPOCHS)}, np=2,
-                          env=KERAS_ENV)  # fmt: skip
+                          env=KERAS_ENV)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["weights_agree"] for r in results)
     assert results[0]["accuracy"] == results[1]["accuracy"] > FLOOR

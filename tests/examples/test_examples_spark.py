@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from example_helpers import REPO, load_example
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 
 pytestmark = [pytest.mark.spark]
 
@@ -59,7 +59,7 @@ def test_torch_distributor_ddp_function_on_spark(local_spark: Any) -> None:
 def test_lightning_horovod_runner_on_spark(local_spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """HorovodRunner(np=2) running Trainer(strategy="horovod") in 2 barrier tasks; rank 0's checkpoint."""
     pytest.importorskip("lightning")
-    monkeypatch.setenv(N.HOROVOD_START_TIMEOUT, "120")  # task start-up on a busy 2-core host exceeded 30 s
+    monkeypatch.setenv(env_names.HOROVOD_START_TIMEOUT, "120")  # task start-up on a busy 2-core host exceeded 30 s
     result = load_example("lightning_horovod_digits").main(
         ["--launcher", "horovodrunner", "--np", "2", "--epochs", EPOCHS, "--ckpt-dir", str(tmp_path)])
     assert result["size"] == 2 and result["weights_agree"]
@@ -69,10 +69,10 @@ def test_lightning_horovod_runner_on_spark(local_spark: Any, tmp_path: Path, mon
 
 @pytest.mark.timeout(240)
 def test_lightning_horovod_under_phalanx_spark_run(local_spark: Any, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """horovod.spark.run's form (every rank's result, rank order); one epoch, pytorch_lightning."""
     pytest.importorskip("pytorch_lightning")
-    monkeypatch.setenv(N.HOROVOD_START_TIMEOUT, "120")
+    monkeypatch.setenv(env_names.HOROVOD_START_TIMEOUT, "120")
     result = load_example("lightning_horovod_digits").main(
         ["--launcher", "spark-run", "--epochs", "1", "--flavour", "pytorch_lightning", "--ckpt-dir", str(tmp_path)])
     assert result["size"] == 2 and result["weights_agree"] and result["accuracy"] > 0.5

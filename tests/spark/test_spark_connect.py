@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, WorkerFailedError
 from phalanx.launch.proctree import is_alive
 from phalanx.spark import HorovodRunner, TorchDistributor, log_to_driver, run
@@ -94,7 +94,7 @@ def _fail_after_output(marker: str) -> None:
 def test_unreachable_client_still_gets_the_result_the_error_and_the_logs(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(N.PHALANX_CONNECT_CLIENT_HOST, UNREACHABLE)
+    monkeypatch.setenv(env_names.PHALANX_CONNECT_CLIENT_HOST, UNREACHABLE)
     caplog.set_level(logging.INFO, logger="phalanx")
     assert HorovodRunner(np=2, driver_log_verbosity="all").run(_chatty, tag="late") == "late"
     out = capsys.readouterr().out
@@ -192,7 +192,7 @@ def test_elastic_worker_killed_is_replaced_and_the_survivor_keeps_its_work(tmp_p
     kwargs: dict[str, Any] = {"steps": steps, "commit_every": commit_every, "kill_at": kill_at, "victim": 1,
                               "marker": str(tmp_path / "killed")}
     out = run_elastic(job.train, (job.load_data(),), kwargs, num_proc=2, reset_limit=1,
-                      env={N.PHALANX_ELASTIC_TIMEOUT_S: "30"})
+                      env={env_names.PHALANX_ELASTIC_TIMEOUT_S: "30"})
     assert (tmp_path / "killed").exists(), "the victim never died"
     assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)
     survivor = next(r for r in out if r["resumed_from"] == 0)

@@ -14,8 +14,7 @@ import pytest
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.records import LogLine, Stream
-from phalanx.spark import connect_session as S
-from phalanx.spark import connect_wire as W
+from phalanx.spark import connect_session, connect_wire
 from phalanx.spark.connect_host import LogRelay, probe_client
 
 SECRET = "ab" * 32
@@ -40,32 +39,32 @@ def _rows(batches: list[Any]) -> list[Any]:
 def test_outcome_round_trips_in_chunks_under_the_arrow_batch_size() -> None:
     pytest.importorskip("pyarrow")
     big = bytes(range(256)) * 4096  # 1 MiB of result: several chunks
-    outcome = W.Outcome(values=[big, None], rank0_stdout=["a"], logs=[(1, "stderr", "x")], link="why")
-    batches = list(W.rows(0, W.OUTCOME, W.sign(outcome, SECRET)))
-    assert len(batches) > 1 and all(len(b.column("data")[0].as_py()) <= W.CHUNK_BYTES for b in batches)
-    status = list(W.rows(1, W.STATUS, W.status_body(1, 3, False, "lost")))
+    outcome = connect_wire.Outcome(values=[big, None], rank0_stdout=["a"], logs=[(1, "stderr", "x")], link="why")
+    batches = list(connect_wire.rows(0, connect_wire.OUTCOME, connect_wire.sign(outcome, SECRET)))
+    assert len(batches) > 1 and all(len(b.column("data")[0].as_py()) <= connect_wire.CHUNK_BYTES for b in batches)
+    status = list(connect_wire.rows(1, connect_wire.STATUS, connect_wire.status_body(1, 3, False, "lost")))
     rows = _rows(status + batches)
-    collected = W.assemble(reversed(rows))  # order is not guaranteed by collect()
+    collected = connect_wire.assemble(reversed(rows))  # order is not guaranteed by collect()
     assert collected.statuses == [{"rank": 1, "exit": 3, "reported": False, "error": "lost"}]
     assert collected.outcome is not None
-    back = W.verify(collected.outcome, SECRET)
+    back = connect_wire.verify(collected.outcome, SECRET)
     assert back.values == [big, None] and back.logs == [(1, "stderr", "x")] and back.link == "why"
 
 
 def test_outcome_with_another_signature_is_refused_before_unpickling() -> None:
-    blob = W.sign(W.Outcome(), SECRET)
+    blob = connect_wire.sign(connect_wire.Outcome(), SECRET)
     with pytest.raises(SparkJobError, match="signature"):
-        W.verify(blob, "cd" * 32)
-    forged = blob[:32] + pickle.dumps(W.Outcome(values=[b"x"]))
+        connect_wire.verify(blob, "cd" * 32)
+    forged = blob[:32] + pickle.dumps(connect_wire.Outcome(values=[b"x"]))
     with pytest.raises(SparkJobError, match="signature"):
-        W.verify(forged, SECRET)
+        connect_wire.verify(forged, SECRET)
 
 
 def test_errors_travel_pickled_with_their_root_cause() -> None:
     from phalanx.errors import RankFailure
 
     error = WorkerFailedError([RankFailure(rank=1, summary="ValueError: x", traceback="tb", log_tail=("l",))])
-    back = W.verify(W.sign(W.Outcome(error=pickle.dumps(error)), SECRET), SECRET)
+    back = connect_wire.verify(connect_wire.sign(connect_wire.Outcome(error=pickle.dumps(error)), SECRET), SECRET)
     assert back.error is not None
     loaded = pickle.loads(back.error)
     assert isinstance(loaded, WorkerFailedError) and loaded.root_cause.rank == 1
@@ -83,21 +82,21 @@ def test_errors_travel_pickled_with_their_root_cause() -> None:
     ({"spark_master": "k8s://x"}, None),
 ])
 def test_task_slots_come_from_the_sessions_settings(values: dict[str, str], slots: int | None) -> None:
-    assert S.task_slots(_session(**values)) == slots
+    assert connect_session.task_slots(_session(**values)) == slots
 
 
 def test_slot_shortage_and_unknown_slots_are_clear_errors() -> None:
     with pytest.raises(SlotsUnavailableError, match=r"3 ranks were asked for .* only 2 task\(s\)"):
-        S.check_slots(_session(spark_master="local[2]"), 3)
-    S.check_slots(_session(spark_master="k8s://x"), 64)  # unknown: Spark's own barrier check decides
+        connect_session.check_slots(_session(spark_master="local[2]"), 3)
+    connect_session.check_slots(_session(spark_master="k8s://x"), 64)  # unknown: Spark's own barrier check decides
     with pytest.raises(InvalidArgumentError, match="pass the number of ranks"):
-        S.every_slot(_session(spark_master="local[*]"))
+        connect_session.every_slot(_session(spark_master="local[*]"))
 
 
 def test_client_host_is_the_override_or_the_route_to_the_server() -> None:
     session = SimpleNamespace(client=SimpleNamespace(host="127.0.0.1"))
-    assert S.client_host(session, {"PHALANX_CONNECT_CLIENT_HOST": "10.1.2.3"}) == "10.1.2.3"
-    assert S.client_host(session, {}) == "127.0.0.1"
+    assert connect_session.client_host(session, {"PHALANX_CONNECT_CLIENT_HOST": "10.1.2.3"}) == "10.1.2.3"
+    assert connect_session.client_host(session, {}) == "127.0.0.1"
 
 
 def test_log_relay_keeps_records_until_the_client_is_reached_then_streams_them() -> None:

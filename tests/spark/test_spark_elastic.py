@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import WorkerFailedError
 from phalanx.spark import HorovodRunner, TorchDistributor, run_elastic
 
@@ -21,7 +21,7 @@ import _digits_job as job
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("standalone_spark")]
 
 STEPS, COMMIT_EVERY = 30, 5
-ENV = {N.PHALANX_ELASTIC_TIMEOUT_S: "30"}
+ENV = {env_names.PHALANX_ELASTIC_TIMEOUT_S: "30"}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def test_lost_task_resubmits_the_stage_from_the_last_durable_commit(
                               "marker": str(tmp_path / "killed"), "kill_task": True}
     # Cold starts: the worker's parent is then its task (a warm-started worker's is the template).
     out = run_elastic(job.train, (data,), kwargs, num_proc=2, checkpoint_dir=str(tmp_path / "ckpt"),
-                      reset_limit=2, env={**ENV, N.PHALANX_WARM_START: "0"})
+                      reset_limit=2, env={**ENV, env_names.PHALANX_WARM_START: "0"})
     assert (tmp_path / "killed").exists()
     resumed = out[0]["resumed_from"]
     assert resumed > 0 and 0 <= kill_at - resumed < COMMIT_EVERY, (kill_at, resumed)

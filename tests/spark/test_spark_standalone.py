@@ -32,7 +32,7 @@ def _identity() -> dict[str, Any]:
     shm = dict(getattr(pg, "shm_calls", {}))
     dist.destroy_process_group()
     return {"sum": t.item(), "python": sys.executable, "backend": backend, "shm": shm,
-            **{k: os.environ.get(k) for k in KEYS}}  # fmt: skip
+            **{k: os.environ.get(k) for k in KEYS}}
 
 
 @pytest.mark.timeout(180)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.torch import _stall as S
+from phalanx.torch import _stall
 
 
 def _rec(rank: int, ranks: tuple[int, ...] | None, seq: int = 1, phase: str = "control",
-         issued: dict[tuple[int, ...], int] | None = None, name: str = "x") -> S.Record:  # fmt: skip
+         issued: dict[tuple[int, ...], int] | None = None, name: str = "x") -> _stall.Record:
     wait = None if ranks is None else {"ranks": ranks, "seq": seq, "phase": phase, "kind": "allreduce",
-                                       "name": name, "psid": 1}  # fmt: skip
-    return S.Record(rank, 1, wait, issued or {}, dict(issued or {}))
+                                       "name": name, "psid": 1}
+    return _stall.Record(rank, 1, wait, issued or {}, dict(issued or {}))
 
 
 def test_ranks_waiting_on_each_other_in_different_sets_are_deadlocked() -> None:
@@ -22,8 +22,8 @@ def test_ranks_waiting_on_each_other_in_different_sets_are_deadlocked() -> None:
         1: _rec(1, world, issued={(1, 2): 1, world: 1}),
         2: _rec(2, world, issued={(1, 2): 1, world: 1}),
     }
-    assert S.deadlocked(records) == {0, 1, 2}
-    text = S.describe({0, 1, 2}, records)
+    assert _stall.deadlocked(records) == {0, 1, 2}
+    text = _stall.describe({0, 1, 2}, records)
     assert "rank 0 waits in allreduce of tensor 'x' on process set 1 (ranks [0, 1]" in text
     assert "for rank 1 issued 0 there" in text and "for rank 0 issued 0 there" in text
 
@@ -31,13 +31,13 @@ def test_ranks_waiting_on_each_other_in_different_sets_are_deadlocked() -> None:
 def test_a_rank_waiting_for_a_running_rank_is_not_deadlocked() -> None:
     # rank 0 waits for rank 1, which waits on [1, 2] for rank 2, which is running (slow, no record).
     records = {0: _rec(0, (0, 1), issued={(0, 1): 1}), 1: _rec(1, (1, 2), issued={(1, 2): 1})}
-    assert S.deadlocked(records) == set()
+    assert _stall.deadlocked(records) == set()
 
 
 def test_a_peer_that_issued_the_collective_is_not_awaited() -> None:
     # both wait on [0, 1] #1 and both issued it: the transport is just slow.
     records = {0: _rec(0, (0, 1), issued={(0, 1): 1}), 1: _rec(1, (0, 1), issued={(0, 1): 1})}
-    assert S.deadlocked(records) == set()
+    assert _stall.deadlocked(records) == set()
 
 
 def test_a_payload_waits_for_peers_that_have_not_negotiated_it() -> None:
@@ -49,22 +49,22 @@ def test_a_payload_waits_for_peers_that_have_not_negotiated_it() -> None:
         2: _rec(2, (0, 2), issued={(1, 2): 0, (0, 2): 1}),
     }
     records[1].rounds = {(0, 1): 0}
-    assert S.deadlocked(records) == {0, 1, 2}
+    assert _stall.deadlocked(records) == {0, 1, 2}
     records[1].rounds = {(0, 1): 1}  # rank 1 negotiated it: its payload is on its way, rank 0 will finish
-    assert S.deadlocked(records) == set()
+    assert _stall.deadlocked(records) == set()
 
 
 def test_records_round_trip_through_json() -> None:
     rec = _rec(3, (0, 3), seq=7, issued={(0, 3): 7, (0, 1, 2, 3): 2})
-    back = S.Record.loads(rec.dumps())
+    back = _stall.Record.loads(rec.dumps())
     assert back == rec
 
 
 def test_check_interval_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PHALANX_STALL_CHECK_S", raising=False)
-    assert S.check_interval() == S.DEFAULT_CHECK_S
+    assert _stall.check_interval() == _stall.DEFAULT_CHECK_S
     monkeypatch.setenv("PHALANX_STALL_CHECK_S", "0.5")
-    assert S.check_interval() == 0.5
+    assert _stall.check_interval() == 0.5
     monkeypatch.setenv("PHALANX_STALL_CHECK_S", "soon")
     with pytest.raises(ValueError, match="PHALANX_STALL_CHECK_S='soon'"):
-        S.check_interval()
+        _stall.check_interval()

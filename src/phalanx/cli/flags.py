@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 
 #: ``--log-level`` values (Horovod's list); ``TRACE`` logs as DEBUG and ``FATAL`` as CRITICAL.
@@ -165,7 +165,7 @@ def validate(ns: argparse.Namespace) -> None:
     for dest in ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "autotune_warmup_samples",
                  "autotune_steps_per_sample", "autotune_bayes_opt_max_samples",
                  "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds", "num_nccl_streams",
-                 "thread_affinity", "gloo_timeout_seconds", "elastic_timeout"):  # fmt: skip
+                 "thread_affinity", "gloo_timeout_seconds", "elastic_timeout"):
         _nonnegative(ns, dest)
     noise = ns.autotune_gaussian_process_noise
     if noise is not None and not 0 <= noise <= 1:
@@ -183,15 +183,15 @@ def knob_env(ns: argparse.Namespace) -> dict[str, str]:
     """The Horovod variables the ranks get from the effective flags (as horovodrun sets them)."""
     env: dict[str, str] = {}
     pairs: tuple[tuple[str, object, Callable[[Any], str]], ...] = (
-        (N.HOROVOD_FUSION_THRESHOLD, ns.fusion_threshold_mb, lambda mb: str(mb * 1024 * 1024)),
-        (N.HOROVOD_STALL_CHECK_DISABLE, ns.no_stall_check, _flag),
-        (N.HOROVOD_STALL_CHECK_TIME_SECONDS, ns.stall_check_warning_time_seconds, str),
-        (N.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, ns.stall_check_shutdown_time_seconds, str),
-        (N.HOROVOD_GLOO_TIMEOUT_SECONDS, ns.gloo_timeout_seconds, str),
-        (N.HOROVOD_LOG_LEVEL, ns.log_level, str),
-        (N.HOROVOD_LOG_HIDE_TIME, ns.log_with_timestamp, lambda with_time: _flag(not with_time)),
-        (N.NCCL_IB_DISABLE, ns.tcp_flag or None, lambda _: "1"),
-        (N.PHALANX_ELASTIC_TIMEOUT_S, ns.elastic_timeout, str),
+        (env_names.HOROVOD_FUSION_THRESHOLD, ns.fusion_threshold_mb, lambda mb: str(mb * 1024 * 1024)),
+        (env_names.HOROVOD_STALL_CHECK_DISABLE, ns.no_stall_check, _flag),
+        (env_names.HOROVOD_STALL_CHECK_TIME_SECONDS, ns.stall_check_warning_time_seconds, str),
+        (env_names.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, ns.stall_check_shutdown_time_seconds, str),
+        (env_names.HOROVOD_GLOO_TIMEOUT_SECONDS, ns.gloo_timeout_seconds, str),
+        (env_names.HOROVOD_LOG_LEVEL, ns.log_level, str),
+        (env_names.HOROVOD_LOG_HIDE_TIME, ns.log_with_timestamp, lambda with_time: _flag(not with_time)),
+        (env_names.NCCL_IB_DISABLE, ns.tcp_flag or None, lambda _: "1"),
+        (env_names.PHALANX_ELASTIC_TIMEOUT_S, ns.elastic_timeout, str),
     )
     for name, value, render in pairs:
         if value is not None:

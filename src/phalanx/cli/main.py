@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from phalanx.cli import build_info, config_file, flags
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, hosts_spec, resolve_hosts, resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
@@ -51,9 +51,9 @@ class RunConfig:
         """Variables the command's ranks get on top of the contract (the timeline and the flags' knobs)."""
         env = dict(self.knobs)
         if self.timeline:
-            env[N.HOROVOD_TIMELINE] = os.path.abspath(self.timeline)
+            env[env_names.HOROVOD_TIMELINE] = os.path.abspath(self.timeline)
             if self.timeline_mark_cycles:
-                env[N.HOROVOD_TIMELINE_MARK_CYCLES] = "1"
+                env[env_names.HOROVOD_TIMELINE_MARK_CYCLES] = "1"
         return env
 
     def to_spec(self) -> LocalJobSpec:

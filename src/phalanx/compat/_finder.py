@@ -106,7 +106,7 @@ class AliasFinder(importlib.abc.MetaPathFinder):
     """Finds ``horovod``, ``horovod.{torch,spark,tensorflow,keras}[.*]``, ``sparkdl``, ``sparkdl.horovod[...]``."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:  # fmt: skip
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         top = fullname.partition(".")[0]
         if top not in TOP_LEVEL:
             return None

@@ -88,7 +88,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         use_gloo: bool | None = None, use_mpi: bool | None = None, mpi_args: str | None = None,
         network_interface: str | None = None, network_interfaces: list[str] | None = None,
         executable: str | None = None, np: int | None = None, min_np: int | None = None,
-        max_np: int | None = None) -> list[Any]:  # fmt: skip
+        max_np: int | None = None) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``num_proc`` ranks and return their results in rank order.
 
     Horovod's ``horovod.run``; see the module docstring for how each parameter maps. ``func`` and its
@@ -116,7 +116,7 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     extra = _extra({"slots": slots, "ssh_port": ssh_port, "ssh_identity_file": ssh_identity_file,
                     "network_interfaces": network_interfaces, "disable_cache": disable_cache,
                     "use_mpi": use_mpi, "mpi_args": mpi_args, "cooldown_range": cooldown_range},
-                   _remote(hosts))  # fmt: skip
+                   _remote(hosts))
     return phalanx.run(func, tuple(args), kwargs, np=num_proc, hosts=hosts, start_timeout=start_timeout,
                        output_filename=output_filename, verbose=bool(verbose), min_np=min_num_proc,
                        max_np=max_num_proc, reset_limit=reset_limit, host_discovery_script=host_discovery_script,

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import WorkerContractError
 
 DEFAULT_START_TIMEOUT_S = 30.0
@@ -106,34 +106,34 @@ def assign_ranks(hosts: Sequence[str]) -> list[RankIdentity]:
 
 def _torch_vars(job: JobContract, who: RankIdentity) -> dict[str, str]:
     return {
-        N.RANK: str(who.rank),
-        N.WORLD_SIZE: str(who.size),
-        N.LOCAL_RANK: str(who.local_rank),
-        N.LOCAL_WORLD_SIZE: str(who.local_size),
-        N.GROUP_RANK: str(who.host_rank),
-        N.GROUP_WORLD_SIZE: str(who.host_count),
-        N.ROLE_RANK: str(who.rank),
-        N.ROLE_WORLD_SIZE: str(who.size),
-        N.MASTER_ADDR: job.master_addr,
-        N.MASTER_PORT: str(job.master_port),
-        N.TORCHELASTIC_RUN_ID: job.run_id,
-        N.TORCHELASTIC_RESTART_COUNT: str(job.restart_count),
-        N.TORCHELASTIC_MAX_RESTARTS: "0",
+        env_names.RANK: str(who.rank),
+        env_names.WORLD_SIZE: str(who.size),
+        env_names.LOCAL_RANK: str(who.local_rank),
+        env_names.LOCAL_WORLD_SIZE: str(who.local_size),
+        env_names.GROUP_RANK: str(who.host_rank),
+        env_names.GROUP_WORLD_SIZE: str(who.host_count),
+        env_names.ROLE_RANK: str(who.rank),
+        env_names.ROLE_WORLD_SIZE: str(who.size),
+        env_names.MASTER_ADDR: job.master_addr,
+        env_names.MASTER_PORT: str(job.master_port),
+        env_names.TORCHELASTIC_RUN_ID: job.run_id,
+        env_names.TORCHELASTIC_RESTART_COUNT: str(job.restart_count),
+        env_names.TORCHELASTIC_MAX_RESTARTS: "0",
         # The driver hosts the store (as torchrun's agent does), so every rank connects as a client
         # and no port is probed, released and hoped for.
-        N.TORCHELASTIC_USE_AGENT_STORE: "True",
+        env_names.TORCHELASTIC_USE_AGENT_STORE: "True",
     }
 
 
 def _horovod_vars(who: RankIdentity) -> dict[str, str]:
     return {
-        N.HOROVOD_RANK: str(who.rank),
-        N.HOROVOD_SIZE: str(who.size),
-        N.HOROVOD_LOCAL_RANK: str(who.local_rank),
-        N.HOROVOD_LOCAL_SIZE: str(who.local_size),
-        N.HOROVOD_CROSS_RANK: str(who.cross_rank),
-        N.HOROVOD_CROSS_SIZE: str(who.cross_size),
-        N.HOROVOD_HOSTNAME: who.hostname,
+        env_names.HOROVOD_RANK: str(who.rank),
+        env_names.HOROVOD_SIZE: str(who.size),
+        env_names.HOROVOD_LOCAL_RANK: str(who.local_rank),
+        env_names.HOROVOD_LOCAL_SIZE: str(who.local_size),
+        env_names.HOROVOD_CROSS_RANK: str(who.cross_rank),
+        env_names.HOROVOD_CROSS_SIZE: str(who.cross_size),
+        env_names.HOROVOD_HOSTNAME: who.hostname,
     }
 
 
@@ -151,11 +151,11 @@ def worker_env(job: JobContract, who: RankIdentity) -> dict[str, str]:
     env.update(_horovod_vars(who))
     env.update(
         {
-            N.PHALANX_RUN_ID: job.run_id,
-            N.PHALANX_CHANNEL: job.channel,
-            N.PHALANX_SECRET: job.secret,
-            N.PHALANX_START_TIMEOUT_S: repr(float(job.start_timeout_s)),
-            N.PYTHONUNBUFFERED: "1",
+            env_names.PHALANX_RUN_ID: job.run_id,
+            env_names.PHALANX_CHANNEL: job.channel,
+            env_names.PHALANX_SECRET: job.secret,
+            env_names.PHALANX_START_TIMEOUT_S: repr(float(job.start_timeout_s)),
+            env_names.PYTHONUNBUFFERED: "1",
         }
     )
     return env
@@ -189,12 +189,12 @@ def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contrac
     env = dict(base)
     env.update(user or {})
     for key, value in contract.items():
-        if key == N.PYTHONUNBUFFERED and user and key in user:
+        if key == env_names.PYTHONUNBUFFERED and user and key in user:
             continue
         env[key] = value
-    if cpu_count is not None and N.OMP_NUM_THREADS not in env:
-        local_size = max(1, int(contract.get(N.LOCAL_WORLD_SIZE, "1")))
-        env[N.OMP_NUM_THREADS] = str(max(1, cpu_count // local_size))
+    if cpu_count is not None and env_names.OMP_NUM_THREADS not in env:
+        local_size = max(1, int(contract.get(env_names.LOCAL_WORLD_SIZE, "1")))
+        env[env_names.OMP_NUM_THREADS] = str(max(1, cpu_count // local_size))
     return env
 
 
@@ -224,24 +224,24 @@ def read_contract(environ: Mapping[str, str] | None = None) -> WorkerContract:
     """
     env = os.environ if environ is None else environ
     identity = RankIdentity(
-        rank=_int(env, N.RANK),
-        size=_int(env, N.WORLD_SIZE),
-        local_rank=_int(env, N.LOCAL_RANK),
-        local_size=_int(env, N.LOCAL_WORLD_SIZE),
-        cross_rank=_int(env, N.HOROVOD_CROSS_RANK),
-        cross_size=_int(env, N.HOROVOD_CROSS_SIZE),
-        host_rank=_int(env, N.GROUP_RANK),
-        host_count=_int(env, N.GROUP_WORLD_SIZE),
-        hostname=env.get(N.HOROVOD_HOSTNAME, ""),
+        rank=_int(env, env_names.RANK),
+        size=_int(env, env_names.WORLD_SIZE),
+        local_rank=_int(env, env_names.LOCAL_RANK),
+        local_size=_int(env, env_names.LOCAL_WORLD_SIZE),
+        cross_rank=_int(env, env_names.HOROVOD_CROSS_RANK),
+        cross_size=_int(env, env_names.HOROVOD_CROSS_SIZE),
+        host_rank=_int(env, env_names.GROUP_RANK),
+        host_count=_int(env, env_names.GROUP_WORLD_SIZE),
+        hostname=env.get(env_names.HOROVOD_HOSTNAME, ""),
     )
     job = JobContract(
-        run_id=env.get(N.PHALANX_RUN_ID, ""),
-        master_addr=env.get(N.MASTER_ADDR, ""),
-        master_port=_int(env, N.MASTER_PORT),
-        channel=env.get(N.PHALANX_CHANNEL, ""),
-        secret=env.get(N.PHALANX_SECRET, ""),
-        start_timeout_s=float(env.get(N.PHALANX_START_TIMEOUT_S, DEFAULT_START_TIMEOUT_S)),
-        restart_count=int(env.get(N.TORCHELASTIC_RESTART_COUNT, "0") or 0),
+        run_id=env.get(env_names.PHALANX_RUN_ID, ""),
+        master_addr=env.get(env_names.MASTER_ADDR, ""),
+        master_port=_int(env, env_names.MASTER_PORT),
+        channel=env.get(env_names.PHALANX_CHANNEL, ""),
+        secret=env.get(env_names.PHALANX_SECRET, ""),
+        start_timeout_s=float(env.get(env_names.PHALANX_START_TIMEOUT_S, DEFAULT_START_TIMEOUT_S)),
+        restart_count=int(env.get(env_names.TORCHELASTIC_RESTART_COUNT, "0") or 0),
     )
     return WorkerContract(identity=identity, job=job)
 
@@ -253,13 +253,13 @@ def teardown_grace_s(environ: Mapping[str, str] | None = None) -> float:
         WorkerContractError: the variable is not a non-negative number.
     """
     env = os.environ if environ is None else environ
-    raw = env.get(N.PHALANX_TEARDOWN_GRACE_S)
+    raw = env.get(env_names.PHALANX_TEARDOWN_GRACE_S)
     if raw in (None, ""):
         return DEFAULT_TEARDOWN_GRACE_S
     try:
         value = float(raw)
     except ValueError as e:
-        raise WorkerContractError(f"{N.PHALANX_TEARDOWN_GRACE_S}={raw!r} is not a number of seconds") from e
+        raise WorkerContractError(f"{env_names.PHALANX_TEARDOWN_GRACE_S}={raw!r} is not a number of seconds") from e
     if value < 0:
-        raise WorkerContractError(f"{N.PHALANX_TEARDOWN_GRACE_S}={raw!r} must be >= 0 seconds")
+        raise WorkerContractError(f"{env_names.PHALANX_TEARDOWN_GRACE_S}={raw!r} must be >= 0 seconds")
     return value

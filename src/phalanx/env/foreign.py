@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from phalanx.env import names as N
+from phalanx.env import names
 from phalanx.errors import WorkerContractError
 
 #: torch's default store port, used when ``MASTER_PORT`` is not given under mpirun.
@@ -41,11 +41,11 @@ def expand_nodelist(nodelist: str) -> list[str]:
         for part in ranges.split(","):
             bounds = _RANGE.match(part)
             if bounds is None:
-                raise WorkerContractError(f"{N.SLURM_JOB_NODELIST}={nodelist!r}: cannot read the range {part!r}")
+                raise WorkerContractError(f"{names.SLURM_JOB_NODELIST}={nodelist!r}: cannot read the range {part!r}")
             lo, hi = bounds.group(1), bounds.group(2) or bounds.group(1)
             out.extend(f"{prefix}{i:0{len(lo)}d}{suffix}" for i in range(int(lo), int(hi) + 1))
     if not out:
-        raise WorkerContractError(f"{N.SLURM_JOB_NODELIST}={nodelist!r} names no node")
+        raise WorkerContractError(f"{names.SLURM_JOB_NODELIST}={nodelist!r} names no node")
     return out
 
 
@@ -59,7 +59,7 @@ def tasks_per_node(text: str) -> list[int]:
     for part in text.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
-            raise WorkerContractError(f"{N.SLURM_TASKS_PER_NODE}={text!r} is not Slurm's 'N(xM),...' form")
+            raise WorkerContractError(f"{names.SLURM_TASKS_PER_NODE}={text!r} is not Slurm's 'N(xM),...' form")
         out.extend([int(match.group(1))] * int(match.group(2) or 1))
     return out
 
@@ -73,43 +73,43 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 
 def _slurm(env: Mapping[str, str]) -> dict[str, str]:
-    node = _int(env, N.SLURM_NODEID) if N.SLURM_NODEID in env else 0
-    if N.SLURM_NTASKS_PER_NODE in env:
-        local_size = _int(env, N.SLURM_NTASKS_PER_NODE)
-    elif N.SLURM_TASKS_PER_NODE in env:
-        local_size = tasks_per_node(env[N.SLURM_TASKS_PER_NODE])[node]
+    node = _int(env, names.SLURM_NODEID) if names.SLURM_NODEID in env else 0
+    if names.SLURM_NTASKS_PER_NODE in env:
+        local_size = _int(env, names.SLURM_NTASKS_PER_NODE)
+    elif names.SLURM_TASKS_PER_NODE in env:
+        local_size = tasks_per_node(env[names.SLURM_TASKS_PER_NODE])[node]
     else:
-        local_size = _int(env, N.SLURM_NTASKS)
+        local_size = _int(env, names.SLURM_NTASKS)
     out = {
-        N.RANK: env[N.SLURM_PROCID], N.WORLD_SIZE: env[N.SLURM_NTASKS],
-        N.LOCAL_RANK: env.get(N.SLURM_LOCALID, "0"), N.LOCAL_WORLD_SIZE: str(local_size),
-        N.GROUP_RANK: str(node), N.GROUP_WORLD_SIZE: env.get(N.SLURM_NNODES, "1"),
+        names.RANK: env[names.SLURM_PROCID], names.WORLD_SIZE: env[names.SLURM_NTASKS],
+        names.LOCAL_RANK: env.get(names.SLURM_LOCALID, "0"), names.LOCAL_WORLD_SIZE: str(local_size),
+        names.GROUP_RANK: str(node), names.GROUP_WORLD_SIZE: env.get(names.SLURM_NNODES, "1"),
     }
-    if not env.get(N.MASTER_ADDR):
-        if not env.get(N.SLURM_JOB_NODELIST):
-            raise WorkerContractError(f"under srun, {N.SLURM_JOB_NODELIST} or {N.MASTER_ADDR} must be set")
-        out[N.MASTER_ADDR] = expand_nodelist(env[N.SLURM_JOB_NODELIST])[0]
-    if not env.get(N.MASTER_PORT):
-        job = _int(env, N.SLURM_JOB_ID) if env.get(N.SLURM_JOB_ID) else 0
-        out[N.MASTER_PORT] = str(SLURM_PORT_BASE + job % SLURM_PORT_SPAN)
+    if not env.get(names.MASTER_ADDR):
+        if not env.get(names.SLURM_JOB_NODELIST):
+            raise WorkerContractError(f"under srun, {names.SLURM_JOB_NODELIST} or {names.MASTER_ADDR} must be set")
+        out[names.MASTER_ADDR] = expand_nodelist(env[names.SLURM_JOB_NODELIST])[0]
+    if not env.get(names.MASTER_PORT):
+        job = _int(env, names.SLURM_JOB_ID) if env.get(names.SLURM_JOB_ID) else 0
+        out[names.MASTER_PORT] = str(SLURM_PORT_BASE + job % SLURM_PORT_SPAN)
     return out
 
 
 def _mpi(env: Mapping[str, str], rank: str, size: str, local_rank: str, local_size: str,
          launcher: str) -> dict[str, str]:
-    if not env.get(N.MASTER_ADDR):
+    if not env.get(names.MASTER_ADDR):
         raise WorkerContractError(
-            f"started by {launcher} ({rank} is set) but {N.MASTER_ADDR} is not: give every rank rank 0's host, "
-            f"e.g. mpirun -x {N.MASTER_ADDR}=node1 -x {N.MASTER_PORT}={DEFAULT_MASTER_PORT} python train.py"
+            f"started by {launcher} ({rank} is set) but {names.MASTER_ADDR} is not: give every rank rank 0's host, "
+            f"e.g. mpirun -x {names.MASTER_ADDR}=node1 -x {names.MASTER_PORT}={DEFAULT_MASTER_PORT} python train.py"
         )
-    out = {N.RANK: env[rank], N.WORLD_SIZE: env[size]}
+    out = {names.RANK: env[rank], names.WORLD_SIZE: env[size]}
     if local_rank in env and local_size in env:
-        out[N.LOCAL_RANK], out[N.LOCAL_WORLD_SIZE] = env[local_rank], env[local_size]
+        out[names.LOCAL_RANK], out[names.LOCAL_WORLD_SIZE] = env[local_rank], env[local_size]
         local = max(1, _int(env, local_size))
-        out[N.GROUP_RANK] = str(_int(env, rank) // local)
-        out[N.GROUP_WORLD_SIZE] = str(max(1, _int(env, size) // local))
-    if not env.get(N.MASTER_PORT):
-        out[N.MASTER_PORT] = str(DEFAULT_MASTER_PORT)
+        out[names.GROUP_RANK] = str(_int(env, rank) // local)
+        out[names.GROUP_WORLD_SIZE] = str(max(1, _int(env, size) // local))
+    if not env.get(names.MASTER_PORT):
+        out[names.MASTER_PORT] = str(DEFAULT_MASTER_PORT)
     return out
 
 
@@ -122,13 +122,13 @@ def contract_from_foreign(env: Mapping[str, str]) -> dict[str, str]:
         WorkerContractError: a known launcher's variables are malformed, or ``MASTER_ADDR`` is missing
             under mpirun (which has no notion of it).
     """
-    if env.get(N.RANK) or env.get(N.HOROVOD_RANK):
+    if env.get(names.RANK) or env.get(names.HOROVOD_RANK):
         return {}
-    if env.get(N.SLURM_PROCID) and env.get(N.SLURM_NTASKS):
+    if env.get(names.SLURM_PROCID) and env.get(names.SLURM_NTASKS):
         return _slurm(env)
-    if env.get(N.OMPI_COMM_WORLD_RANK) and env.get(N.OMPI_COMM_WORLD_SIZE):
-        return _mpi(env, N.OMPI_COMM_WORLD_RANK, N.OMPI_COMM_WORLD_SIZE, N.OMPI_COMM_WORLD_LOCAL_RANK,
-                    N.OMPI_COMM_WORLD_LOCAL_SIZE, "Open MPI's mpirun")
-    if env.get(N.PMI_RANK) and env.get(N.PMI_SIZE):
-        return _mpi(env, N.PMI_RANK, N.PMI_SIZE, N.MPI_LOCALRANKID, N.MPI_LOCALNRANKS, "MPICH's mpirun")
+    if env.get(names.OMPI_COMM_WORLD_RANK) and env.get(names.OMPI_COMM_WORLD_SIZE):
+        return _mpi(env, names.OMPI_COMM_WORLD_RANK, names.OMPI_COMM_WORLD_SIZE, names.OMPI_COMM_WORLD_LOCAL_RANK,
+                    names.OMPI_COMM_WORLD_LOCAL_SIZE, "Open MPI's mpirun")
+    if env.get(names.PMI_RANK) and env.get(names.PMI_SIZE):
+        return _mpi(env, names.PMI_RANK, names.PMI_SIZE, names.MPI_LOCALRANKID, names.MPI_LOCALNRANKS, "MPICH's mpirun")
     return {}

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import ChannelError
 from phalanx.job import handshake
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
@@ -141,5 +141,5 @@ def _connect(host: str, port: int, secret: str, rank: int, deadline: float) -> s
 def from_env(env: Mapping[str, str], timeout: timedelta) -> StoreClient:
     """A client of the job's store from a rank's contract variables (``MASTER_ADDR``, ``MASTER_PORT``,
     ``PHALANX_SECRET``, ``RANK``)."""
-    return StoreClient(env[N.MASTER_ADDR], int(env[N.MASTER_PORT]), env[N.PHALANX_SECRET],
-                       int(env.get(N.RANK, "0")), timeout)
+    return StoreClient(env[env_names.MASTER_ADDR], int(env[env_names.MASTER_PORT]), env[env_names.PHALANX_SECRET],
+                       int(env.get(env_names.RANK, "0")), timeout)

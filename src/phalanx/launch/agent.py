@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import ChannelError, InvalidArgumentError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
@@ -118,7 +118,7 @@ class Agent:
 
     def _env(self, rank: int) -> dict[str, str]:
         who = assign_ranks(self.plan.hosts)[rank]
-        own = {N.PHALANX_PARENT_PID: str(os.getpid())}
+        own = {env_names.PHALANX_PARENT_PID: str(os.getpid())}
         return compose_env(os.environ, self.plan.env, {**worker_env(self.plan.job, who), **own}, os.cpu_count())
 
     def _rank(self, rank: int) -> None:

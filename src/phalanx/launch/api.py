@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from phalanx.env import DEFAULT_START_TIMEOUT_S
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.env.elastic import DEFAULT_ELASTIC_TIMEOUT_S
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy
@@ -43,7 +43,7 @@ def resolve_start_timeout(start_timeout: float | None, environ: Mapping[str, str
         InvalidArgumentError: not a positive number.
     """
     env = os.environ if environ is None else environ
-    raw: object = start_timeout if start_timeout is not None else env.get(N.HOROVOD_START_TIMEOUT)
+    raw: object = start_timeout if start_timeout is not None else env.get(env_names.HOROVOD_START_TIMEOUT)
     if raw is None:
         return DEFAULT_START_TIMEOUT_S
     try:
@@ -220,9 +220,9 @@ def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: i
         raise InvalidArgumentError(f"elastic job needs min_np <= np <= max_np; got {lo} <= {np} <= {hi}")
     if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int)):
         raise InvalidArgumentError(f"reset_limit must be an int >= 0 or None; got {reset_limit!r}")
-    raw = (env or {}).get(N.PHALANX_ELASTIC_TIMEOUT_S) or os.environ.get(N.PHALANX_ELASTIC_TIMEOUT_S)
+    raw = (env or {}).get(env_names.PHALANX_ELASTIC_TIMEOUT_S) or os.environ.get(env_names.PHALANX_ELASTIC_TIMEOUT_S)
     try:
         timeout = float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT_S
     except ValueError as e:
-        raise InvalidArgumentError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
+        raise InvalidArgumentError(f"{env_names.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
     return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout, script)

@@ -15,7 +15,7 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.job.monitor import MonitorConfig
 from phalanx.launch import warm
 from phalanx.launch.warm import RankProcess
@@ -42,7 +42,7 @@ def start_timeout_hint(knob: str | None) -> str:
         knob: the argument or flag of the entry point (``"start_timeout="``, ``"--start-timeout"``), or
             None when the entry point has none.
     """
-    variable = f"the {N.HOROVOD_START_TIMEOUT} variable"
+    variable = f"the {env_names.HOROVOD_START_TIMEOUT} variable"
     return f"{knob} (or {variable})" if knob else variable
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.env import JobContract, RankIdentity, compose_env, worker_env
-from phalanx.env import elastic as K
-from phalanx.env import names as N
+from phalanx.env import elastic as elastic_keys
+from phalanx.env import names as env_names
 from phalanx.errors import PhalanxError
 from phalanx.job.channel import DriverChannel
 from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def publish_round(store: RendezvousStore, round_no: int, world: list[int]) -> None:
     """Publish round ``round_no`` (worker ids in rank order) in the driver's store."""
-    for key, value in K.round_plan(round_no, world):
+    for key, value in elastic_keys.round_plan(round_no, world):
         store.set(key, value)
     log.debug("published elastic round %d: workers %s", round_no, world)
 
@@ -54,7 +54,7 @@ class ElasticSpec:
     """
 
     policy: ElasticPolicy
-    timeout_s: float = K.DEFAULT_ELASTIC_TIMEOUT_S
+    timeout_s: float = elastic_keys.DEFAULT_ELASTIC_TIMEOUT_S
     discovery_script: str | None = None
 
 
@@ -118,9 +118,9 @@ class ElasticLocalLauncher(LocalLauncher):
         size = self._channel_size()
         who = RankIdentity(rank=wid, size=size, local_rank=wid, local_size=size, cross_rank=0, cross_size=1,
                            host_rank=0, host_count=1, hostname=socket.gethostname())
-        own = {N.PHALANX_PARENT_PID: str(os.getpid()), N.PHALANX_ELASTIC_WORKER_ID: str(wid),
-               N.PHALANX_ELASTIC_TIMEOUT_S: f"{self.elastic.timeout_s:g}",
-               N.LOCAL_WORLD_SIZE: str(self._target)}  # OpenMP threads: cores / live workers
+        own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), env_names.PHALANX_ELASTIC_WORKER_ID: str(wid),
+               env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{self.elastic.timeout_s:g}",
+               env_names.LOCAL_WORLD_SIZE: str(self._target)}  # OpenMP threads: cores / live workers
         env = compose_env(os.environ, self.spec.env, {**worker_env(self._job, who), **own}, os.cpu_count())
         proc = self._spawn(env, template)
         self._procs.append(proc)
@@ -136,7 +136,7 @@ class ElasticLocalLauncher(LocalLauncher):
         if worker < self._first:  # the first world: the user's initial state (or the durable checkpoint)
             return True
         assert self._store is not None
-        return self._store.check(K.synced_key(self._round, worker))
+        return self._store.check(elastic_keys.synced_key(self._round, worker))
 
     def _free_slots(self, alive: list[int]) -> int:
         return max(0, self._target - len(alive))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import PhalanxError
 from phalanx.job.channel import DriverChannel
@@ -150,7 +150,7 @@ class LocalLauncher:
     def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
         job = self._contract(channel, store)
         host = socket.gethostname()
-        own = {N.PHALANX_PARENT_PID: str(os.getpid())}
+        own = {env_names.PHALANX_PARENT_PID: str(os.getpid())}
         template = self._template()
         for who in assign_ranks([host] * self.spec.np):
             env = compose_env(os.environ, self.spec.env, {**worker_env(job, who), **own}, os.cpu_count())
@@ -189,7 +189,7 @@ class LocalLauncher:
                 log.debug("stopping ranks with pids %s", live)
             # Descendants of exited ranks (daemons that kept the pipes) are swept too.
             grace = self.spec.teardown_grace_s if grace_s is None else grace_s
-            terminate_tree([p.pid for p in self._procs], grace, marker=(N.PHALANX_RUN_ID, self._run_id))
+            terminate_tree([p.pid for p in self._procs], grace, marker=(env_names.PHALANX_RUN_ID, self._run_id))
             for p in self._procs:
                 try:
                     p.wait(timeout=5.0)

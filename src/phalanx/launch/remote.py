@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from phalanx.env import JobContract
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 #: Prefixes of the driver's variables every rank gets (horovodrun forwards these too).
 FORWARDED_PREFIXES = ("HOROVOD_", "NCCL_", "PHALANX_")
 #: Variables forwarded by name.
-FORWARDED_NAMES = (N.PYTHONPATH,)
+FORWARDED_NAMES = (env_names.PYTHONPATH,)
 #: Seconds an agent that ended cleanly may take for its ranks' exit reports to be read.
 REPORT_WAIT_S = 30.0
 _AGENT_TAIL_LINES = 20

@@ -26,7 +26,7 @@ import types
 from collections.abc import Callable
 from typing import IO, Any, Protocol
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.job.framing import close_socket
 from phalanx.launch.proctree import terminate_tree
 
@@ -86,7 +86,7 @@ class Template:
 
     def __init__(self, preload: tuple[str, ...]) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, N.PHALANX_PARENT_PID: str(os.getpid()), N.PYTHONUNBUFFERED: "1"}
+        env = {**os.environ, env_names.PHALANX_PARENT_PID: str(os.getpid()), env_names.PYTHONUNBUFFERED: "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "phalanx.worker.template", str(theirs.fileno()), *preload],
             pass_fds=(theirs.fileno(),), start_new_session=True, env=env,
@@ -122,7 +122,7 @@ class Template:
             self._next_id += 1
             self._pending[ident] = (os.fdopen(r_out, "rb"), os.fdopen(r_err, "rb"), done, box)
         try:
-            message = json.dumps({"spawn": ident, "env": {**env, N.PHALANX_PARENT_PID: str(self.proc.pid)},
+            message = json.dumps({"spawn": ident, "env": {**env, env_names.PHALANX_PARENT_PID: str(self.proc.pid)},
                                   "cwd": cwd}).encode()
             socket.send_fds(self._sock, [message], [w_out, w_err])
         finally:
@@ -183,7 +183,7 @@ class Template:
 
 def enabled() -> bool:
     """Warm starts are on unless ``PHALANX_WARM_START=0``, and need Linux (fork + SCM_RIGHTS)."""
-    return (os.environ.get(N.PHALANX_WARM_START, "1") != "0" and sys.platform.startswith("linux")
+    return (os.environ.get(env_names.PHALANX_WARM_START, "1") != "0" and sys.platform.startswith("linux")
             and hasattr(socket, "send_fds"))
 
 

@@ -48,7 +48,7 @@ def register(flavour: str) -> None:
     registry = strategies.StrategyRegistry
     if STRATEGY_NAME not in registry:
         registry.register(STRATEGY_NAME, functools.partial(create, flavour),
-                          description="Horovod's API on torch.distributed (phalanx)")  # fmt: skip
+                          description="Horovod's API on torch.distributed (phalanx)")
     accept_v1_spelling(flavour)
 
 

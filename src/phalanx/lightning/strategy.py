@@ -31,7 +31,7 @@ from phalanx.lightning.registry import FLAVOURS, STRATEGY_NAME, check_flavour
 
 # Lightning's reduce ops (strings, or torch.distributed.ReduceOp members by name) -> hvd ops.
 _OPS = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min,
-        "product": hvd.Product, "prod": hvd.Product}  # fmt: skip
+        "product": hvd.Product, "prod": hvd.Product}
 
 
 def hvd_op(reduce_op: Any) -> int:
@@ -47,7 +47,7 @@ def hvd_op(reduce_op: Any) -> int:
     op = _OPS.get(name.rsplit(".", 1)[-1].lower())
     if op is None:
         raise InvalidArgumentError(f"HorovodStrategy.reduce: unsupported reduce_op {reduce_op!r}; "
-                                   f"use one of {', '.join(_OPS)}")  # fmt: skip
+                                   f"use one of {', '.join(_OPS)}")
     return int(op)
 
 
@@ -88,10 +88,10 @@ class HorovodMixin:
     _base_strategy: Any  # the flavour's Strategy class (teardown skips ParallelStrategy's cluster teardown)
 
     def __init__(self, accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
-                 checkpoint_io: Any = None, precision_plugin: Any = None) -> None:  # fmt: skip
+                 checkpoint_io: Any = None, precision_plugin: Any = None) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,  # type: ignore[call-arg]
                          cluster_environment=None, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)  # fmt: skip
+                         precision_plugin=precision_plugin)
         self._skips = contextlib.ExitStack()
 
     @staticmethod
@@ -227,14 +227,14 @@ def _no_group(group: Any, what: str) -> None:
     if group is getattr(world, "WORLD", object()):
         return
     raise InvalidArgumentError(f"HorovodStrategy.{what}: process group {group!r} is not supported; "
-                               "leave group unset (every rank takes part)")  # fmt: skip
+                               "leave group unset (every rank takes part)")
 
 
 @functools.cache
 def _build(flavour: str) -> type:
     strategies = importlib.import_module(f"{flavour}.strategies")
     attrs = {"__module__": __name__, "__doc__": HorovodMixin.__doc__, "_flavour": flavour,
-             "_base_strategy": strategies.Strategy}  # fmt: skip
+             "_base_strategy": strategies.Strategy}
     return type("HorovodStrategy", (HorovodMixin, strategies.ParallelStrategy), attrs)
 
 

@@ -27,7 +27,7 @@ from phalanx.job.logs import FileSink, LogSink
 from phalanx.job.records import LogLine, Stream
 from phalanx.launch.core import DRAIN_WAIT_S, new_run_id
 from phalanx.launch.elastic import ElasticSpec
-from phalanx.spark import connect_wire as W
+from phalanx.spark import connect_wire
 from phalanx.spark.connect_session import check_slots, client_host
 from phalanx.spark.connect_task import ConnectTaskSpec, connect_task
 from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
@@ -47,7 +47,7 @@ class _Sinks:
     console: StreamSink
     files: FileSink | None
 
-    def write(self, record: W.LogRecord) -> None:
+    def write(self, record: connect_wire.LogRecord) -> None:
         rank, kind, text = record
         line = LogLine(rank=int(rank), stream=_STREAMS.get(kind, Stream.STDOUT), text=str(text))
         targets: list[LogSink] = [self.files] if self.files is not None else []
@@ -84,7 +84,7 @@ class ConnectLauncher:
         self.log_dir: str | None = None
         self.spark_error: SparkJobError | None = None
         self.resets = 0
-        self._collected: W.Collected | None = None
+        self._collected: connect_wire.Collected | None = None
         self._failure: BaseException | None = None
         self._live = False
         self._secret = ""
@@ -132,12 +132,12 @@ class ConnectLauncher:
         spec = ConnectTaskSpec(job=replace(self.spec, stdout=None, stderr=None), run_id=self.run_id,
                                elastic=self.elastic, client=link.address, secret=link.secret, probe_s=LINK_PROBE_S)
         np = self.spec.np
-        return self.session.range(0, np, 1, np).mapInArrow(connect_task(spec), W.SCHEMA, barrier=True)
+        return self.session.range(0, np, 1, np).mapInArrow(connect_task(spec), connect_wire.SCHEMA, barrier=True)
 
     def _collect(self, query: Any, tag: str) -> None:
         self.session.addTag(tag)  # tags are the thread's: this query only
         try:
-            self._collected = W.assemble(query.collect())
+            self._collected = connect_wire.assemble(query.collect())
         except BaseException as e:  # reported by the caller's thread
             self._failure = e
         finally:
@@ -170,16 +170,16 @@ class ConnectLauncher:
             sinks.flush()
         return True
 
-    def _outcome(self) -> W.Outcome:
+    def _outcome(self) -> connect_wire.Outcome:
         """Rank 0's outcome, checked; or the error of Spark failing the query."""
         if self._failure is not None:
             raise self._spark_failed(self._failure)
         assert self._collected is not None
         if self._collected.outcome is None:
             raise self._spark_failed(SparkJobError(_status_errors(self._collected.statuses) or "no outcome"))
-        return W.verify(self._collected.outcome, self._secret)
+        return connect_wire.verify(self._collected.outcome, self._secret)
 
-    def _finish(self, outcome: W.Outcome, sinks: _Sinks) -> list[Any]:
+    def _finish(self, outcome: connect_wire.Outcome, sinks: _Sinks) -> list[Any]:
         assert self._collected is not None
         self._show_logs(outcome, sinks)
         self.resets = outcome.resets
@@ -193,7 +193,7 @@ class ConnectLauncher:
         self.values = [_load(rank, raw) for rank, raw in enumerate(outcome.values or [])]
         return self.values
 
-    def _show_logs(self, outcome: W.Outcome, sinks: _Sinks) -> None:
+    def _show_logs(self, outcome: connect_wire.Outcome, sinks: _Sinks) -> None:
         if outcome.link and (outcome.logs or outcome.dropped):
             log.info("phalanx: logs returned with the result: %s", outcome.link)
         for record in outcome.logs:

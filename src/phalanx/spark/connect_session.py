@@ -16,7 +16,7 @@ import re
 import socket
 from typing import Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 
 _LOCAL = re.compile(r"local(?:\[(\d+)(?:,\s*\d+)?\])?$")
@@ -116,8 +116,8 @@ def client_host(session: Any, environ: dict[str, str] | None = None) -> str:
     """The address executors would reach this client at: ``PHALANX_CONNECT_CLIENT_HOST`` when set, else the
     local address of the route to the Connect server (its host as the session was given it)."""
     env = os.environ if environ is None else environ
-    if env.get(N.PHALANX_CONNECT_CLIENT_HOST):
-        return env[N.PHALANX_CONNECT_CLIENT_HOST]
+    if env.get(env_names.PHALANX_CONNECT_CLIENT_HOST):
+        return env[env_names.PHALANX_CONNECT_CLIENT_HOST]
     server = _server_host(session)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

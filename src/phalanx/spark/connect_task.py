@@ -18,7 +18,7 @@ from typing import Any
 from phalanx.env import JobContract
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.supervisor import EXIT_NOT_STARTED
-from phalanx.spark import connect_wire as W
+from phalanx.spark import connect_wire
 from phalanx.spark.connect_host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.task import supervise, supervise_slot, task_gpus, task_host
@@ -78,12 +78,13 @@ def _contract(spec: ConnectTaskSpec, hosted: dict[str, Any]) -> JobContract:
 def _run_rank(spec: ConnectTaskSpec, rank: int, gathered: list[dict[str, Any]]) -> bytes:
     hosted = gathered[0].get("job") or {"failed": "rank 0's task sent no job address"}
     if "failed" in hosted:
-        return W.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
+        return connect_wire.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
     task = _launcher(spec).task_spec(_contract(spec, hosted))
     hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
     run = supervise_slot if spec.elastic is not None else supervise
     status = json.loads(run(task, rank, hosts, gpus))
-    return W.status_body(int(status["rank"]), int(status["exit"]), bool(status["reported"]), status.get("error") or "")
+    return connect_wire.status_body(int(status["rank"]), int(status["exit"]), bool(status["reported"]),
+                                    status.get("error") or "")
 
 
 def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[Any]]:
@@ -102,8 +103,8 @@ def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[An
             host, mine["job"] = _start_host(spec, ctx)
         gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
         status = _run_rank(spec, rank, gathered)
-        yield from W.rows(rank, W.STATUS, status)
+        yield from connect_wire.rows(rank, connect_wire.STATUS, status)
         if host is not None:
-            yield from W.rows(0, W.OUTCOME, W.sign(host.finish(), spec.secret))
+            yield from connect_wire.rows(0, connect_wire.OUTCOME, connect_wire.sign(host.finish(), spec.secret))
 
     return task

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
@@ -147,7 +147,7 @@ class TorchDistributor:
                 f"use_gpu=True with local_mode=True needs {self.num_processes} GPUs on the driver; found "
                 f"{len(gpus)} ({gpus or 'none'}); lower num_processes, or pass use_gpu=False to train on CPUs"
             )
-        return {N.CUDA_VISIBLE_DEVICES: ",".join(gpus)}
+        return {env_names.CUDA_VISIBLE_DEVICES: ",".join(gpus)}
 
     def _local(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from phalanx.launch.api import run as run_local

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import ChannelError
 from phalanx.job.framing import Kind
 
@@ -24,7 +24,7 @@ def log_to_driver(message: object) -> None:
     from phalanx.worker import current_channel
 
     channel = current_channel()
-    if channel is not None and os.environ.get(N.PHALANX_LOG_TO_DRIVER) == "1":
+    if channel is not None and os.environ.get(env_names.PHALANX_LOG_TO_DRIVER) == "1":
         try:
             channel.send(Kind.EVENT, json.dumps({"log": str(message)}).encode())
             return

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SparkJobError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, validate_np
 from phalanx.spark.api import AnyLauncher, launch_spark, run_spec
@@ -60,7 +60,7 @@ class ElasticOptions:
         """``env`` with ``PHALANX_ELASTIC_CHECKPOINT_DIR`` when there is a checkpoint directory."""
         if self.checkpoint_dir is None:
             return dict(env)
-        return {**env, N.PHALANX_ELASTIC_CHECKPOINT_DIR: os.path.abspath(self.checkpoint_dir)}
+        return {**env, env_names.PHALANX_ELASTIC_CHECKPOINT_DIR: os.path.abspath(self.checkpoint_dir)}
 
 
 def elastic_options(min_np: object = None, max_np: object = None, reset_limit: object = None,

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from phalanx.env import JobContract
-from phalanx.env import elastic as K
+from phalanx.env import elastic as elastic_keys
 from phalanx.job.channel import DriverChannel, Role
 from phalanx.job.elastic import ElasticMonitor
 from phalanx.job.logs import LogSink
@@ -95,7 +95,7 @@ class ElasticSparkLauncher(SparkLauncher):
         if worker < self.spec.np:  # the first world: the user's initial state (or the durable checkpoint)
             return True
         assert self._store is not None
-        return self._store.check(K.synced_key(self._round, worker))
+        return self._store.check(elastic_keys.synced_key(self._round, worker))
 
     def _free_slots(self, alive: list[int]) -> int:
         if self.spark_error is not None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 from phalanx.spark import connect_session
 from phalanx.spark.connect_session import active_connect_session, is_connect
@@ -86,7 +86,7 @@ def _classic_context(session: Any) -> SparkContext:
 
 def executor_python(sc: SparkContext) -> str:
     """The interpreter executors run: ``PYSPARK_PYTHON`` when the user set it, else the driver's own."""
-    if os.environ.get(N.PYSPARK_PYTHON):
+    if os.environ.get(env_names.PYSPARK_PYTHON):
         return str(sc.pythonExec)
     return sys.executable
 

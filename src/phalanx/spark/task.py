@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phalanx.env import JobContract, RankIdentity, assign_ranks, compose_env, worker_env
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import ChannelError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
@@ -59,7 +59,7 @@ class TaskSpec:
 
     def warm(self) -> bool:
         """True when this job's ranks may be forked from a warm-start template."""
-        off = self.env.get(N.PHALANX_WARM_START) == "0"
+        off = self.env.get(env_names.PHALANX_WARM_START) == "0"
         return self.command is None and self.warm_preload is not None and not off and warm.enabled()
 
 
@@ -70,7 +70,7 @@ def task_host(environ: dict[str, str] | None = None) -> str:
     Ranks are grouped into local ranks by this name: executors on one machine share its GPUs and NICs.
     """
     env = os.environ if environ is None else environ
-    return env.get(N.SPARK_LOCAL_HOSTNAME) or env.get(N.SPARK_LOCAL_IP) or socket.gethostname()
+    return env.get(env_names.SPARK_LOCAL_HOSTNAME) or env.get(env_names.SPARK_LOCAL_IP) or socket.gethostname()
 
 
 def task_gpus(resources: dict[str, Any]) -> list[str]:
@@ -93,7 +93,7 @@ def _gpu_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], rank: int)
         )
     same_host = [r for r, host in enumerate(hosts) if host == hosts[rank]]
     visible = dict.fromkeys(address for r in same_host for address in gpus[r])
-    return {N.CUDA_VISIBLE_DEVICES: ",".join(visible)}
+    return {env_names.CUDA_VISIBLE_DEVICES: ",".join(visible)}
 
 
 def _argv(spec: TaskSpec) -> list[str]:
@@ -102,9 +102,9 @@ def _argv(spec: TaskSpec) -> list[str]:
 
 def _rank_env(spec: TaskSpec, who: RankIdentity, gpu_env: dict[str, str],
               extra: dict[str, str] | None = None) -> dict[str, str]:
-    own = {N.PHALANX_PARENT_PID: str(os.getpid()), **gpu_env, **(extra or {})}
+    own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), **gpu_env, **(extra or {})}
     if spec.log_to_driver:
-        own[N.PHALANX_LOG_TO_DRIVER] = "1"
+        own[env_names.PHALANX_LOG_TO_DRIVER] = "1"
     return compose_env(os.environ, spec.env, {**worker_env(spec.job, who), **own}, os.cpu_count())
 
 
@@ -201,7 +201,8 @@ class _Commands:
 def _elastic_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], slot: int, worker: int) -> dict[str, str]:
     # The channel rank is the worker id; the torch rank comes from the driver's round (phalanx.env.elastic).
     who = replace(assign_ranks(hosts)[slot], rank=worker, size=spec.worker_ids)
-    own = {N.PHALANX_ELASTIC_WORKER_ID: str(worker), N.PHALANX_ELASTIC_TIMEOUT_S: f"{spec.elastic_timeout_s:g}"}
+    own = {env_names.PHALANX_ELASTIC_WORKER_ID: str(worker),
+           env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{spec.elastic_timeout_s:g}"}
     return _rank_env(spec, who, _gpu_env(spec, hosts, gpus, slot), own)
 
 

@@ -22,7 +22,7 @@ import torch
 
 import phalanx.torch as ptorch
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _reduce as R
+from phalanx.torch import _reduce
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 # Marks the errors a collective raised inside a graph, so model.fit's wrapper can re-raise them cleanly.
@@ -53,8 +53,8 @@ _THREAD = threading.local()
 
 def _same_threads_in_this_thread() -> None:
     # OpenMP's thread count is per calling thread: TensorFlow's executor threads would run torch's ops with
-    # the default team (every core), so 2 ranks on 2 cores oversubscribed them (a 4.8 MB allreduce took
-    # 3.5 ms from a TF thread, 2.3 ms from the main thread). Apply the process's setting once per thread.
+    # the default team (every core), so ranks sharing a host would oversubscribe its cores (an allreduce
+    # from a TF thread slower than from the main thread). Apply the process's setting once per thread.
     if not getattr(_THREAD, "pinned", False):
         torch.set_num_threads(torch.get_num_threads())
         _THREAD.pinned = True
@@ -91,10 +91,10 @@ def _guard(fn: Any) -> Any:
 
 
 def np_allreduce(array: np.ndarray, name: str | None, op: int, pre: float, post: float,
-                 process_set: ProcessSet = global_process_set) -> np.ndarray:  # fmt: skip
+                 process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Allreduce a numpy array through phalanx.torch; returns a new array of the same dtype and shape."""
     handle = ptorch.allreduce_async(to_torch(array), name=name, op=op, prescale_factor=pre, postscale_factor=post,
-                                    process_set=process_set)  # fmt: skip
+                                    process_set=process_set)
     return to_numpy(ptorch.synchronize(handle), array.dtype)
 
 
@@ -105,14 +105,14 @@ def np_allgather(array: np.ndarray, name: str | None, process_set: ProcessSet = 
 
 
 def np_broadcast(array: np.ndarray, root_rank: int, name: str | None,
-                 process_set: ProcessSet = global_process_set) -> np.ndarray:  # fmt: skip
+                 process_set: ProcessSet = global_process_set) -> np.ndarray:
     """``root_rank``'s array on every rank."""
     out = ptorch.synchronize(ptorch.broadcast_async(to_torch(array), root_rank, name=name, process_set=process_set))
     return to_numpy(out, array.dtype)
 
 
 def tf_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float = 1.0, post: float = 1.0,
-                 process_set: ProcessSet = global_process_set) -> tf.Tensor:  # fmt: skip
+                 process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Allreduce a dense TF tensor (eagerly or inside a graph); the result keeps its static shape."""
     if tf.executing_eagerly():
         return tf.convert_to_tensor(np_allreduce(tensor.numpy(), name, op, pre, post, process_set))
@@ -139,7 +139,7 @@ def tf_allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet = 
 
 
 def tf_broadcast(tensor: tf.Tensor, root_rank: int, name: str | None,
-                 process_set: ProcessSet = global_process_set) -> tf.Tensor:  # fmt: skip
+                 process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Broadcast a TF tensor from ``root_rank`` (a global rank)."""
     if tf.executing_eagerly():
         return tf.convert_to_tensor(np_broadcast(tensor.numpy(), root_rank, name, process_set))
@@ -210,13 +210,13 @@ def _folded_scale(op: int, pre: float, n: int, dtype: np.dtype) -> float | None:
     """``1/n`` when an Average's division can be applied while copying into the buffer: a numpy float dtype
     and ``n`` a power of two (the scaling is exact, so each rank's scaled contribution sums to the same
     bits as the scaled sum), and no prescale factor. Else None (the engine scales the result)."""
-    if op != R.Average or pre != 1.0 or dtype.kind != "f" or n & (n - 1):
+    if op != _reduce.Average or pre != 1.0 or dtype.kind != "f" or n & (n - 1):
         return None
     return 1.0 / n
 
 
 def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float, post: float,
-                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:  # fmt: skip
+                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allreduce many arrays as one flat buffer per dtype (one collective each, in first-seen dtype order).
 
     Each array is copied once into its 64-byte aligned slot of a fresh buffer (the gaps are zeros), the
@@ -226,7 +226,7 @@ def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float,
     that disagree on the op still fail the signature check.
     """
     out: list[np.ndarray] = list(arrays)
-    n = process_set.size() if op == R.Average else 1
+    n = process_set.size() if op == _reduce.Average else 1
     for group in _layout(arrays, name):
         buffer = _aligned_empty(group.total, group.dtype)
         scale = _folded_scale(op, pre, n, group.dtype)
@@ -240,7 +240,7 @@ def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float,
                 buffer[stop:end] = 0
         handle = ptorch.allreduce_async_(to_torch(buffer), name=group.name, op=op, prescale_factor=pre,
                                          postscale_factor=post if scale is None else post * n,
-                                         process_set=process_set)  # fmt: skip
+                                         process_set=process_set)
         ptorch.synchronize(handle)
         for i, start in zip(group.idx, group.starts):
             out[i] = buffer[start : start + arrays[i].size].reshape(arrays[i].shape)
@@ -248,7 +248,7 @@ def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float,
 
 
 def tf_fused_allreduce(tensors: list[tf.Tensor], name: str, op: int, pre: float = 1.0, post: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:  # fmt: skip
+                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allreduce dense TF tensors with one ``tf.numpy_function`` call (one collective per dtype inside)."""
     if tf.executing_eagerly():
         arrays = np_fused_allreduce([t.numpy() for t in tensors], name, op, pre, post, process_set)
@@ -258,7 +258,7 @@ def tf_fused_allreduce(tensors: list[tf.Tensor], name: str, op: int, pre: float 
         return np_fused_allreduce(list(arrays), name, op, pre, post, process_set)
 
     outs = tf.numpy_function(_guard(fn), tensors, Tout=[t.dtype for t in tensors], stateful=True,
-                             name="phalanx_fused_allreduce")  # fmt: skip
+                             name="phalanx_fused_allreduce")
     for out, t in zip(outs, tensors):
         out.set_shape(t.shape)
     return list(outs)

@@ -27,7 +27,7 @@ def partition(keys: list[Any], groups: int | tuple[tuple[Any, ...], ...], key: A
         for v in group:
             if key(v) not in where:
                 raise InvalidArgumentError(f"DistributedOptimizer(groups=...) names variable {label(v)!r}, "
-                                           "which this optimizer does not train")  # fmt: skip
+                                           "which this optimizer does not train")
             idx.append(where[key(v)])
         out.append(sorted(idx))
         placed.update(idx)
@@ -44,7 +44,7 @@ def check_groups(groups: Any) -> None:
         for v in group:
             if id(v) in seen:
                 raise InvalidArgumentError(f"DistributedOptimizer(groups=...) lists variable {label(v)!r} "
-                                           "in more than one group")  # fmt: skip
+                                           "in more than one group")
             seen.add(id(v))
 
 
@@ -56,7 +56,7 @@ def groups_option(num_groups: Any, groups: Any) -> int | tuple[tuple[Any, ...], 
     """Horovod's two spellings as one value: ``num_groups`` (deprecated there) or ``groups`` (int or lists)."""
     if num_groups and groups is not None:
         raise InvalidArgumentError(f"pass num_groups={num_groups!r} or groups=..., not both (num_groups is "
-                                   "Horovod's deprecated spelling of groups=<int>)")  # fmt: skip
+                                   "Horovod's deprecated spelling of groups=<int>)")
     value = num_groups if groups is None else groups
     if isinstance(value, int):
         return value  # checked (bool, negative) by _check_groups
@@ -64,7 +64,7 @@ def groups_option(num_groups: Any, groups: Any) -> int | tuple[tuple[Any, ...], 
         return tuple(tuple(g) for g in value)
     except TypeError:
         raise InvalidArgumentError(
-            f"num_groups / groups must be an int >= 0 or lists of variables; got {value!r}") from None  # fmt: skip
+            f"num_groups / groups must be an int >= 0 or lists of variables; got {value!r}") from None
 
 
 def local_layer_variables(local_layers: Any) -> list[Any]:

@@ -9,7 +9,7 @@ from typing import Any
 import tensorflow as tf
 
 import phalanx.torch as ptorch
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.torch.process_sets import ProcessSet
 
 
@@ -29,7 +29,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     """
     ptorch.init(comm=comm, process_sets=process_sets)
     local = ptorch.local_size()
-    if os.environ.get(N.OMP_NUM_THREADS) or local <= 1:
+    if os.environ.get(env_names.OMP_NUM_THREADS) or local <= 1:
         return
     share = max(1, (os.cpu_count() or 1) // local)
     try:

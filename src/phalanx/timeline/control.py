@@ -14,7 +14,7 @@ import atexit
 import os
 import threading
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 from phalanx.timeline.writer import DEFAULT_MAX_BYTES, Timeline
 
@@ -81,17 +81,17 @@ def _env_int(name: str, default: int) -> int:
 
 def max_bytes_from_env() -> int:
     """The rotation cap from ``PHALANX_TIMELINE_MAX_MB`` (megabytes; 0 = unbounded), default 1024 MB."""
-    raw = os.environ.get(N.PHALANX_TIMELINE_MAX_MB, "").strip()
+    raw = os.environ.get(env_names.PHALANX_TIMELINE_MAX_MB, "").strip()
     if not raw:
         return DEFAULT_MAX_BYTES
     try:
         mb = float(raw)
     except ValueError as e:
         raise InvalidArgumentError(
-            f"{N.PHALANX_TIMELINE_MAX_MB}={raw!r} is not a number of megabytes (0 = unbounded)"
+            f"{env_names.PHALANX_TIMELINE_MAX_MB}={raw!r} is not a number of megabytes (0 = unbounded)"
         ) from e
     if mb < 0:
-        raise InvalidArgumentError(f"{N.PHALANX_TIMELINE_MAX_MB}={raw!r} must be >= 0 (0 = unbounded)")
+        raise InvalidArgumentError(f"{env_names.PHALANX_TIMELINE_MAX_MB}={raw!r} must be >= 0 (0 = unbounded)")
     return int(mb * 1024 * 1024)
 
 
@@ -127,8 +127,8 @@ def start_timeline(
         InvalidArgumentError: a malformed ``RANK`` or ``PHALANX_TIMELINE_MAX_MB``.
     """
     global _active
-    rank = _env_int(N.RANK, 0)
-    every = env_flag(N.PHALANX_TIMELINE_ALL_RANKS) if all_ranks is None else all_ranks
+    rank = _env_int(env_names.RANK, 0)
+    every = env_flag(env_names.PHALANX_TIMELINE_ALL_RANKS) if all_ranks is None else all_ranks
     cap = max_bytes_from_env() if max_bytes is None else max_bytes
     with _lock:
         _stop_locked()
@@ -185,11 +185,11 @@ def start_from_env() -> Timeline | None:
     Raises:
         TimelineError: the path cannot be written.
     """
-    path = os.environ.get(N.HOROVOD_TIMELINE, "").strip()
+    path = os.environ.get(env_names.HOROVOD_TIMELINE, "").strip()
     if not path or path.upper() == DYNAMIC:
         return None
     running = _active
-    every = env_flag(N.PHALANX_TIMELINE_ALL_RANKS)
+    every = env_flag(env_names.PHALANX_TIMELINE_ALL_RANKS)
     if running is not None and running.path in (path, rank_path(path, running.rank) if every else path):
         return running
-    return start_timeline(path, mark_cycles=env_flag(N.HOROVOD_TIMELINE_MARK_CYCLES))
+    return start_timeline(path, mark_cycles=env_flag(env_names.HOROVOD_TIMELINE_MARK_CYCLES))

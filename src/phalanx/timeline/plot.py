@@ -13,7 +13,7 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from phalanx.timeline import activities as A
+from phalanx.timeline import activities
 from phalanx.timeline.png import GLYPH_W, Canvas, Color, text_width
 from phalanx.timeline.reader import Span
 
@@ -28,22 +28,22 @@ STRIPE: Color = (246, 246, 250)
 INK: Color = (30, 30, 30)
 
 COLORS: dict[str, Color] = {
-    A.NEGOTIATE_ALLREDUCE: (243, 178, 74),
-    A.NEGOTIATE_ALLGATHER: (238, 160, 60),
-    A.NEGOTIATE_BROADCAST: (232, 145, 50),
-    A.NEGOTIATE_ALLTOALL: (226, 130, 40),
-    A.NEGOTIATE_REDUCESCATTER: (220, 118, 32),
-    A.QUEUE: (185, 185, 185),
-    A.MEMCPY_IN_FUSION_BUFFER: (150, 210, 130),
-    A.MEMCPY_OUT_FUSION_BUFFER: (60, 150, 60),
-    A.ALLREDUCE: (52, 101, 164),
-    A.ALLGATHER: (117, 80, 173),
-    A.BROADCAST: (214, 39, 40),
-    A.ALLTOALL: (23, 170, 190),
-    A.REDUCESCATTER: (140, 86, 75),
-    A.WAIT_FOR_DATA: (250, 215, 70),
-    A.WAIT_FOR_OTHER_TENSOR_DATA: (235, 200, 110),
-    A.BARRIER: (90, 90, 90),
+    activities.NEGOTIATE_ALLREDUCE: (243, 178, 74),
+    activities.NEGOTIATE_ALLGATHER: (238, 160, 60),
+    activities.NEGOTIATE_BROADCAST: (232, 145, 50),
+    activities.NEGOTIATE_ALLTOALL: (226, 130, 40),
+    activities.NEGOTIATE_REDUCESCATTER: (220, 118, 32),
+    activities.QUEUE: (185, 185, 185),
+    activities.MEMCPY_IN_FUSION_BUFFER: (150, 210, 130),
+    activities.MEMCPY_OUT_FUSION_BUFFER: (60, 150, 60),
+    activities.ALLREDUCE: (52, 101, 164),
+    activities.ALLGATHER: (117, 80, 173),
+    activities.BROADCAST: (214, 39, 40),
+    activities.ALLTOALL: (23, 170, 190),
+    activities.REDUCESCATTER: (140, 86, 75),
+    activities.WAIT_FOR_DATA: (250, 215, 70),
+    activities.WAIT_FOR_OTHER_TENSOR_DATA: (235, 200, 110),
+    activities.BARRIER: (90, 90, 90),
 }
 
 
@@ -67,7 +67,7 @@ class Lane:
 
 def _draw_order(s: Span) -> int:
     # Waits underneath, data movement on top, so a transfer inside a long wait stays visible.
-    return 1 if s.name in A.DATA_MOVING else 0
+    return 1 if s.name in activities.DATA_MOVING else 0
 
 
 def lanes(spans: Sequence[Span], max_tensor_lanes: int = MAX_TENSOR_LANES) -> list[Lane]:
@@ -167,7 +167,7 @@ def render_png(spans: Sequence[Span], path: str, title: str = "phalanx timeline"
     """
     rows = lanes(spans)
     present = {s.name for s in spans}
-    names = [a for a in A.ALL_ACTIVITIES if a in present] + sorted(present - set(A.ALL_ACTIVITIES))
+    names = [a for a in activities.ALL_ACTIVITIES if a in present] + sorted(present - set(activities.ALL_ACTIVITIES))
     lanes_top = _legend(None, names, 40)
     height = lanes_top + sum(lane.height for lane in rows) + 30
     canvas = Canvas(WIDTH, height)

@@ -62,7 +62,7 @@ _DTYPE_SIZES = {
     "float64": 8, "double": 8, "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
     "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "short": 2, "int8": 1, "uint8": 1, "bool": 1,
     "complex64": 8, "complex128": 16,
-}  # fmt: skip
+}
 
 
 def dtype_size(dtype: object) -> int | None:

@@ -103,7 +103,7 @@ class Channel:
     """
 
     def __init__(self, seg: Segment, base: int, n: int, me: int, slot_bytes: int, timeout_s: float,
-                 label: str, ranks: Sequence[int] = (), knob: str = "PHALANX_SHM_TIMEOUT_S") -> None:  # fmt: skip
+                 label: str, ranks: Sequence[int] = (), knob: str = "PHALANX_SHM_TIMEOUT_S") -> None:
         self.seg, self.n, self.me, self.slot_bytes = seg, n, me, slot_bytes
         self.timeout_s, self.label, self.knob = timeout_s, label, knob
         self.ranks = tuple(ranks)
@@ -225,12 +225,12 @@ class Channel:
             self._fail(
                 f"{peer} (pid {pid}) has died or exited (a rank that leaves while others still run collectives: "
                 "give every rank the same number of steps, or call hvd.join() when done)", g, what,
-            )  # fmt: skip
+            )
         if waited > self.timeout_s:
             self._fail(
                 f"{peer} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
                 f"(raise {self.knob} if ranks legitimately run apart that long)", g, what,
-            )  # fmt: skip
+            )
 
     def _peer(self, j: int) -> str:
         return f"peer rank {self.ranks[j]}" if len(self.ranks) == self.n else f"peer index {j}"
@@ -265,7 +265,7 @@ class Channel:
     # --- steps ---------------------------------------------------------------------------------------
 
     def exchange(self, chunk: torch.Tensor, read: Callable[[list[torch.Tensor]], None], what: str,
-                 dtype: torch.dtype = torch.uint8) -> None:  # fmt: skip
+                 dtype: torch.dtype = torch.uint8) -> None:
         """One all-to-all step: publish ``chunk`` (uint8), call ``read`` with every rank's slot viewed as
         ``dtype`` (``chunk``'s length must be a multiple of its element size)."""
         g = self._begin()
@@ -288,7 +288,7 @@ class Channel:
         return views
 
     def exchange2(self, chunk: torch.Tensor, first: Callable[[list[torch.Tensor]], None],
-                  second: Callable[[list[torch.Tensor]], None], what: str) -> None:  # fmt: skip
+                  second: Callable[[list[torch.Tensor]], None], what: str) -> None:
         """A two-phase step: publish ``chunk``; ``first`` (every rank sees every slot; it may write only its
         own part of its own slot); a barrier; ``second`` (reads only)."""
         g = self._begin()
@@ -388,7 +388,7 @@ class Channel:
         return self.cma
 
     def attach_step(self, addr: int, first: Callable[[list[tuple[int, int]]], None],
-                    second: Callable[[list[tuple[int, int]]], None], what: str) -> None:  # fmt: skip
+                    second: Callable[[list[tuple[int, int]]], None], what: str) -> None:
         """A two-phase step on the ranks' own buffers: publish ``addr``; ``first`` with every rank's
         (pid, address) (it may read the peers' buffers and write only its own part of its own); a barrier;
         ``second`` (it may write its own buffer outside its own part); return once every rank finished
@@ -407,7 +407,7 @@ class Channel:
         self._wait_all(self._done, g, what)
 
     def _guarded(self, fn: Callable[[list[tuple[int, int]]], None], peers: list[tuple[int, int]], g: int,
-                 what: str) -> None:  # fmt: skip
+                 what: str) -> None:
         try:
             fn(peers)
         except OSError as e:

@@ -29,7 +29,7 @@ def _load(name: str = "process_vm_readv") -> object | None:
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                   ctypes.c_ulong]  # fmt: skip
+                   ctypes.c_ulong]
     fn.restype = ctypes.c_ssize_t
     return fn
 

@@ -114,7 +114,7 @@ def overlaps(group: Any) -> bool:
 
 
 def all_reduce(t: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False,
-               inline: bool = False) -> Any:  # fmt: skip
+               inline: bool = False) -> Any:
     """``dist.all_reduce`` (in place), through shared memory when the group has a transport.
 
     ``inline``: on a grad channel, run it in the thread that waits for it (after the calls issued before it)
@@ -153,7 +153,7 @@ def _grad_protocol(ch: _channel.Channel, flat: torch.Tensor, op: Any) -> bool:
 
 
 def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0, inline: bool = False,
-                    nbytes: int = -1, start: int = 0) -> Any:  # fmt: skip
+                    nbytes: int = -1, start: int = 0) -> Any:
     """Sum the concatenation of ``tensors`` across ``group`` in place, straight from and into them (no
     fusion buffer), each rank's contribution multiplied by ``scale``; None when the group cannot (not a
     single-host shared-memory grad channel with cross-memory attach, or too small): the caller then fuses

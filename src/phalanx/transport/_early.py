@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.transport import _cma, _thp
 from phalanx.transport._channel import HOOKS, LINE, SPIN, Channel, control_lines, layout
 from phalanx.transport._many import _chunks, eligible, lerp_owner
@@ -52,7 +52,7 @@ _AREAS: weakref.WeakKeyDictionary[Channel, Area] = weakref.WeakKeyDictionary()
 
 def enabled() -> bool:
     """Whether early reduction is allowed (``PHALANX_SHM_EARLY_REDUCE``, default on)."""
-    return os.environ.get(N.PHALANX_SHM_EARLY_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(env_names.PHALANX_SHM_EARLY_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _bits(x: float) -> int:

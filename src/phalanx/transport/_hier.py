@@ -27,9 +27,10 @@ from phalanx.errors import CollectiveMismatchError, ShmTransportError
 from phalanx.transport import _ops, _rs
 from phalanx.transport._channel import HOOKS, Channel
 
-R = dist.ReduceOp
-# From this size on, allreduces cross hosts part by part (when ``cross`` is set). Measured on simulated
-# AABB hosts (2 cores): through the leaders 3.0 ms at 1 MB vs 4.4 part by part, 8.6 vs 7.4 ms at 4 MB.
+ReduceOp = dist.ReduceOp
+# From this size on, allreduces cross hosts part by part (when ``cross`` is set): below it the leaders' one
+# crossing costs less than the extra steps in the host; above it every rank carrying a part wins
+# (bench/shm.py's AABB rows).
 PART_BYTES = 2 << 20
 
 
@@ -81,8 +82,8 @@ class Hierarchy:
     def allreduce_(self, t: torch.Tensor, op: Any) -> None:
         """Reduce ``t`` in place: within the host, among the leaders, then shared within the host.
         ``AVG`` is a sum divided by the group size."""
-        if _ops._kind(op) == R.AVG:
-            self.allreduce_(t, R.SUM)
+        if _ops._kind(op) == ReduceOp.AVG:
+            self.allreduce_(t, ReduceOp.SUM)
             (torch.view_as_real(t) if t.is_complex() else t).div_(self.size)  # per component, as gloo
             return
         if not self.multi:
@@ -151,15 +152,15 @@ class Hierarchy:
         out[: r * m].zero_()  # not all of it: FSDP2 passes its own part of ``out`` as ``inp``
         out[(r + 1) * m :].zero_()
         out[r * m : (r + 1) * m].copy_(inp)
-        self.allreduce_(out, R.BOR)
+        self.allreduce_(out, ReduceOp.BOR)
 
     def reduce_scatter_path(self, inp: torch.Tensor, op: Any) -> str:
         """How :meth:`reduce_scatter_` reduces ``inp`` (common knowledge: every rank decides alike).
 
         ``"direct"``: one host with cross-memory attach, each rank sums its part straight from its peers'
         inputs (``_rs``). ``"hosts"``: from ``PART_BYTES`` on, hosts with as many ranks each (``cross`` set),
-        see :meth:`_reduce_scatter_hosts` (on simulated AABB hosts 1.38x faster than the copy at 16 MB,
-        1.62x at 64 MB; 0.92x at 1 MB). ``"copy"``: an allreduce of a copy of ``inp``, of which each rank
+        see :meth:`_reduce_scatter_hosts` (faster than the copy from ``PART_BYTES`` on, bench/shm.py's AABB
+        rows). ``"copy"``: an allreduce of a copy of ``inp``, of which each rank
         keeps its part (twice a reduce-scatter's traffic)."""
         if not self.multi:
             ch = self.ch
@@ -172,8 +173,8 @@ class Hierarchy:
         """``out`` = this rank's part (group rank order) of the reduction of every rank's ``inp`` (flat,
         contiguous, one dtype; ``inp`` has ``size`` times ``out``'s elements), the way ``path``
         (:meth:`reduce_scatter_path`) says. ``AVG`` is a sum divided by the group size."""
-        if _ops._kind(op) == R.AVG:
-            self.reduce_scatter_(out, inp, R.SUM, path)
+        if _ops._kind(op) == ReduceOp.AVG:
+            self.reduce_scatter_(out, inp, ReduceOp.SUM, path)
             (torch.view_as_real(out) if out.is_complex() else out).div_(self.size)  # per component, as gloo
             return
         if path == "direct":
@@ -192,8 +193,8 @@ class Hierarchy:
         order); an allreduce among the ranks of local index ``j`` (``cross``, one per host) sums the block over
         the hosts, and each rank keeps its part. Every rank carries ``1/k`` of the data across hosts, all in
         parallel, as the allreduce's part-by-part crossing does, with neither a copy of ``inp`` nor an
-        allgather in the host. (gloo's own reduce-scatter measured slower than its allreduce here: 16 MB over
-        4 ranks 40.7 vs 33 ms, hence the allreduce.)"""
+        allgather in the host. (An allreduce rather than gloo's own reduce-scatter, which is the slower of the
+        two on CPU.)"""
         kind: Any = _ops._kind(op)
         m, hosts, ch, cross = out.numel(), self.hosts, self.ch, self.cross
         assert ch is not None and cross is not None  # reduce_scatter_path chose "hosts"
@@ -273,8 +274,9 @@ def _timed_wait(work: Any) -> bool:
 
 
 # gloo has no bool reductions: bools cross as bytes 0 / 1 (or = max, and = min), as the channel reduces them
-_BOOL_OPS = {R.SUM: R.MAX, R.MAX: R.MAX, R.BOR: R.MAX, R.PRODUCT: R.MIN, R.MIN: R.MIN, R.BAND: R.MIN,
-             R.BXOR: R.BXOR}  # fmt: skip
+_BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
+             ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN,
+             ReduceOp.BXOR: ReduceOp.BXOR}
 
 
 def _leaders_allreduce(leaders: Any, t: torch.Tensor, op: Any) -> None:

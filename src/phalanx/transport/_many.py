@@ -44,7 +44,7 @@ def eligible(ch: Channel, nbytes: int) -> bool:
 
 def _table(segs: list[Segment], scale: float) -> ctypes.Array[ctypes.c_int64]:
     """This rank's table: segment count, scale (float64 bits), then (address, bytes) of each segment (padded to
-    what a peer's first read covers). Plain ctypes words: a tensor's per-element writes cost ~10 us each."""
+    what a peer's first read covers). Plain ctypes words: a tensor's per-element writes are far slower."""
     words = [len(segs), struct.unpack("<q", struct.pack("<d", scale))[0], *(w for seg in segs for w in seg)]
     words += [0] * (_HEAD + 2 * TABLE_ENTRIES - len(words))
     return (ctypes.c_int64 * len(words))(*words)
@@ -154,7 +154,7 @@ def _chunks(a: int, b: int, chunk: int, mid: int) -> list[tuple[int, int]]:
 
 
 def _reduce(tensors: list[torch.Tensor], own: list[Piece], s: int, scratch: list[torch.Tensor], me: int, op: object,
-            scales: list[float], owner: int = -1) -> None:  # fmt: skip
+            scales: list[float], owner: int = -1) -> None:
     """Reduce this rank's pieces with the peers' copies of them (``scratch[j]`` holds virtual bytes from ``s``);
     ``owner``: the rank whose value a 2-rank Average starts from (see :func:`lerp_owner`; -1: this one)."""
     size, dtype = tensors[0].element_size(), tensors[0].dtype
@@ -181,7 +181,7 @@ def _reduce(tensors: list[torch.Tensor], own: list[Piece], s: int, scratch: list
 
 
 def _combine_scaled(views: list[torch.Tensor], out: torch.Tensor, acc: torch.Tensor, combine: _Combine,
-                    scales: list[float]) -> None:  # fmt: skip
+                    scales: list[float]) -> None:
     """``out = views[0] op views[1] op ...`` in rank order; with scales (SUM): ``sum(views[j] * scales[j])``."""
     if all(sc == 1.0 for sc in scales):
         _reduce_into(views, out, acc, combine)

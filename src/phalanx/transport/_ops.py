@@ -92,8 +92,8 @@ def _parts(numel: int, n: int) -> list[tuple[int, int]]:
 SMALL_BYTES = 64 * 1024  # up to this size every rank reduces everything: one barrier instead of two
 # With two ranks, up to this size: each rank adds the whole tensor (not half of it) but the step needs one
 # rendezvous instead of three (cross-memory: addresses, reduced halves, done), each of which may wait for a
-# descheduled peer on a busy host. Measured faster up to 512 KiB (160 KB: 41 vs 68 us, transport alone) and
-# inside Keras training (the digits CNN's 153 KB gradients: 0.65-0.78 vs 0.82-0.98 ms per fused call).
+# descheduled peer on a busy host; below this size the saved rendezvous outweigh the extra additions, for
+# the transport alone and inside Keras training (BENCHMARKS.md).
 SMALL_BYTES_TWO_RANKS = 512 * 1024
 
 
@@ -182,7 +182,7 @@ def allreduce_cma_(ch: Channel, t: torch.Tensor, op: object, between: Callable[[
 
 
 def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine,
-                   between: Callable[[torch.Tensor], None] | None = None) -> None:  # fmt: skip
+                   between: Callable[[torch.Tensor], None] | None = None) -> None:
     """Allreduce without the segment: rank ``i`` reads part ``i`` of every peer's tensor (cross-memory
     attach, chunk by chunk into a cached scratch buffer) and reduces it into its own tensor in rank order;
     after a barrier every rank reads every other part, reduced, straight from its owner's tensor."""

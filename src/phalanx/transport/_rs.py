@@ -23,7 +23,7 @@ def eligible(ch: Channel, nbytes: int) -> bool:
 
 
 def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: object,
-                    parts: list[int] | None = None) -> None:  # fmt: skip
+                    parts: list[int] | None = None) -> None:
     """``out`` = part ``ch.me`` of the reduction of every rank's ``inp`` (flat, contiguous, CPU, one dtype;
     ``inp`` has ``ch.n`` times ``out``'s elements; ``op`` not ``AVG``: the caller divides a sum).
 

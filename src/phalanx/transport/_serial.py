@@ -2,8 +2,8 @@
 
 Used by the ``phalanx_shm`` torch backend (one per process group: DDP calls ``allreduce`` from its
 gradient hooks and keeps computing backward while the bucket is reduced, as with gloo's own worker thread;
-a synchronous call there blocked backward and measured 0.80-0.93x of gloo) and by phalanx.torch's gradient
-channel when ``PHALANX_SHM_GRAD_ASYNC=1`` (the ``DistributedOptimizer``'s buckets, see ``_dispatch``).
+a synchronous call there would block backward, losing the overlap gloo gives) and by the gradient channel
+when ``PHALANX_SHM_GRAD_ASYNC=1`` (gradient buckets, see ``_dispatch``).
 Every rank issues a channel's calls in the same order and the worker is the channel's only user, so the
 order holds across ranks. The thread blocks on its queue when idle (never spins: two ranks may share two
 cores), and the channel waits it runs block on their wake-up FIFO and time out.

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.transport import _segment
 from phalanx.transport._channel import Channel, _pid_dead, layout
 from phalanx.transport._serial import Serial
@@ -103,7 +103,7 @@ SUPPORTED_MACHINES = ("x86_64", "amd64")
 def enabled() -> bool:
     """Whether this rank allows the transport (``PHALANX_SHM``, default on), runs on an x86-64 machine
     (elsewhere it turns itself off: its memory ordering is only known correct there) and has ``/dev/shm``."""
-    flag = os.environ.get(N.PHALANX_SHM, "1").strip().lower()
+    flag = os.environ.get(env_names.PHALANX_SHM, "1").strip().lower()
     on_x86 = platform.machine().lower() in SUPPORTED_MACHINES
     return flag not in ("0", "false", "no", "off") and on_x86 and _segment.available()
 
@@ -133,7 +133,7 @@ def _machine_id() -> str:
 
 
 def _host_key() -> int:
-    host = os.environ.get(N.HOROVOD_HOSTNAME) or socket.gethostname()
+    host = os.environ.get(env_names.HOROVOD_HOSTNAME) or socket.gethostname()
     key = f"{host}\0{_machine_id()}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
@@ -175,7 +175,7 @@ def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
 
 def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any) -> Transport | None:
     me = dist.get_rank()
-    slot = int(_float_env(N.PHALANX_SHM_SLOT_BYTES, DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    slot = int(_float_env(env_names.PHALANX_SHM_SLOT_BYTES, DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
     sizes = {"ctrl": CTRL_SLOT_BYTES, "data": slot, "grad": slot}
     total = sum(layout(len(local), s)[1] for s in sizes.values())
     transport = Transport({}, leaders, me == local[0], ranks, local, None, grad_async=grad_async())
@@ -213,12 +213,12 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
 
 def grad_async() -> bool:
     """Whether the optimizer's buckets run on the grad worker thread (``PHALANX_SHM_GRAD_ASYNC``, default off)."""
-    return os.environ.get(N.PHALANX_SHM_GRAD_ASYNC, "0").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(env_names.PHALANX_SHM_GRAD_ASYNC, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def cma_wanted() -> bool:
     """Whether this rank allows cross-memory attach (``PHALANX_SHM_CMA``, default on)."""
-    return os.environ.get(N.PHALANX_SHM_CMA, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(env_names.PHALANX_SHM_CMA, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _enable_cma(transport: Transport) -> None:
@@ -262,7 +262,7 @@ def _exchange(ctrl: Any, ranks: tuple[int, ...], name: str) -> list[str]:
 
 def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, int]) -> dict[str, Channel]:
     me = local.index(dist.get_rank())
-    timeout = _float_env(N.PHALANX_SHM_TIMEOUT_S, DEFAULT_TIMEOUT_S)
+    timeout = _float_env(env_names.PHALANX_SHM_TIMEOUT_S, DEFAULT_TIMEOUT_S)
     label = f"ranks {list(local)}"
     channels, base = {}, 0
     for kind in KINDS:

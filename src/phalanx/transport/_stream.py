@@ -33,7 +33,7 @@ import torch
 
 from phalanx.transport._channel import Channel
 
-RING = 2  # entries per ring (measured: 2 x 512 KiB beat deeper or larger rings, which leave the L2)
+RING = 2  # entries per ring: deeper or larger rings leave the L2 cache
 RAW_OUT, RAW_IN, RED_OUT, RED_IN = range(4)  # the chunk counters (``Channel.count`` kinds)
 WHAT = "allreduce"
 

@@ -1,11 +1,10 @@
 """Transparent huge pages for the memory peers read with cross-memory attach (Linux).
 
-``process_vm_readv`` pins every remote page it copies from: from ordinary 4 KiB pages it copied 5.1-5.6 GB/s
-on the development VM, from memory backed by 2 MiB transparent huge pages 9.3-11 GB/s, close to a local copy
-(11-14 GB/s). The ``DistributedOptimizer``'s gradients (read by the peer twice per step: once to be reduced,
-once reduced; ``_many``) live in the glibc heap, in 4 KiB pages: the 5.8M-parameter MLP's step spent 4.3 ms
-in cross-memory reads of its 23 MB of gradients. (Other large allreduces on one host stream through the
-slots, ``_stream``, and read no peer memory.)
+``process_vm_readv`` pins every remote page it copies from, so it copies from ordinary 4 KiB pages at about
+half the rate it reaches from memory backed by 2 MiB transparent huge pages, which is close to a local copy
+(docs/shm.md). Gradients reduced in place (read by the peer twice per step: once to be reduced, once
+reduced; ``_many``) live in the glibc heap, in 4 KiB pages, so those reads are a large part of a step.
+(Other large allreduces on one host stream through the slots, ``_stream``, and read no peer memory.)
 
 :func:`advise` gives the 2 MiB blocks a tensor covers ``MADV_HUGEPAGE`` and ``MADV_COLLAPSE`` (Linux 6.1+:
 the kernel moves the block into a huge page now, a copy of at most 2 MiB, instead of waiting for khugepaged).
@@ -13,14 +12,11 @@ Both are transparent: the memory keeps its contents and addresses, and anything 
 heap's other allocations) is unaffected but for its page size. A block is advised the ``SIGHTINGS``-th time a
 tensor covers it, and never again (remembered by address): gradients freed by ``zero_grad(set_to_none=True)``
 and re-allocated by autograd keep landing in a bounded set of heap blocks (``_malloc.tune`` keeps the heap
-mapped), most of them every step, some only once; over 200 steps of ``bench/train.py``'s MLP 8 of 33 blocks
-were covered once, of the CNN 11 of 16, and a collapse costs ~5 ms per block on the development VM (fresh
-guest memory), so a block covered once is not worth it; and the grad blocks of a 2-rank job churned more (up
-to 49 blocks over 60 steps of the MLP), so at most ``MAX_BLOCKS`` (64 MiB) are advised per process: a bounded
-one-time cost (~160 ms on this VM, a small fraction of that on bare metal), to the first blocks covered
-twice. Failures (no THP in the kernel, ``never`` in
-``/sys/kernel/mm/transparent_hugepage/enabled``, a kernel before 6.1, a block not entirely mapped) are
-ignored: the reads then simply stay at the 4 KiB rate.
+mapped), most of them every step, some only once; a collapse costs milliseconds per block, so a block
+covered once is not worth it; and a 2-rank job's grad blocks churn more, so at most ``MAX_BLOCKS`` (64 MiB)
+are advised per process: a bounded one-time cost, spent on the first blocks covered twice. Failures (no
+THP in the kernel, ``never`` in ``/sys/kernel/mm/transparent_hugepage/enabled``, a kernel before 6.1, a
+block not entirely mapped) are ignored: the reads then simply stay at the 4 KiB rate.
 ``PHALANX_SHM_THP=0`` turns it off.
 """
 
@@ -32,7 +28,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 
 BLOCK = 2 << 20  # a transparent huge page on x86-64 (and arm64 with 4 KiB base pages)
 MIN_BYTES = 2 * BLOCK  # smaller tensors are skipped: at most one whole block in them, and the partial blocks
@@ -46,7 +42,7 @@ MADV_COLLAPSE = 25
 
 def enabled() -> bool:
     """Whether ``PHALANX_SHM_THP`` allows advising (unset or anything but ``0``/``false``/``no``/``off``)."""
-    return os.environ.get(N.PHALANX_SHM_THP, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(env_names.PHALANX_SHM_THP, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _madvise() -> object | None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import ShmTransportError
 from phalanx.transport import _check, _ops, _segment, _setup, native
 from phalanx.transport._channel import Channel, _pid_dead, layout
@@ -80,7 +80,7 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
         return self.hier is not None and len(tensors) == 1 and tensors[0].device.type == "cpu" and (
-            tensors[0].is_contiguous())  # fmt: skip
+            tensors[0].is_contiguous())
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         """In-place allreduce (shared memory for one contiguous CPU tensor and a gloo op)."""
@@ -123,7 +123,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         """Both contiguous CPU tensors of one dtype, ``output`` ``size`` times ``inp``, neither empty."""
         return (self.hier is not None and isinstance(output, torch.Tensor) and isinstance(inp, torch.Tensor)
                 and output.dtype == inp.dtype and self._fits([output]) and self._fits([inp])
-                and inp.numel() > 0 and output.numel() == self.size() * inp.numel())  # fmt: skip
+                and inp.numel() > 0 and output.numel() == self.size() * inp.numel())
 
     def _allgather_base(self, output: Any, inp: Any, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor`` (FSDP's parameter all-gather): shared memory for CPU tensors."""
@@ -237,7 +237,7 @@ def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int, timeout
     turns the transport off for the whole group rather than failing ``init_process_group``.
     """
     me, n = local.index(rank), len(local)
-    slot = int(_setup._float_env(N.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    slot = int(_setup._float_env(env_names.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
     total = layout(n, slot)[1]
     seg, channel, fifo, wake_r = None, None, "", -1
     try:
@@ -304,7 +304,7 @@ def _wait_count(store: Any, key: str, n: int, timeout_s: float) -> None:
     while int(store.add(key, 0)) < n:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{NAME}: only {int(store.add(key, 0))} of {n} ranks reached {key!r} within "
-                               f"{timeout_s:g} s (the group's timeout: init_process_group(timeout=...))")  # fmt: skip
+                               f"{timeout_s:g} s (the group's timeout: init_process_group(timeout=...))")
         time.sleep(0.001)
 
 

@@ -12,8 +12,8 @@ reduce-scatter-tensor of CPU tensors go through shared memory among each host's 
 hierarchically: gloo among the hosts' first ranks) and everything else through the gloo group it wraps.
 ``"gloo"`` becomes ``"phalanx_shm"`` and ``"cpu:gloo,cuda:nccl"`` becomes ``"cpu:phalanx_shm,cuda:nccl"``;
 any other backend (nccl, the default ``None``, mpi) and jobs with one rank per host are left alone. On by
-default (one host: DDP on it measured 1.01-1.04x / 1.25-1.29x DDP on gloo, CNN / MLP, FSDP2 1.17x / 1.68x;
-bench/shm.py); ``PHALANX_SHM_NATIVE=0`` or ``PHALANX_SHM=0`` turns it off.
+default, because DDP and FSDP2 on it are faster than on gloo (``bench/shm.py``; figures in BENCHMARKS.md);
+``PHALANX_SHM_NATIVE=0`` or ``PHALANX_SHM=0`` turns it off.
 
 This module imports nothing heavy: the backend module (torch) is imported by name only when a call is
 substituted, once torch is fully initialised.
@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.transport import native
 
 SHM_BACKEND = native.BACKEND
@@ -49,8 +49,8 @@ def _shares_a_host(environ: Mapping[str, str]) -> bool:
     (``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE``), or fewer hosts than ranks (``GROUP_WORLD_SIZE``, the launchers'
     host count). A job with one rank per host keeps gloo: shared memory would carry nothing."""
     try:
-        world, local = int(environ.get(N.WORLD_SIZE, "1")), int(environ.get(N.LOCAL_WORLD_SIZE, "0"))
-        hosts = int(environ.get(N.GROUP_WORLD_SIZE, "0"))
+        world, local = int(environ.get(env_names.WORLD_SIZE, "1")), int(environ.get(env_names.LOCAL_WORLD_SIZE, "0"))
+        hosts = int(environ.get(env_names.GROUP_WORLD_SIZE, "0"))
     except ValueError:
         return False
     return world >= 2 and (local == world or 0 < hosts < world)
@@ -69,7 +69,7 @@ def choose(backend: Any, environ: Mapping[str, str]) -> Any:
     """The backend to really use for ``init_process_group(backend)`` in a rank with ``environ``."""
     if not isinstance(backend, str) or not _shares_a_host(environ) or not _x86_64():
         return backend
-    if not _on(environ, N.PHALANX_SHM_NATIVE, "1") or not _on(environ, N.PHALANX_SHM, "1"):
+    if not _on(environ, env_names.PHALANX_SHM_NATIVE, "1") or not _on(environ, env_names.PHALANX_SHM, "1"):
         return backend
     if backend.lower() == "gloo":
         return SHM_BACKEND
@@ -90,13 +90,13 @@ def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dic
     """
     if call.get("store") is not None or call.get("init_method") not in (None, "env://"):
         return call
-    if not environ.get(N.PHALANX_SECRET) or not environ.get(N.MASTER_ADDR):
+    if not environ.get(env_names.PHALANX_SECRET) or not environ.get(env_names.MASTER_ADDR):
         return call
     c10d: Any = sys.modules[f"{_TARGET}.distributed_c10d"]
     from phalanx.job.store_client import from_env  # imports torch, loaded by now
 
     timeout = call.get("timeout") or c10d.default_pg_timeout
-    restart = environ.get(N.TORCHELASTIC_RESTART_COUNT, "0")
+    restart = environ.get(env_names.TORCHELASTIC_RESTART_COUNT, "0")
     client = from_env(environ, timeout)
     # torch keeps only the C++ half of a Python store: the Python object (its methods) must stay alive.
     _CLIENTS.append(client)
@@ -104,8 +104,8 @@ def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dic
     rank = call.get("rank", -1)
     size = call.get("world_size", -1)
     return {**call, "init_method": None, "store": store,
-            "rank": int(environ[N.RANK]) if rank in (None, -1) else rank,
-            "world_size": int(environ[N.WORLD_SIZE]) if size in (None, -1) else size}
+            "rank": int(environ[env_names.RANK]) if rank in (None, -1) else rank,
+            "world_size": int(environ[env_names.WORLD_SIZE]) if size in (None, -1) else size}
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -26,7 +26,7 @@ import socket
 import sys
 from typing import Any
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.env.contract import process_name
 from phalanx.worker.lifeline import die_with_parent, set_process_name
 
@@ -68,7 +68,7 @@ def _become_rank(message: dict[str, Any], out_fd: int, err_fd: int) -> int:
     os.environ.clear()
     os.environ.update(message["env"])
     # /proc/<pid>/environ still shows the template's environment: the name marks the job's processes.
-    set_process_name(process_name(os.environ.get(N.PHALANX_RUN_ID, "")))
+    set_process_name(process_name(os.environ.get(env_names.PHALANX_RUN_ID, "")))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = ["-m phalanx.worker"]
@@ -87,10 +87,10 @@ def _apply_thread_count() -> None:
 
     OpenMP reads ``OMP_NUM_THREADS`` once, when torch is loaded - in the template, before the job's
     environment existed - so a forked rank would keep one thread per core and N ranks would
-    oversubscribe the host (measured: a 256x256 matmul loop 12x slower on 2 cores).
+    oversubscribe the host (each rank's OpenMP team as large as the whole host).
     """
     torch = sys.modules.get("torch")
-    raw = os.environ.get(N.OMP_NUM_THREADS, "")
+    raw = os.environ.get(env_names.OMP_NUM_THREADS, "")
     if torch is not None and raw.isdigit() and int(raw) > 0:
         torch.set_num_threads(int(raw))
 

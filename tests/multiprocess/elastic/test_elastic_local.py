@@ -10,12 +10,12 @@ import _digits_job as job
 import pytest
 
 import phalanx
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import WorkerFailedError
 
 STEPS = 40
 COMMIT_EVERY = 5
-ENV = {N.PHALANX_ELASTIC_TIMEOUT_S: "30"}
+ENV = {env_names.PHALANX_ELASTIC_TIMEOUT_S: "30"}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_reset_limit_zero_fails_with_the_root_cause(data: tuple[Any, Any], tmp_p
 
 @pytest.mark.timeout(90)
 def test_durable_commit_lets_a_restarted_job_resume(data: tuple[Any, Any], tmp_path: Path) -> None:
-    env = {**ENV, N.PHALANX_ELASTIC_CHECKPOINT_DIR: str(tmp_path / "ckpt")}
+    env = {**ENV, env_names.PHALANX_ELASTIC_CHECKPOINT_DIR: str(tmp_path / "ckpt")}
     first = phalanx.run(job.train, (data,), {"steps": 20}, np=2, min_np=1, env=env)
     assert (tmp_path / "ckpt" / "state.pt").exists() and first[0]["executed"] == 20
     second = phalanx.run(job.train, (data,), {"steps": 30}, np=2, min_np=1, env=env)

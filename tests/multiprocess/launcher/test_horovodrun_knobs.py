@@ -38,12 +38,12 @@ def test_stall_shutdown_log_layout_and_timestamp_prefix(tmp_path: Path) -> None:
         [sys.executable, "-m", "phalanx.cli.main", "-np", "2", "--stall-check-warning-time-seconds", "1",
          "--stall-check-shutdown-time-seconds", "3", "--log-level", "WARNING", "--log-without-timestamp",
          "--prefix-output-with-timestamp", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=110, check=False)  # fmt: skip
+        capture_output=True, text=True, timeout=110, check=False)
     assert out.returncode == 7, out.stderr
     stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
     # Horovod's stall warning, in Horovod's line layout without the time, once, on the waiting rank.
     warnings = re.findall(rf"^{stamp}\[0\]<stderr>:\[W phalanx\.torch\._stall\] stall check: allreduce 'late' "
-                          r"on ranks \[0, 1\] has waited \d+ s", out.stderr, re.M)  # fmt: skip
+                          r"on ranks \[0, 1\] has waited \d+ s", out.stderr, re.M)
     assert len(warnings) == 1, out.stderr
     assert re.search(rf"^{stamp}\[0\]<stdout>:gave up: stall check: allreduce 'late' on ranks \[0, 1\] waited "
                      r"\d+ s, past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3", out.stdout, re.M), out.stdout

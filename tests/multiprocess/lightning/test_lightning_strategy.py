@@ -139,7 +139,7 @@ def _failing_job() -> None:
 
     pl = importlib.import_module("lightning.pytorch")
     trainer = pl.Trainer(strategy="horovod", accelerator="cpu", max_epochs=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = _module(pl, int(os.environ["RANK"]), fail_at=2)
     trainer.fit(model, DataLoader(_data(), batch_size=BATCH))
 

@@ -47,7 +47,7 @@ def _dense_model(dtype: str | None = None, seed: int = 0) -> Any:
 
     keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu", dtype=dtype),
-                             keras.layers.Dense(1, dtype=dtype)])  # fmt: skip
+                             keras.layers.Dense(1, dtype=dtype)])
 
 
 def _ops_checks(hvd: Any, me: int) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def _ops_checks(hvd: Any, me: int) -> dict[str, Any]:
     for dt in (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32):
         t = tf.cast(tf.fill([3], me + 1), dt)
         out[f"allreduce {dt.name}"] = np.asarray(tf.cast(hvd.allreduce(t, op=hvd.Sum, name=f"s.{dt.name}"),
-                                                         tf.float64)).tolist()  # fmt: skip
+                                                         tf.float64)).tolist()
     out["average"] = hvd.allreduce(tf.constant([1.0 + me, 3.0])).numpy().tolist()
     out["fp16 compression"] = hvd.allreduce(tf.constant([1.0 + me]), compression=hvd.Compression.fp16).dtype.name
     out["allgather"] = hvd.allgather(tf.fill([me + 1, 2], float(me))).numpy().tolist()
@@ -84,7 +84,7 @@ def _training_checks(hvd: Any, me: int, tmp: str) -> dict[str, Any]:
     out["agree num_groups"] = _agree(hvd, model)
     model = _dense_model(seed=me)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), backward_passes_per_step=2,
-                                   average_aggregated_gradients=True)  # fmt: skip
+                                   average_aggregated_gradients=True)
     _fit(hvd, model, opt, steps=4)
     out["agree accumulation"] = _agree(hvd, model)
     out["applied steps"] = int(opt.iterations.numpy())
@@ -102,11 +102,11 @@ def _embedding_and_mixed_checks(hvd: Any, me: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     keras.utils.set_random_seed(me)
     emb = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(50, 4),
-                            keras.layers.Flatten(), keras.layers.Dense(1)])  # fmt: skip
+                            keras.layers.Flatten(), keras.layers.Dense(1)])
     emb.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
     ids = np.random.default_rng(me).integers(0, 50, size=(32, 4)).astype("int32")
     emb.fit(ids, np.ones((32, 1), "float32"), batch_size=8, epochs=1, verbose=0,
-            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])  # fmt: skip
+            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     out["agree embedding"] = _agree(hvd, emb)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import phalanx
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 
 pytest.importorskip("tensorflow")
 pytestmark = [pytest.mark.multiprocess]
@@ -269,7 +269,7 @@ def _elastic_keras_job(marker: str, epochs: int, steps: int) -> dict[str, Any]:
 def test_elastic_keras_job_survives_a_sigkilled_rank(tmp_path: Path) -> None:
     helpers = str(Path(__file__).parent)
     marker = str(tmp_path / "killed")
-    env = {**ENV, "PYTHONPATH": helpers, N.PHALANX_ELASTIC_TIMEOUT_S: "60"}
+    env = {**ENV, "PYTHONPATH": helpers, env_names.PHALANX_ELASTIC_TIMEOUT_S: "60"}
     out = phalanx.run(_elastic_keras_job, args=(marker, 3, 4), np=2, min_np=1, max_np=2, reset_limit=2, env=env)
     assert Path(marker).exists(), "rank 1 never died"
     assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)

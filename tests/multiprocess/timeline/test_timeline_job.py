@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import phalanx
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.timeline.reader import load_trace
 from phalanx.timeline.summary import summarize
 
@@ -67,7 +67,8 @@ def _flushed(tl: Any, row: str) -> str:
 @pytest.mark.timeout(120)
 def test_trace_has_every_collective_and_bucket(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
-    env = {N.HOROVOD_TIMELINE: str(path), N.PHALANX_TIMELINE_ALL_RANKS: "1", N.HOROVOD_TIMELINE_MARK_CYCLES: "1"}
+    env = {env_names.HOROVOD_TIMELINE: str(path), env_names.PHALANX_TIMELINE_ALL_RANKS: "1",
+           env_names.HOROVOD_TIMELINE_MARK_CYCLES: "1"}
     results = phalanx.run(_job, args=(str(path),), np=2, env=env)
     assert [r["path"] for r in results] == [str(tmp_path / f"timeline.rank{r}.json") for r in (0, 1)]
     assert all(r["mid_run"] > 0 for r in results), results  # readable while the job runs

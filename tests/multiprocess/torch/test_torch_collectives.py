@@ -23,7 +23,7 @@ def _dtypes() -> list[Any]:
     import torch
 
     return [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-            torch.float32, torch.float64, torch.bool]  # fmt: skip
+            torch.float32, torch.float64, torch.bool]
 
 
 def _gen(rank: int, dtype: Any, shape: tuple[int, ...], salt: int = 0) -> Any:
@@ -44,7 +44,7 @@ def _expected(tensors: list[Any], op: int) -> Any:
     if tensors[0].dtype == torch.bool:
         return (stack.amax(0) if op in (hvd.Sum, hvd.Max) else stack.amin(0)).bool()
     red = {hvd.Sum: stack.sum(0), hvd.Average: stack.sum(0) / len(tensors), hvd.Min: stack.amin(0),
-           hvd.Max: stack.amax(0), hvd.Product: stack.prod(0)}[op]  # fmt: skip
+           hvd.Max: stack.amax(0), hvd.Product: stack.prod(0)}[op]
     return red.to(tensors[0].dtype)
 
 
@@ -101,7 +101,7 @@ def _check_allreduce_extras(fail: list[str], n: int, me: int) -> None:
         fail.append("prescale/postscale")
     outs = hvd.grouped_allreduce([x, x.double() * 2, torch.ones(9000) * me], op=hvd.Sum)
     if not (torch.allclose(outs[0], x * 0 + total) and torch.allclose(outs[1], (x * 0 + total).double() * 2)
-            and torch.allclose(outs[2], torch.ones(9000) * sum(range(n)))):  # fmt: skip
+            and torch.allclose(outs[2], torch.ones(9000) * sum(range(n)))):
         fail.append("grouped_allreduce")
     ins = [x.clone(), torch.ones(9000)]
     hvd.grouped_allreduce_(ins, op=hvd.Sum)
@@ -214,7 +214,7 @@ def _collectives_job() -> list[str]:
     n, me = hvd.size(), hvd.rank()
     fail: list[str] = []
     for check in (_check_allreduce, _check_allreduce_extras, _check_allgather, _check_broadcast,
-                  _check_alltoall, _check_reducescatter):  # fmt: skip
+                  _check_alltoall, _check_reducescatter):
         try:
             check(fail, n, me)
         except Exception as e:  # report, keep the job going so every rank reaches the same point

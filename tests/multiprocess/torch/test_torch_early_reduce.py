@@ -23,9 +23,9 @@ LAG_S = 0.06  # above _early.WAIT_S: the early worker gives up waiting for a gra
 
 def _helpers() -> Any:
     sys.path.insert(0, os.path.dirname(__file__))
-    import test_torch_optimizer as T
+    import test_torch_optimizer as optimizer_tests
 
-    return T
+    return optimizer_tests
 
 
 def _train(factory: Any, wrap: Any, me: int, lag: str, early: bool, bpps: int = 1) -> Any:
@@ -33,8 +33,8 @@ def _train(factory: Any, wrap: Any, me: int, lag: str, early: bool, bpps: int = 
     or in the "hook" of the first layer's weight, the last gradient of the layout (rank 0 stops before it)."""
     import torch
 
-    T = _helpers()
-    model = T._model(width=WIDE)
+    optimizer_tests = _helpers()
+    model = optimizer_tests._model(width=WIDE)
     if lag == "hook" and me == 1:
         model[0].weight.register_post_accumulate_grad_hook(lambda p: time.sleep(LAG_S))
     opt = wrap(factory(model.parameters()), model)
@@ -42,7 +42,7 @@ def _train(factory: Any, wrap: Any, me: int, lag: str, early: bool, bpps: int = 
     if not early:
         opt._early = None
     per = 4
-    for x, y in T._batches(3, per * bpps, 2):
+    for x, y in optimizer_tests._batches(3, per * bpps, 2):
         xs, ys = x.view(2, per * bpps, 8)[me], y.view(2, per * bpps, 3)[me]
         for k in range(bpps):
             xk, yk = xs[k * per : (k + 1) * per], ys[k * per : (k + 1) * per]
@@ -61,11 +61,11 @@ def _early_job() -> list[str]:
     from phalanx.transport import _early
 
     hvd.init()
-    me, fail, T = hvd.rank(), [], _helpers()
-    total = sum(p.numel() * 4 for p in T._model(width=WIDE).parameters())
+    me, fail, optimizer_tests = hvd.rank(), [], _helpers()
+    total = sum(p.numel() * 4 for p in optimizer_tests._model(width=WIDE).parameters())
     avg = lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters())  # noqa: E731
-    for factory in (T._sgd, T._adam):
-        want = T._reference(factory, 2, width=WIDE)
+    for factory in (optimizer_tests._sgd, optimizer_tests._adam):
+        want = optimizer_tests._reference(factory, 2, width=WIDE)
         for lag in ("after", "hook"):
             before = dict(_early.STATS)
             got = _train(factory, avg, me, lag, True)
@@ -78,15 +78,16 @@ def _early_job() -> list[str]:
                 fail.append(f"{factory.__name__} lag {lag}: not bit-identical to the plain allreduce")
     summed = lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), op=hvd.Sum)  # noqa: E731
     for lag in ("after", "hook"):
-        got = _train(T._sgd, summed, me, lag, True)
-        agree, plain = hvd.broadcast(got, 0), _train(T._sgd, summed, me, lag, False)
+        got = _train(optimizer_tests._sgd, summed, me, lag, True)
+        agree, plain = hvd.broadcast(got, 0), _train(optimizer_tests._sgd, summed, me, lag, False)
         if not torch.equal(got, agree) or not torch.equal(got, plain):
             fail.append(f"op=Sum lag {lag}: ranks diverged or differ from the plain allreduce")
     bpps = lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), backward_passes_per_step=2)  # noqa: E731
-    got, want = _train(T._sgd, bpps, me, "after", True, bpps=2), T._reference(T._sgd, 2, bpps=2, width=WIDE)
+    got = _train(optimizer_tests._sgd, bpps, me, "after", True, bpps=2)
+    want = optimizer_tests._reference(optimizer_tests._sgd, 2, bpps=2, width=WIDE)
     if not torch.allclose(got, want, atol=1e-5):
         fail.append(f"backward_passes_per_step=2: max diff {float((got - want).abs().max())}")
-    T._check_unused_and_order(fail, me, width=WIDE)
+    optimizer_tests._check_unused_and_order(fail, me, width=WIDE)
     hvd.shutdown()
     return fail
 
@@ -147,8 +148,8 @@ def _peer_dies_job(how: str, lag: str) -> str:
     from phalanx.transport import _early
 
     hvd.init()
-    me, T = hvd.rank(), _helpers()
-    model = T._model(width=WIDE)
+    me, optimizer_tests = hvd.rank(), _helpers()
+    model = optimizer_tests._model(width=WIDE)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
     state = {"step": 0}
 

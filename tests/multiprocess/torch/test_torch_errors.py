@@ -70,7 +70,7 @@ def _errors_job() -> dict[str, Any]:
     report["speculation"] = _speculation(me)
     report["adasum"] = _raises(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), NotImplementedError)
     report["not a member"] = _raises(lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
-                                     ValueError)  # fmt: skip
+                                     ValueError)
     hvd.shutdown()
     return report
 
@@ -124,7 +124,7 @@ def test_mismatches_raise_on_every_rank_naming_tensor_ranks_and_values() -> None
         "name": "name: rank 0=t.name.0, rank 1=t.name.1", "process set": "process set: rank 0=0, rank 1=1",
         "trailing shape": "trailing shape: rank 0=(3,), rank 1=(4,)",
         "prescale_factor": "prescale_factor: rank 0=1.0, rank 1=2.0",
-    }  # fmt: skip
+    }
     for rank, report in enumerate(reports):
         for case, field in expected_field.items():
             assert field in report[case], (rank, case, report[case])
@@ -168,7 +168,7 @@ def _process_set_disagreement_job(where: str) -> dict[str, Any]:
 @pytest.mark.parametrize("where", ["add_process_set", "init"])
 def test_ranks_passing_different_process_sets_raise_on_every_rank(np: int, where: str) -> None:
     reports = phalanx.run(_process_set_disagreement_job, args=(where,), np=np,
-                          env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})  # fmt: skip
+                          env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     what = "add_process_set" if where == "add_process_set" else "hvd.init(process_sets=...)"
     for report in reports:
         assert report["error"].startswith(f"CollectiveMismatchError: ranks disagree on {what}: "), report
@@ -185,7 +185,7 @@ def _skipped_step_job() -> str:
     hvd.init()
     model = torch.nn.Linear(1000, 100)  # above the slot-exchange size: the buckets take the direct path
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())  # fmt: skip
+                                   named_parameters=model.named_parameters())
     for step in range(3):
         opt.zero_grad()
         model(torch.randn(8, 1000)).sum().backward()

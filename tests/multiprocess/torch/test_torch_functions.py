@@ -56,7 +56,7 @@ def _optimizers(params: Any) -> list[Any]:
         o.AdamW(params, lr=0.01), o.Adagrad(params, lr=0.1), o.Adadelta(params), o.Adamax(params),
         o.ASGD(params), o.NAdam(params), o.RAdam(params), o.RMSprop(params, momentum=0.5, centered=True),
         o.Rprop(params),
-    ]  # fmt: skip
+    ]
 
 
 def _check_optimizer_state(fail: list[str], me: int) -> None:
@@ -146,7 +146,7 @@ def _check_sync_batch_norm(fail: list[str], n: int, me: int) -> None:
     if not torch.allclose(hvd.allreduce(sync.weight.grad, op=hvd.Sum), ref.weight.grad, atol=1e-4):
         fail.append("SyncBatchNorm weight grad")
     if not (torch.allclose(sync.running_mean, ref.running_mean, atol=1e-5)
-            and torch.allclose(sync.running_var, ref.running_var, atol=1e-4)):  # fmt: skip
+            and torch.allclose(sync.running_var, ref.running_var, atol=1e-4)):
         fail.append("SyncBatchNorm running stats")
 
 

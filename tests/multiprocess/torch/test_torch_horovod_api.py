@@ -97,7 +97,7 @@ def _check_alltoall_and_grads(fail: list[str], n: int, me: int) -> None:
     t = torch.arange(2.0 * n) + 100 * me
     alone = hvd.alltoall(t)
     if not isinstance(alone, torch.Tensor) or alone.tolist() != [2.0 * me + 100 * r + k for r in range(n)
-                                                                  for k in range(2)]:  # fmt: skip
+                                                                  for k in range(2)]:
         fail.append(f"alltoall without splits: {alone}")
     pair = hvd.alltoall(t, splits=[2] * n)
     if not isinstance(pair, tuple) or pair[1].tolist() != [2] * n:
@@ -139,7 +139,7 @@ def _check_sparse(fail: list[str], n: int, me: int) -> None:
         torch.manual_seed(0)
         emb = torch.nn.Embedding(8, 2, sparse=True)
         opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
-                                       sparse_as_dense=as_dense)  # fmt: skip
+                                       sparse_as_dense=as_dense)
         emb(torch.tensor([[me, 7]])).sum().backward()
         opt.synchronize()
         grad = emb.weight.grad

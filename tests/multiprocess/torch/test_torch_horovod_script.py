@@ -22,7 +22,7 @@ def _horovod_style_training() -> tuple[bool, bool]:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=hvd.Compression.none, op=hvd.Average)  # fmt: skip
+                                         compression=hvd.Compression.none, op=hvd.Average)
     for _ in range(3):
         optimizer.zero_grad()
         loss = model(torch.randn(8, 4)).pow(2).mean()
@@ -41,5 +41,5 @@ def test_unchanged_horovod_script_runs_and_records_a_timeline(tmp_path: Path) ->
     assert out == [(True, True), (True, True)]
     text = trace.read_text()
     for event in ("NEGOTIATE_BROADCAST", "BROADCAST", "NEGOTIATE_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER",
-                  "DistributedOptimizer.bucket0", "ALLREDUCE"):  # fmt: skip
+                  "DistributedOptimizer.bucket0", "ALLREDUCE"):
         assert event in text, event

@@ -90,7 +90,7 @@ def _optimizer_job(features: int = 4) -> dict[str, Any]:
     model, ref = torch.nn.Linear(features, width), torch.nn.Linear(features, width)
     ref.load_state_dict(model.state_dict())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())  # fmt: skip
+                                   named_parameters=model.named_parameters())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(2 + me):  # uneven: rank r has 2 + r batches
         x, y = _batch(step, me, features)
@@ -123,7 +123,7 @@ def test_distributed_optimizer_with_uneven_batches_and_join(np: int, shm: str) -
     # async: the live ranks' buckets (one per parameter) wait on the worker thread until the joined rank
     # has seen the step's control block and serves them.
     env = {"PHALANX_SHM": "1", "PHALANX_SHM_GRAD_ASYNC": "1", "HOROVOD_FUSION_THRESHOLD": "0"} if shm == "async" \
-        else {"PHALANX_SHM": "1" if shm == "wide" else shm}  # fmt: skip
+        else {"PHALANX_SHM": "1" if shm == "wide" else shm}
     reports = phalanx.run(_optimizer_job, args=(128 if shm == "wide" else 4,), np=np, env=env)
     assert [r["last"] for r in reports] == [np - 1] * np
     assert all(r["same as reference"] for r in reports), reports

@@ -18,7 +18,7 @@ def _model(seed: int = 0, width: int = 32) -> Any:
     return torch.nn.Sequential(
         torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.Tanh(),
         torch.nn.Linear(width, 3),
-    )  # fmt: skip
+    )
 
 
 def _batches(steps: int, per_rank: int, n: int) -> list[tuple[Any, Any]]:
@@ -26,11 +26,11 @@ def _batches(steps: int, per_rank: int, n: int) -> list[tuple[Any, Any]]:
 
     g = torch.Generator().manual_seed(42)
     return [(torch.randn(per_rank * n, 8, generator=g), torch.randn(per_rank * n, 3, generator=g))
-            for _ in range(steps)]  # fmt: skip
+            for _ in range(steps)]
 
 
 def _train(opt_factory: Any, wrap: Any, n: int, me: int, steps: int = 3, bpps: int = 1, width: int = 32,
-           set_to_none: bool = True) -> Any:  # fmt: skip
+           set_to_none: bool = True) -> Any:
     """Train on this rank's shard (or the whole batch when n == 1 and me == 0); return the weights."""
     import torch
 
@@ -99,7 +99,7 @@ def _check_equivalence(fail: list[str], n: int, me: int) -> None:
                 fail.append(f"{factory.__name__} {name}: max diff {float((got - want).abs().max())}")
     want = _reference(_sgd, n, bpps=2)
     got = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), backward_passes_per_step=2),
-                 n, me, bpps=2)  # fmt: skip
+                 n, me, bpps=2)
     if not torch.allclose(got, want, atol=1e-5):
         fail.append(f"backward_passes_per_step=2: max diff {float((got - want).abs().max())}")
     summed = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), op=hvd.Sum), n, me)
@@ -259,7 +259,7 @@ def _in_place_job(pack_on: int) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch import _buckets as B
+    from phalanx.torch import _buckets
     from phalanx.torch.process_sets import global_process_set, groups_of
     from phalanx.transport import _dispatch
 
@@ -268,10 +268,10 @@ def _in_place_job(pack_on: int) -> list[str]:
     route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad))
     expect_pack = me == pack_on or route is None or not route[0].channels["grad"].cma  # no CMA: every rank packs
     if me == pack_on:
-        B.DIRECT_DTYPES = ()  # type: ignore[misc]  # this rank packs: its table has one segment
+        _buckets.DIRECT_DTYPES = ()  # type: ignore[misc]  # this rank packs: its table has one segment
     packed: list[int] = []
-    pack = B.pack
-    B.pack = lambda bucket, prescale: (packed.append(1), pack(bucket, prescale))[1]  # type: ignore[assignment]
+    pack = _buckets.pack
+    _buckets.pack = lambda bucket, prescale: (packed.append(1), pack(bucket, prescale))[1]  # type: ignore[assignment]
     fail: list[str] = []
     wrap = {
         "default": lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()),
@@ -291,11 +291,11 @@ def _in_place_job(pack_on: int) -> list[str]:
                     fail.append(f"{factory.__name__} {name} set_to_none={set_to_none}: max diff {diff}")
     want = _reference(_sgd, n, bpps=2, width=WIDE)
     got = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), backward_passes_per_step=2),
-                 n, me, bpps=2, width=WIDE)  # fmt: skip
+                 n, me, bpps=2, width=WIDE)
     if not torch.allclose(got, want, atol=1e-5):
         fail.append(f"backward_passes_per_step=2: max diff {float((got - want).abs().max())}")
     summed = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, m.named_parameters(), op=hvd.Sum), n, me,
-                    width=WIDE)  # fmt: skip
+                    width=WIDE)
     if not torch.equal(summed, hvd.broadcast(summed, 0)):
         fail.append("op=Sum: ranks diverged")
     if n == 2:
@@ -327,7 +327,7 @@ def _huge_pages_job() -> tuple[list[str], bool, int]:
     cma = route is not None and route[0].channels["grad"].cma
     want = _reference(_sgd, n, width=HUGE)
     got = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()), n, me,
-                 width=HUGE)  # fmt: skip
+                 width=HUGE)
     fail = [] if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else [f"max diff {float((got - want).abs().max())}"]
     hvd.shutdown()
     return fail, cma, len(_thp.ADVISOR.seen) + len(_thp.ADVISOR.sighted)  # blocks offered for huge pages

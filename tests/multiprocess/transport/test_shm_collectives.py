@@ -39,7 +39,7 @@ def _expected(size: int, dtype: Any, n: int, op: int) -> Any:
     if dtype == torch.bool:
         return (stack.amax(0) if op in (hvd.Sum, hvd.Max) else stack.amin(0)).bool()
     red = {hvd.Sum: stack.sum(0), hvd.Average: stack.sum(0) / size, hvd.Min: stack.amin(0),
-           hvd.Max: stack.amax(0), hvd.Product: stack.prod(0)}[op]  # fmt: skip
+           hvd.Max: stack.amax(0), hvd.Product: stack.prod(0)}[op]
     if not dtype.is_floating_point and op == hvd.Average:
         red = torch.floor(red)
     return red.to(dtype)
@@ -59,7 +59,7 @@ def _allreduce_checks(hosts: list[str] | None = None, cma: bool = True) -> list[
         if any(ch.cma != cma for ch in transport.channels.values()):
             bad.append(f"rank {hvd.rank()}: cross-memory attach should be {'on' if cma else 'off'}")
     dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-              torch.float32, torch.float64, torch.bool]  # fmt: skip
+              torch.float32, torch.float64, torch.bool]
     for dtype in dtypes:
         for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
             if dtype == torch.bool and op == hvd.Average:
@@ -125,7 +125,7 @@ def _optimizer_checks() -> list[str]:
     model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())  # fmt: skip
+                                   named_parameters=model.named_parameters())
     for step in range(5):
         torch.manual_seed(step * 10 + hvd.rank())
         opt.zero_grad()

@@ -42,7 +42,7 @@ def _large_reduce_scatter(pg: Any, r: int) -> list[str]:
 
     bad, R = [], dist.ReduceOp
     for dtype, n, op in [(torch.float32, 100_003, R.SUM), (torch.float64, 300_001, R.AVG),
-                         (torch.int64, 70_001, R.MAX), (torch.bfloat16, 333_333, R.SUM)]:  # fmt: skip
+                         (torch.int64, 70_001, R.MAX), (torch.bfloat16, 333_333, R.SUM)]:
         def make(rank: int, n: int = n, dtype: Any = dtype) -> Any:
             return (torch.arange(2 * n, dtype=torch.int64) % 7 * (rank + 1)).to(dtype)
 

@@ -124,7 +124,7 @@ def _die_mid_training(mode: str) -> None:
     hvd.init()
     model = torch.nn.Linear(1000, 100)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())  # fmt: skip
+                                   named_parameters=model.named_parameters())
     for step in range(20):
         if step == 5 and hvd.rank() == 1:
             if mode == "kill":

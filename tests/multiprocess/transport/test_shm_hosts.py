@@ -51,7 +51,7 @@ def _reference(size: int, dtype: Any, n: int, op: Any) -> Any:
 
     R = dist.ReduceOp
     fns = {R.SUM: torch.add, R.AVG: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum,
-           R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}  # fmt: skip
+           R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}
     out = functools.reduce(fns[op], [_value(r, dtype, n) for r in range(size)])
     if op == R.AVG and dtype.is_complex:
         return torch.view_as_complex(torch.view_as_real(out) / size)  # per component, as gloo divides
@@ -81,7 +81,7 @@ def _allreduce_checks(gloo: Any) -> list[str]:
 
     R, r, size, bad = dist.ReduceOp, dist.get_rank(), dist.get_world_size(), []
     dtypes = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-              torch.float32, torch.float64, torch.bool, torch.complex64]  # fmt: skip
+              torch.float32, torch.float64, torch.bool, torch.complex64]
     for dtype in dtypes:
         for op in (R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX, R.BAND, R.BOR, R.BXOR):
             for n in SIZES:
@@ -129,7 +129,7 @@ def _reduce_scatter_checks() -> list[str]:
     r, size, bad = dist.get_rank(), dist.get_world_size(), []
     total = sum(q + 1 for q in range(size))
     cases = ((dist.ReduceOp.SUM, torch.float32, total), (dist.ReduceOp.AVG, torch.float32, total / size),
-             (dist.ReduceOp.MAX, torch.int64, size), (dist.ReduceOp.SUM, torch.int64, total))  # fmt: skip
+             (dist.ReduceOp.MAX, torch.int64, size), (dist.ReduceOp.SUM, torch.int64, total))
     for n in (3, 20001):
         for op, dtype, factor in cases:
             part = torch.empty(n, dtype=dtype)
@@ -212,7 +212,7 @@ def _ddp_job(hosts: list[str]) -> tuple[str, bool, bool, float]:
     dist.all_gather(every, flat[0])
     calls = getattr(pg, "shm_calls", None) or {}
     out = (str(dist.get_backend()), calls.get("allreduce", 0) >= 4, all(torch.equal(every[0], e) for e in every),
-           float((flat[0] - flat[1]).abs().max()))  # fmt: skip
+           float((flat[0] - flat[1]).abs().max()))
     dist.destroy_process_group()
     return out
 

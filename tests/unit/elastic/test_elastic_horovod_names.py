@@ -11,7 +11,7 @@ import torch
 
 import phalanx.torch as hvd
 from phalanx.compat import _finder
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import HostsUpdatedInterrupt
 from phalanx.torch.elastic import state as state_module
 
@@ -34,7 +34,7 @@ def test_object_state_takes_horovods_functions(tmp_path: Path, monkeypatch: pyte
     assert (state.epoch, state.lr) == (0, 0.1)
     state.sync()
     assert bcast.sent == [{"epoch": 0, "lr": 0.1}] and (state.epoch, state.lr) == (4, 0.5)
-    monkeypatch.setenv(N.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
+    monkeypatch.setenv(env_names.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
     state.commit()  # get_rank() says 1: only rank 0 writes the durable commit
     assert not (tmp_path / "state.pt").exists()
 
@@ -162,7 +162,7 @@ def test_set_handler_registry_adds_a_type(registry: list[Any]) -> None:
 
 
 def test_durable_checkpoint_keeps_handled_and_plain_attributes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(N.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
+    monkeypatch.setenv(env_names.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
     model, sampler = torch.nn.Linear(2, 1), hvd.elastic.ElasticSampler(list(range(6)), shuffle=False)
     sampler.record_batch(0, 2)
     state = hvd.elastic.TorchState(model, None, sampler=sampler, epoch=3)

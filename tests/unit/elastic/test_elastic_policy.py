@@ -7,7 +7,7 @@ import queue
 import cloudpickle
 import pytest
 
-from phalanx.env import elastic as K
+from phalanx.env import elastic as elastic_keys
 from phalanx.errors import InvalidArgumentError, WorkerFailedError
 from phalanx.job.channel import Result
 from phalanx.job.elastic import ElasticMonitor, ElasticPolicy
@@ -54,12 +54,12 @@ def test_elastic_spec_only_when_asked_and_np_within_bounds() -> None:
 
 
 def test_round_plan_sets_assignments_then_latest_then_marker() -> None:
-    plan = K.round_plan(3, [0, 5])
-    assert plan == [(K.assign_key(3, 0), "0,2"), (K.assign_key(3, 5), "1,2"), (K.LATEST_KEY, "3"),
-                    (K.round_key(3), "1")]
-    assert K.decode_assignment(b"1,2") == (1, 2)
+    plan = elastic_keys.round_plan(3, [0, 5])
+    assert plan == [(elastic_keys.assign_key(3, 0), "0,2"), (elastic_keys.assign_key(3, 5), "1,2"),
+                    (elastic_keys.LATEST_KEY, "3"), (elastic_keys.round_key(3), "1")]
+    assert elastic_keys.decode_assignment(b"1,2") == (1, 2)
     with pytest.raises(ValueError, match="rank,size"):
-        K.decode_assignment("x")
+        elastic_keys.decode_assignment("x")
 
 
 def _monitor(events: list[object], policy: ElasticPolicy) -> tuple[ElasticMonitor, list[tuple[list[int], int]]]:

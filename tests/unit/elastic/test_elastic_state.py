@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import phalanx.torch as hvd
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.torch.elastic._run import is_peer_loss
 
 
 @pytest.fixture
 def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in (N.MASTER_ADDR, N.MASTER_PORT, N.RANK, N.WORLD_SIZE, N.PHALANX_ELASTIC_WORKER_ID):
+    for name in (env_names.MASTER_ADDR, env_names.MASTER_PORT, env_names.RANK, env_names.WORLD_SIZE,
+                 env_names.PHALANX_ELASTIC_WORKER_ID):
         monkeypatch.delenv(name, raising=False)
     hvd.init()
     yield
@@ -46,7 +47,7 @@ def test_torch_state_restores_model_and_optimizer(single: None) -> None:
 
 def test_durable_commit_is_written_and_resumed(single: None, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(N.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
+    monkeypatch.setenv(env_names.PHALANX_ELASTIC_CHECKPOINT_DIR, str(tmp_path))
     model = torch.nn.Linear(2, 1)
     state = hvd.elastic.TorchState(model, None, step=5)
     state.commit()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.env import elastic as K
+from phalanx.env import elastic as elastic_keys
 from phalanx.errors import InvalidArgumentError, SparkJobError
 from phalanx.job.channel import Role
 from phalanx.job.elastic import ElasticPolicy
@@ -56,15 +56,15 @@ def _launcher(np: int, gone: set[int] | None = None) -> tuple[ElasticSparkLaunch
 
 def test_a_lost_worker_is_replaced_in_its_own_slot_and_the_round_is_published() -> None:
     launcher, channel, store = _launcher(3)
-    assert store.keys[K.round_key(0)] == "1"
+    assert store.keys[elastic_keys.round_key(0)] == "1"
     assert launcher._free_slots([0, 2]) == 1
     world = launcher._reform([0, 2], 3)
     assert world == [0, 2, 3] and channel.sent == [(1, {"spawn": 3})] and launcher.slot_of[3] == 1
-    assert K.decode_assignment(store.keys[K.assign_key(1, 3)]) == (2, 3)
+    assert elastic_keys.decode_assignment(store.keys[elastic_keys.assign_key(1, 3)]) == (2, 3)
     # The replacement dies too: the next one goes to the same slot, with a new id.
     assert launcher._reform([0, 2], 3) == [0, 2, 4] and channel.sent[-1] == (1, {"spawn": 4})
     assert not launcher._holds_state(4)
-    store.set(K.synced_key(2, 4), "1")
+    store.set(elastic_keys.synced_key(2, 4), "1")
     assert launcher._holds_state(4) and launcher._holds_state(0)
 
 

@@ -4,24 +4,24 @@ import pickle
 
 import pytest
 
-from phalanx import errors as E
+from phalanx import errors
 
 
 def test_every_error_class_pickles() -> None:
-    for cls in (E.PhalanxError, E.InvalidArgumentError, E.PayloadError, E.StartTimeoutError, E.ChannelError,
-                E.WorkerContractError, E.JobAbortedError):
+    for cls in (errors.PhalanxError, errors.InvalidArgumentError, errors.PayloadError, errors.StartTimeoutError,
+                errors.ChannelError, errors.WorkerContractError, errors.JobAbortedError):
         err = cls("boom")
         back = pickle.loads(pickle.dumps(err))
         assert type(back) is cls and str(back) == "boom"
-        assert isinstance(back, E.PhalanxError)
+        assert isinstance(back, errors.PhalanxError)
 
 
 def test_worker_failed_error_message_and_pickling() -> None:
-    root = E.RankFailure(rank=1, summary="ValueError: bad", traceback="Traceback...\nValueError: bad\n",
+    root = errors.RankFailure(rank=1, summary="ValueError: bad", traceback="Traceback...\nValueError: bad\n",
                          log_tail=("line a", "line b"), exc_type="ValueError")
-    stopped = E.RankFailure(rank=0, summary="process ended with signal SIGTERM (15)", returncode=-15,
+    stopped = errors.RankFailure(rank=0, summary="process ended with signal SIGTERM (15)", returncode=-15,
                             secondary=True)
-    err = E.WorkerFailedError([root, stopped])
+    err = errors.WorkerFailedError([root, stopped])
     text = str(err)
     assert text.startswith("rank 1 failed: ValueError: bad")
     assert "Traceback from rank 1" in text and "line b" in text
@@ -33,12 +33,12 @@ def test_worker_failed_error_message_and_pickling() -> None:
 
 @pytest.mark.parametrize(("rc", "text", "shell"), [(3, "exit code 3", 3), (-9, "signal SIGKILL (9)", 137)])
 def test_exit_descriptions(rc: int, text: str, shell: int) -> None:
-    assert E.describe_exit(rc) == text
-    assert E.shell_exit_code(rc) == shell
-    assert E.WorkerFailedError([E.RankFailure(rank=0, summary="x", returncode=rc)]).exit_code == shell
+    assert errors.describe_exit(rc) == text
+    assert errors.shell_exit_code(rc) == shell
+    assert errors.WorkerFailedError([errors.RankFailure(rank=0, summary="x", returncode=rc)]).exit_code == shell
 
 
 def test_invalid_argument_is_a_value_error() -> None:
-    assert issubclass(E.InvalidArgumentError, ValueError)
-    assert issubclass(E.StartTimeoutError, TimeoutError)
-    assert issubclass(E.WorkerFailedError, RuntimeError)
+    assert issubclass(errors.InvalidArgumentError, ValueError)
+    assert issubclass(errors.StartTimeoutError, TimeoutError)
+    assert issubclass(errors.WorkerFailedError, RuntimeError)

@@ -22,7 +22,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     seen: list[dict[str, Any]] = []
 
     def fake_run(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1,
-                 **options: Any) -> list[Any]:  # fmt: skip
+                 **options: Any) -> list[Any]:
         seen.append({"fn": fn, "args": args, "kwargs": kwargs, "np": np, **options})
         return [fn(*args, **(kwargs or {}))] * np
 
@@ -33,7 +33,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
 def test_horovods_names_map_onto_phalanx_run(calls: list[dict[str, Any]]) -> None:
     out = horovod_run.run(_train, args=(3,), kwargs={"scale": 2}, num_proc=2, min_num_proc=1, max_num_proc=4,
                           reset_limit=3, hosts="localhost:4", start_timeout=40, output_filename="out",
-                          verbose=True, use_gloo=True, executable=sys.executable)  # fmt: skip
+                          verbose=True, use_gloo=True, executable=sys.executable)
     assert out == [6, 6]
     call = calls[0]
     assert (call["np"], call["min_np"], call["max_np"], call["reset_limit"]) == (2, 1, 4, 3)
@@ -69,7 +69,7 @@ def test_deprecated_names_warn_as_in_horovod(calls: list[dict[str, Any]]) -> Non
     ],
 )
 def test_noop_parameters_warn_naming_themselves(calls: list[dict[str, Any]], options: dict[str, Any],
-                                                named: str) -> None:  # fmt: skip
+                                                named: str) -> None:
     with pytest.warns(UserWarning, match=rf"horovod.run\({named}=...\) changes nothing: "):
         assert horovod_run.run(_train, (1,), num_proc=1, **options) == [1]
     assert named not in calls[0]
@@ -91,7 +91,7 @@ def test_unset_parameters_warn_nothing(calls: list[dict[str, Any]]) -> None:
     ],
 )
 def test_refused_before_anything_starts(calls: list[dict[str, Any]], options: dict[str, Any],
-                                        error: type[Exception], message: str) -> None:  # fmt: skip
+                                        error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         horovod_run.run(_train, (1,), num_proc=2, **options)
     assert calls == []
@@ -106,7 +106,7 @@ def test_hostfile_becomes_hosts(calls: list[dict[str, Any]], tmp_path: Path) -> 
 
 @pytest.mark.parametrize("option", [{"ssh_port": 2222}, {"ssh_identity_file": "id"}, {"network_interfaces": ["eth1"]}])
 def test_ssh_options_for_remote_hosts_are_refused(calls: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
-                                                  option: dict[str, Any]) -> None:  # fmt: skip
+                                                  option: dict[str, Any]) -> None:
     monkeypatch.setattr(horovod_run, "only_this_machine", lambda hosts: False)  # as if h1, h2 were other machines
     with pytest.raises(InvalidArgumentError, match=r"phalanx.run (has no ssh options|picks the route)"):
         horovod_run.run(_train, (1,), num_proc=2, hosts="h1:1,h2:1", **option)
@@ -114,9 +114,9 @@ def test_ssh_options_for_remote_hosts_are_refused(calls: list[dict[str, Any]], m
 
 
 def test_parameters_phalanx_run_takes_are_passed_through(calls: list[dict[str, Any]],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     def run_with_ssh(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1, *,
-                     ssh_port: int | None = None, **options: Any) -> list[Any]:  # fmt: skip
+                     ssh_port: int | None = None, **options: Any) -> list[Any]:
         calls.append({"ssh_port": ssh_port})
         return [fn(*args)]
 
@@ -135,7 +135,7 @@ def test_phalanx_runs_own_ssh_options_receive_horovods(monkeypatch: pytest.Monke
     seen: dict[str, Any] = {}
 
     def spy(fn: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, np: int = 1,
-            **options: Any) -> list[Any]:  # fmt: skip
+            **options: Any) -> list[Any]:
         seen.update(options)
         return [fn(*args)]
 
@@ -144,7 +144,7 @@ def test_phalanx_runs_own_ssh_options_receive_horovods(monkeypatch: pytest.Monke
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         horovod_run.run(_train, (1,), num_proc=1, ssh_port=2222, ssh_identity_file="id",
-                        network_interfaces=["eth1"])  # fmt: skip
+                        network_interfaces=["eth1"])
     assert (seen["ssh_port"], seen["ssh_identity_file"], seen["network_interfaces"]) == (2222, "id", ["eth1"])
 
 

@@ -40,7 +40,7 @@ HOROVODRUN_ARGS: list[list[str]] = [
     ["--log-hide-timestamp"], ["--no-log-hide-timestamp"], ["--gloo"], ["--mpi"], ["--jsrun"],
     ["--config-file", "CONFIG"], ["-hostfile", "HOSTFILE"], ["--hostfile", "HOSTFILE"],
     ["--host-discovery-script", "SCRIPT"],
-]  # fmt: skip
+]
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_effective_flags_set_horovods_variables_for_the_ranks() -> None:
     cfg = parse_config(["-np", "2", "--fusion-threshold-mb", "4", "--stall-check-warning-time-seconds", "7",
                         "--stall-check-shutdown-time-seconds", "20", "--gloo-timeout-seconds", "45",
                         "--log-level", "debug", "--log-without-timestamp", "--tcp", "--elastic-timeout", "90",
-                        "true"])  # fmt: skip
+                        "true"])
     env = cfg.job_env()
     assert env["HOROVOD_FUSION_THRESHOLD"] == str(4 * 1024 * 1024)
     assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "7"

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 from phalanx.lightning import registry
-from phalanx.lightning import strategy as S
+from phalanx.lightning import strategy as hvd_strategy
 
 pytest.importorskip("lightning")
 
@@ -26,20 +26,21 @@ pytest.importorskip("lightning")
 def test_reduce_ops_map_to_hvd_ops() -> None:
     import phalanx.torch as hvd
 
-    assert S.hvd_op(None) == S.hvd_op("mean") == S.hvd_op("avg") == hvd.Average
-    assert S.hvd_op("sum") == S.hvd_op(torch.distributed.ReduceOp.SUM) == hvd.Sum
-    assert S.hvd_op(torch.distributed.ReduceOp.MAX) == hvd.Max
-    assert S.hvd_op("min") == hvd.Min
+    assert hvd_strategy.hvd_op(None) == hvd_strategy.hvd_op("mean") == hvd_strategy.hvd_op("avg") == hvd.Average
+    assert hvd_strategy.hvd_op("sum") == hvd_strategy.hvd_op(torch.distributed.ReduceOp.SUM) == hvd.Sum
+    assert hvd_strategy.hvd_op(torch.distributed.ReduceOp.MAX) == hvd.Max
+    assert hvd_strategy.hvd_op("min") == hvd.Min
     with pytest.raises(InvalidArgumentError, match="unsupported reduce_op 'bxor'"):
-        S.hvd_op("bxor")
+        hvd_strategy.hvd_op("bxor")
 
 
 def test_root_device_is_the_local_ranks_gpu_or_the_cpu() -> None:
     gpus = [torch.device("cuda", i) for i in range(4)]
-    assert S.root_device_of(gpus, 3) == torch.device("cuda", 3)
-    assert S.root_device_of([torch.device("cuda", 0)], 1) == torch.device("cuda", 1)  # devices=1, 2 ranks/host
-    assert S.root_device_of([torch.device("cpu")], 1) == torch.device("cpu")
-    assert S.root_device_of(None, 0) == torch.device("cpu")
+    assert hvd_strategy.root_device_of(gpus, 3) == torch.device("cuda", 3)
+    # devices=1, 2 ranks per host
+    assert hvd_strategy.root_device_of([torch.device("cuda", 0)], 1) == torch.device("cuda", 1)
+    assert hvd_strategy.root_device_of([torch.device("cpu")], 1) == torch.device("cpu")
+    assert hvd_strategy.root_device_of(None, 0) == torch.device("cpu")
 
 
 class FakeHvd:
@@ -63,11 +64,11 @@ class FakeHvd:
 
 def test_gpu_branch_pins_the_local_ranks_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Built as the Trainer builds it on a 2-GPU host; CUDA calls are recorded instead of made."""
-    monkeypatch.setattr(S, "hvd", FakeHvd())
+    monkeypatch.setattr(hvd_strategy, "hvd", FakeHvd())
     pinned: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "set_device", pinned.append)
-    strategy: Any = S.strategy_class("lightning.pytorch")(parallel_devices=[torch.device("cuda", 0),
-                                                                          torch.device("cuda", 1)])  # fmt: skip
+    strategy: Any = hvd_strategy.strategy_class("lightning.pytorch")(parallel_devices=[torch.device("cuda", 0),
+                                                                          torch.device("cuda", 1)])
     moved: list[torch.device] = []
     strategy._model = SimpleNamespace(to=moved.append)
     assert (strategy.global_rank, strategy.local_rank, strategy.world_size, strategy.node_rank) == (3, 1, 4, 1)
@@ -82,7 +83,7 @@ def test_learning_rates_and_scheduler_base_rates_scale_with_the_world() -> None:
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
-    S.scale_learning_rates([optimizer], [SimpleNamespace(scheduler=scheduler)], 4)
+    hvd_strategy.scale_learning_rates([optimizer], [SimpleNamespace(scheduler=scheduler)], 4)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.4)
     assert scheduler.base_lrs == [pytest.approx(0.4)]
 
@@ -97,13 +98,13 @@ def test_v1_spelling_becomes_the_strategy() -> None:
 
 def test_unknown_flavour_is_named() -> None:
     with pytest.raises(InvalidArgumentError, match=r"'lightning\.fabric'"):
-        S.strategy_class("lightning.fabric")
+        hvd_strategy.strategy_class("lightning.fabric")
 
 
 def _python(code: str, **env: str) -> str:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "HOROVOD_"))}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
-                          env={**base, **env})  # fmt: skip
+                          env={**base, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
 
@@ -112,7 +113,8 @@ def _python(code: str, **env: str) -> str:
 def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     import phalanx.torch as hvd
 
-    for name in (N.MASTER_ADDR, N.MASTER_PORT, N.RANK, N.WORLD_SIZE, N.LOCAL_RANK, N.HOROVOD_RANK):
+    for name in (env_names.MASTER_ADDR, env_names.MASTER_PORT, env_names.RANK, env_names.WORLD_SIZE,
+                 env_names.LOCAL_RANK, env_names.HOROVOD_RANK):
         monkeypatch.delenv(name, raising=False)
     yield
     hvd.shutdown()
@@ -134,7 +136,7 @@ def _fit(pl: Any, **flags: Any) -> Any:
 
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), batch_size=4)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, **flags)  # fmt: skip
+                         enable_model_summary=False, **flags)
     trainer.fit(M(), data)
     return trainer
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 
 pytest.importorskip("tensorflow")
 
@@ -23,7 +23,8 @@ from phalanx.errors import InvalidArgumentError
 
 @pytest.fixture
 def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in (N.MASTER_ADDR, N.MASTER_PORT, N.RANK, N.WORLD_SIZE, N.LOCAL_RANK, N.HOROVOD_RANK):
+    for name in (env_names.MASTER_ADDR, env_names.MASTER_PORT, env_names.RANK, env_names.WORLD_SIZE,
+                 env_names.LOCAL_RANK, env_names.HOROVOD_RANK):
         monkeypatch.delenv(name, raising=False)
     hvd.init()
     yield
@@ -53,7 +54,7 @@ def test_old_compile_argument_is_dropped_with_a_warning_and_jit_is_forced_off(si
     model = _model()
     with pytest.warns(UserWarning, match="experimental_run_tf_function"):
         model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
-                      experimental_run_tf_function=False)  # fmt: skip
+                      experimental_run_tf_function=False)
     assert model.jit_compile is False
     with pytest.warns(UserWarning, match="XLA"):
         model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
@@ -97,11 +98,11 @@ def test_schedule_callbacks_set_the_learning_rate(single: None) -> None:
     record = keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(float(lr.learning_rate)))
     schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.5, multiplier=lambda epoch: 0.1 ** epoch)
     model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, epochs=3, verbose=0,
-              callbacks=[schedule, hvd.callbacks.MetricAverageCallback(), record])  # fmt: skip
+              callbacks=[schedule, hvd.callbacks.MetricAverageCallback(), record])
     assert seen == pytest.approx([0.5, 0.05, 0.005])
     warm = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.3, warmup_epochs=2)
     model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), batch_size=4, epochs=2, verbose=0,
-              callbacks=[warm])  # fmt: skip
+              callbacks=[warm])
     assert float(model.optimizer.learning_rate) == pytest.approx(0.3)  # size 1: warmup is flat
 
 
@@ -120,7 +121,7 @@ def test_gradient_groups_are_fused_separately(single: None, monkeypatch: pytest.
     model = _model()  # kernel (3, 2), bias (2,), kernel (2, 1), bias (1,)
     first, second = model.layers
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups=[[first.kernel, second.bias]]),
-                  loss="mse")  # fmt: skip
+                  loss="mse")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     group = "DistributedOptimizer.gradients.group"
     assert seen == [(f"{group}0", [(3, 2), (1,)]), (f"{group}1", [(2,)]), (f"{group}2", [(2, 1)])]
@@ -145,9 +146,9 @@ def _weight_after_lr_change(optimizer: keras.optimizers.Optimizer, correct: bool
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
     model.compile(optimizer=hvd.DistributedOptimizer(optimizer), loss=lambda t, p: keras.ops.mean(p))
     schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=1.0, multiplier=lambda e: (0.1, 0.3)[int(e)],
-                                                          momentum_correction=correct)  # fmt: skip
+                                                          momentum_correction=correct)
     model.fit(np.ones((1, 1), "float32"), np.zeros((1, 1), "float32"), batch_size=1, epochs=2, verbose=0,
-              callbacks=[schedule])  # fmt: skip
+              callbacks=[schedule])
     return float(model.get_weights()[0][0, 0])
 
 
@@ -178,21 +179,21 @@ def test_without_tensorflow_the_import_error_says_what_to_install() -> None:
 
 def test_fused_buffers_fold_an_exact_average_into_the_copy(single: None) -> None:
     from phalanx.tensorflow import _bridge
-    from phalanx.torch import _reduce as R
+    from phalanx.torch import _reduce
 
     f32, f16, i32 = np.dtype("float32"), np.dtype("float16"), np.dtype("int32")
-    assert _bridge._folded_scale(R.Average, 1.0, 4, f32) == 0.25
-    assert _bridge._folded_scale(R.Average, 1.0, 2, f16) == 0.5
-    assert _bridge._folded_scale(R.Average, 1.0, 3, f32) is None  # 1/3 is inexact: the engine divides the sum
-    assert _bridge._folded_scale(R.Average, 0.5, 2, f32) is None  # a prescale factor: left to the engine
-    assert _bridge._folded_scale(R.Sum, 1.0, 2, f32) is None
-    assert _bridge._folded_scale(R.Average, 1.0, 2, i32) is None  # integers: floor division of the sum
+    assert _bridge._folded_scale(_reduce.Average, 1.0, 4, f32) == 0.25
+    assert _bridge._folded_scale(_reduce.Average, 1.0, 2, f16) == 0.5
+    assert _bridge._folded_scale(_reduce.Average, 1.0, 3, f32) is None  # 1/3 is inexact: the engine divides the sum
+    assert _bridge._folded_scale(_reduce.Average, 0.5, 2, f32) is None  # a prescale factor: left to the engine
+    assert _bridge._folded_scale(_reduce.Sum, 1.0, 2, f32) is None
+    assert _bridge._folded_scale(_reduce.Average, 1.0, 2, i32) is None  # integers: floor division of the sum
     arrays = [np.arange(5, dtype="float32"), np.ones((2, 3), "int32"), np.full((3,), 2.5, "float32")]
     layout = _bridge._layout(arrays, "g")
     assert _bridge._layout([a.copy() for a in arrays], "g") is layout  # cached per name, dtypes and shapes
     assert [(g.name, g.idx, g.starts, g.total) for g in layout] == [("g.float32", (0, 2), (0, 16), 32),
-                                                                     ("g.int32", (1,), (0,), 16)]  # fmt: skip
-    out = _bridge.np_fused_allreduce(arrays, "g", R.Average, 1.0, 3.0)
+                                                                     ("g.int32", (1,), (0,), 16)]
+    out = _bridge.np_fused_allreduce(arrays, "g", _reduce.Average, 1.0, 3.0)
     assert [o.tolist() for o in out] == [[0.0, 3.0, 6.0, 9.0, 12.0], [[3] * 3] * 2, [7.5] * 3]
     assert all(o.ctypes.data % _bridge.ALIGN_BYTES == 0 for o in out)
 

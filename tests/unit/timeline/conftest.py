@@ -7,19 +7,19 @@ from collections.abc import Iterator
 import pytest
 
 from phalanx import timeline
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 
 
 @pytest.fixture(autouse=True)
 def clean_timeline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Unset every variable the timeline reads and stop any timeline a test leaves running."""
     for name in (
-        N.RANK,
-        N.WORLD_SIZE,
-        N.HOROVOD_TIMELINE,
-        N.HOROVOD_TIMELINE_MARK_CYCLES,
-        N.PHALANX_TIMELINE_ALL_RANKS,
-        N.PHALANX_TIMELINE_MAX_MB,
+        env_names.RANK,
+        env_names.WORLD_SIZE,
+        env_names.HOROVOD_TIMELINE,
+        env_names.HOROVOD_TIMELINE_MARK_CYCLES,
+        env_names.PHALANX_TIMELINE_ALL_RANKS,
+        env_names.PHALANX_TIMELINE_MAX_MB,
     ):
         monkeypatch.delenv(name, raising=False)
     yield

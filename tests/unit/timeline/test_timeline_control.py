@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from phalanx import timeline
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 
 
@@ -31,8 +31,8 @@ def test_starting_again_stops_the_previous_timeline(tmp_path: Path) -> None:
 
 
 def test_only_rank_0_records_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(N.RANK, "1")
-    monkeypatch.setenv(N.WORLD_SIZE, "2")
+    monkeypatch.setenv(env_names.RANK, "1")
+    monkeypatch.setenv(env_names.WORLD_SIZE, "2")
     tl = timeline.start_timeline(str(tmp_path / "t.json"))
     assert isinstance(tl, timeline.NullTimeline) and not tl.recording
     tl.begin("x", timeline.ALLREDUCE)
@@ -43,9 +43,9 @@ def test_only_rank_0_records_by_default(tmp_path: Path, monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("via_env", [False, True])
 def test_every_rank_writes_its_own_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via_env: bool) -> None:
-    monkeypatch.setenv(N.RANK, "3")
+    monkeypatch.setenv(env_names.RANK, "3")
     if via_env:
-        monkeypatch.setenv(N.PHALANX_TIMELINE_ALL_RANKS, "1")
+        monkeypatch.setenv(env_names.PHALANX_TIMELINE_ALL_RANKS, "1")
     tl = timeline.start_timeline(str(tmp_path / "t.json"), all_ranks=None if via_env else True)
     assert tl.path == str(tmp_path / "t.rank3.json") and timeline.current() is tl
     tl.begin("x", timeline.ALLREDUCE)
@@ -64,11 +64,11 @@ def test_rank_path() -> None:
 
 def test_start_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert timeline.start_from_env() is None
-    monkeypatch.setenv(N.HOROVOD_TIMELINE, "DYNAMIC")
+    monkeypatch.setenv(env_names.HOROVOD_TIMELINE, "DYNAMIC")
     assert timeline.start_from_env() is None and timeline.current() is None
     path = str(tmp_path / "t.json")
-    monkeypatch.setenv(N.HOROVOD_TIMELINE, path)
-    monkeypatch.setenv(N.HOROVOD_TIMELINE_MARK_CYCLES, "true")
+    monkeypatch.setenv(env_names.HOROVOD_TIMELINE, path)
+    monkeypatch.setenv(env_names.HOROVOD_TIMELINE_MARK_CYCLES, "true")
     tl = timeline.start_from_env()
     assert tl is not None and tl is timeline.current() and tl.path == path and tl.mark_cycles
     tl.begin("x", timeline.ALLREDUCE)
@@ -77,9 +77,9 @@ def test_start_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_start_from_env_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(N.RANK, "1")
-    monkeypatch.setenv(N.PHALANX_TIMELINE_ALL_RANKS, "1")
-    monkeypatch.setenv(N.HOROVOD_TIMELINE, str(tmp_path / "t.json"))
+    monkeypatch.setenv(env_names.RANK, "1")
+    monkeypatch.setenv(env_names.PHALANX_TIMELINE_ALL_RANKS, "1")
+    monkeypatch.setenv(env_names.HOROVOD_TIMELINE, str(tmp_path / "t.json"))
     tl = timeline.start_from_env()
     assert tl is not None and tl.path == str(tmp_path / "t.rank1.json")
     assert timeline.start_from_env() is tl
@@ -87,17 +87,17 @@ def test_start_from_env_every_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 def test_max_mb_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(N.PHALANX_TIMELINE_MAX_MB, "0.05")
+    monkeypatch.setenv(env_names.PHALANX_TIMELINE_MAX_MB, "0.05")
     tl = timeline.start_timeline(str(tmp_path / "t.json"))
     assert tl._file._segment_bytes == int(0.05 * 1024 * 1024) // 2
     for bad in ("lots", "-1"):
-        monkeypatch.setenv(N.PHALANX_TIMELINE_MAX_MB, bad)
-        with pytest.raises(InvalidArgumentError, match=N.PHALANX_TIMELINE_MAX_MB):
+        monkeypatch.setenv(env_names.PHALANX_TIMELINE_MAX_MB, bad)
+        with pytest.raises(InvalidArgumentError, match=env_names.PHALANX_TIMELINE_MAX_MB):
             timeline.start_timeline(str(tmp_path / "t.json"))
 
 
 def test_malformed_rank_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(N.RANK, "zero")
+    monkeypatch.setenv(env_names.RANK, "zero")
     with pytest.raises(InvalidArgumentError, match="RANK='zero'"):
         timeline.start_timeline(str(tmp_path / "t.json"))
 

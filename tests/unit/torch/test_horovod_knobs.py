@@ -106,7 +106,7 @@ def test_stall_shutdown_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     inspector = _stall.Inspector()
     inspector.check_s, inspector.warn_s, inspector.shutdown_s = 1.0, 2.0, 4.0
     withdrawn: list[str] = []
@@ -136,7 +136,7 @@ def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
 
 
 def test_shutdown_below_the_warning_time_is_ignored_as_in_horovod(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("HOROVOD_STALL_CHECK_DISABLE", raising=False)
     monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
     monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")

@@ -13,7 +13,7 @@ def _python(code: str, cwd: Path | None = None, extra_path: Path | None = None) 
     env_path = [str(extra_path)] if extra_path else []
     prelude = f"import sys; sys.path[:0] = {env_path!r}\n"
     done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=120,
-                          cwd=cwd, check=False)  # fmt: skip
+                          cwd=cwd, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -35,7 +35,7 @@ def test_pth_hook_makes_unchanged_horovod_imports_work() -> None:
     if not pth:
         pytest.skip("phalanx is not pip-installed in this interpreter (no phalanx-compat.pth on sys.path)")
     lazy = _python("print(any(getattr(f, '__name__', '') == 'PhalanxLazyAliasHook' for f in sys.meta_path), "
-                   "'phalanx' in sys.modules)")  # fmt: skip
+                   "'phalanx' in sys.modules)")
     assert lazy == "True False"  # start-up registers the inline hook and imports nothing
     out = _python("import horovod.torch as hvd; hvd.init(); print(hvd.size(), hvd.rank(), type(hvd.Average))")
     assert out == "1 0 <class 'int'>"

@@ -5,122 +5,121 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.torch import _buckets as B
-from phalanx.torch import _header as H
-from phalanx.torch import _reduce as R
+from phalanx.torch import _buckets, _header, _reduce
 
 
-def _sig(**kw: object) -> H.Signature:
+def _sig(**kw: object) -> _header.Signature:
     base: dict[str, object] = {"kind": "allreduce", "name": "grad.w", "dtype": torch.float32, "device": 0,
-                               "shape": (4, 3), "op": R.Average}  # fmt: skip
+                               "shape": (4, 3), "op": _reduce.Average}
     base.update(kw)
-    return H.Signature(**base)  # type: ignore[arg-type]
+    return _header.Signature(**base)  # type: ignore[arg-type]
 
 
 def test_encode_decode_round_trip_with_inline_payload_and_aux() -> None:
     sig = _sig(name="ü" * 10, shape=(2, 3, 4, 5), prescale=0.25, postscale=3.0, group_hash=7, count=2, root=1)
     payload = torch.arange(24, dtype=torch.float32).view(-1).view(torch.uint8)
-    block = H.encode(sig, [5, 6, 7], payload, n_aux=3)
-    assert block.numel() == H.HEADER_WORDS + 3 + H.INLINE_WORDS
-    words = block[: H.HEADER_WORDS].tolist()
-    assert H.decode(words) == sig
-    assert block[H.HEADER_WORDS : H.HEADER_WORDS + 3].tolist() == [5, 6, 7]
-    assert words[H.F_NBYTES] == 96
-    got = block[H.HEADER_WORDS + 3 :].view(torch.uint8)[:96].view(torch.float32)
+    block = _header.encode(sig, [5, 6, 7], payload, n_aux=3)
+    assert block.numel() == _header.HEADER_WORDS + 3 + _header.INLINE_WORDS
+    words = block[: _header.HEADER_WORDS].tolist()
+    assert _header.decode(words) == sig
+    assert block[_header.HEADER_WORDS : _header.HEADER_WORDS + 3].tolist() == [5, 6, 7]
+    assert words[_header.F_NBYTES] == 96
+    got = block[_header.HEADER_WORDS + 3 :].view(torch.uint8)[:96].view(torch.float32)
     assert torch.equal(got, torch.arange(24, dtype=torch.float32))
 
 
 def test_cached_blocks_are_never_written_and_repeat_bit_for_bit() -> None:
     sig = _sig(shape=(2,))
-    header_only = H.encode(sig, [], None, 2, inline_words=0)
-    assert H.encode(_sig(shape=(2,)), [], None, 2, inline_words=0) is header_only  # cached, read-only
-    first = H.encode(sig, [], torch.tensor([1.0, 2.0]).view(torch.uint8), 2)
-    second = H.encode(sig, [3], torch.tensor([5.0, 6.0]).view(torch.uint8), 2)
-    third = H.encode(sig, [], torch.tensor([1.0, 2.0]).view(torch.uint8), 2)
+    header_only = _header.encode(sig, [], None, 2, inline_words=0)
+    assert _header.encode(_sig(shape=(2,)), [], None, 2, inline_words=0) is header_only  # cached, read-only
+    first = _header.encode(sig, [], torch.tensor([1.0, 2.0]).view(torch.uint8), 2)
+    second = _header.encode(sig, [3], torch.tensor([5.0, 6.0]).view(torch.uint8), 2)
+    third = _header.encode(sig, [], torch.tensor([1.0, 2.0]).view(torch.uint8), 2)
     assert torch.equal(first, third) and not torch.equal(first, second)  # payloads never leak between calls
-    assert first[H.HEADER_WORDS : H.HEADER_WORDS + 2].tolist() == [0, 0]
-    assert second[H.HEADER_WORDS : H.HEADER_WORDS + 2].tolist() == [3, 0]
-    assert H.decode(first[: H.HEADER_WORDS].tolist()) == sig
-    other = _sig(shape=(2,), op=R.Sum)  # any field of the signature changes the block
-    assert H.decode(H.encode(other, [], None, 2)[: H.HEADER_WORDS].tolist()) == other
+    assert first[_header.HEADER_WORDS : _header.HEADER_WORDS + 2].tolist() == [0, 0]
+    assert second[_header.HEADER_WORDS : _header.HEADER_WORDS + 2].tolist() == [3, 0]
+    assert _header.decode(first[: _header.HEADER_WORDS].tolist()) == sig
+    other = _sig(shape=(2,), op=_reduce.Sum)  # any field of the signature changes the block
+    assert _header.decode(_header.encode(other, [], None, 2)[: _header.HEADER_WORDS].tolist()) == other
 
 
-@pytest.mark.parametrize("op", [R.Sum, R.Average, R.Min, R.Max, R.Product])
+@pytest.mark.parametrize("op", [_reduce.Sum, _reduce.Average, _reduce.Min, _reduce.Max, _reduce.Product])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int16, torch.bool])
 def test_inline_reduction_matches_the_stacked_reduction_bitwise(op: int, dtype: torch.dtype) -> None:
     from phalanx.torch._collectives import _reduce_rows
 
-    if dtype == torch.bool and op == R.Average:
+    if dtype == torch.bool and op == _reduce.Average:
         return
     gen = torch.Generator().manual_seed(op)
     rows = [(torch.randn(257, generator=gen) * 100).to(dtype) for _ in range(3)]
     out = torch.empty(257, dtype=dtype)
     _reduce_rows(rows, op, out)
-    assert torch.equal(out, R.reduce_stack(torch.stack(rows), op))
+    assert torch.equal(out, _reduce.reduce_stack(torch.stack(rows), op))
 
 
 def test_long_names_are_truncated_not_rejected() -> None:
     sig = _sig(name="x" * 500)
-    assert H.decode(H.encode(sig, [], None, 2)[: H.HEADER_WORDS].tolist()).name == "x" * (H.NAME_WORDS * 8)
+    words = _header.encode(sig, [], None, 2)[: _header.HEADER_WORDS].tolist()
+    assert _header.decode(words).name == "x" * (_header.NAME_WORDS * 8)
 
 
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"shape": (4, 4)}, "shape"), ({"dtype": torch.float64}, "dtype"), ({"op": R.Sum}, "op"),
+        ({"shape": (4, 4)}, "shape"), ({"dtype": torch.float64}, "dtype"), ({"op": _reduce.Sum}, "op"),
         ({"kind": "allgather"}, "kind"), ({"process_set_id": 3}, "process set"), ({"name": "other"}, "name"),
         ({"device": 1}, "device"), ({"postscale": 2.0}, "postscale_factor"), ({"count": 3}, "grouped tensors"),
     ],
-)  # fmt: skip
+)
 def test_find_mismatch_names_the_field_and_every_ranks_value(changes: dict[str, object], field: str) -> None:
     sigs = [_sig(), _sig(**changes), _sig()]
-    detail = H.find_mismatch(sigs, [0, 2, 5])
+    detail = _header.find_mismatch(sigs, [0, 2, 5])
     assert detail is not None and detail.startswith(f"{field}:")
     assert "rank 0=" in detail and "rank 2=" in detail and "rank 5=" in detail
-    err = H.mismatch_error(sigs, [0, 2, 5], detail, me=2)
+    err = _header.mismatch_error(sigs, [0, 2, 5], detail, me=2)
     assert isinstance(err, RuntimeError) and "ranks [0, 2, 5]" in str(err)
 
 
 def test_allgather_first_dimension_may_differ_and_unnamed_ops_skip_the_name() -> None:
     sigs = [_sig(kind="allgather", shape=(1, 3)), _sig(kind="allgather", shape=(9, 3), name="")]
-    assert H.find_mismatch(sigs, [0, 1]) is None
-    assert H.find_mismatch([sigs[0], _sig(kind="allgather", shape=(9, 4))], [0, 1]) == (
+    assert _header.find_mismatch(sigs, [0, 1]) is None
+    assert _header.find_mismatch([sigs[0], _sig(kind="allgather", shape=(9, 4))], [0, 1]) == (
         "trailing shape: rank 0=(3,), rank 1=(4,)"
     )
 
 
 def test_op_resolution_and_validation() -> None:
-    assert R.resolve_op(None, None) == R.Average
-    assert R.resolve_op(None, False) == R.Sum
+    assert _reduce.resolve_op(None, None) == _reduce.Average
+    assert _reduce.resolve_op(None, False) == _reduce.Sum
     with pytest.raises(ValueError, match="deprecated"):
-        R.resolve_op(R.Sum, True)
+        _reduce.resolve_op(_reduce.Sum, True)
     with pytest.raises(NotImplementedError, match="Adasum"):
-        R.check_op(R.Adasum, torch.float32)
+        _reduce.check_op(_reduce.Adasum, torch.float32)
     with pytest.raises(ValueError, match="bool"):
-        R.check_op(R.Average, torch.bool)
+        _reduce.check_op(_reduce.Average, torch.bool)
     with pytest.raises(ValueError, match="complex"):
-        R.check_op(R.Max, torch.complex64)
+        _reduce.check_op(_reduce.Max, torch.complex64)
 
 
 def test_reduce_stack_in_rank_order() -> None:
     stack = torch.tensor([[1, 5], [3, 2], [2, 2]], dtype=torch.int32)
-    assert R.reduce_stack(stack, R.Sum).tolist() == [6, 9]
-    assert R.reduce_stack(stack, R.Min).tolist() == [1, 2]
-    assert R.reduce_stack(stack, R.Max).tolist() == [3, 5]
-    assert R.reduce_stack(stack, R.Product).dtype == torch.int32
+    assert _reduce.reduce_stack(stack, _reduce.Sum).tolist() == [6, 9]
+    assert _reduce.reduce_stack(stack, _reduce.Min).tolist() == [1, 2]
+    assert _reduce.reduce_stack(stack, _reduce.Max).tolist() == [3, 5]
+    assert _reduce.reduce_stack(stack, _reduce.Product).dtype == torch.int32
     flags = torch.tensor([[True, False], [False, False]])
-    assert R.reduce_stack(flags, R.Sum).tolist() == [True, False]
-    assert R.reduce_stack(flags, R.Min).tolist() == [False, False]
+    assert _reduce.reduce_stack(flags, _reduce.Sum).tolist() == [True, False]
+    assert _reduce.reduce_stack(flags, _reduce.Min).tolist() == [False, False]
     t = torch.tensor([7, 9, -7])
-    R.finish_scale(t, R.Average, 2, 1.0)
+    _reduce.finish_scale(t, _reduce.Average, 2, 1.0)
     assert t.tolist() == [3, 4, -3]  # integer Average: the quotient rounded toward zero (Horovod's)
 
 
 def test_bucket_plan_reverse_order_threshold_and_dtype_breaks() -> None:
     params = [torch.zeros(10), torch.zeros(10), torch.zeros(10, dtype=torch.float64), torch.zeros(100)]
-    buckets = B.plan(params, threshold_bytes=100, groups=None)
+    buckets = _buckets.plan(params, threshold_bytes=100, groups=None)
     assert [[p.numel() for p in b.params] for b in buckets] == [[100], [10], [10, 10]]
-    grouped = B.plan(params, threshold_bytes=1 << 30, groups=[[params[0], params[2]], [params[1], params[3]]])
+    grouped = _buckets.plan(params, threshold_bytes=1 << 30, groups=[[params[0], params[2]], [params[1], params[3]]])
     assert [len(b.params) for b in grouped] == [1, 1, 2]
 
 
@@ -128,27 +127,27 @@ def test_pack_folds_the_scale_and_makes_grads_views() -> None:
     p = torch.nn.Parameter(torch.zeros(3))
     q = torch.nn.Parameter(torch.zeros(2))
     p.grad = torch.tensor([2.0, 4.0, 6.0])
-    bucket = B.plan([p, q], 1 << 20, None)[0]
-    B.pack(bucket, 0.5)
+    bucket = _buckets.plan([p, q], 1 << 20, None)[0]
+    _buckets.pack(bucket, 0.5)
     assert p.grad.tolist() == [1.0, 2.0, 3.0] and q.grad.tolist() == [0.0, 0.0]
     assert p.grad.data_ptr() == bucket.view(1).data_ptr()
     p.grad.add_(1.0)  # accumulated in place since: the next pack scales it in place
-    B.pack(bucket, 0.5)
+    _buckets.pack(bucket, 0.5)
     assert p.grad.tolist() == [1.0, 1.5, 2.0]
 
 
 def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> None:
-    from phalanx.torch import _speculate as S
+    from phalanx.torch import _speculate as speculation
 
-    big_a = S.key_of(_sig(shape=(100_000,), op=R.Sum))
-    big_b = S.key_of(_sig(shape=(200_000,), op=R.Sum))
-    pred = S.Predictor()
-    for _ in range(S.CONFIRM - 1):
+    big_a = speculation.key_of(_sig(shape=(100_000,), op=_reduce.Sum))
+    big_b = speculation.key_of(_sig(shape=(200_000,), op=_reduce.Sum))
+    pred = speculation.Predictor()
+    for _ in range(speculation.CONFIRM - 1):
         pred.record(big_a)
     assert pred.predict() is None
     pred.record(big_a)
     assert pred.predict() == big_a
-    pred = S.Predictor()
+    pred = speculation.Predictor()
     for k in [big_a, big_a, big_b, big_b] * 3:
         pred.record(k)
     assert pred.predict() == big_a
@@ -156,28 +155,28 @@ def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> N
     assert pred.predict() == big_a
     pred.record(big_a)
     assert pred.predict() == big_b
-    small = S.key_of(_sig(shape=(4,)))
-    pred = S.Predictor()
-    for _ in range(S.CONFIRM):
+    small = speculation.key_of(_sig(shape=(4,)))
+    pred = speculation.Predictor()
+    for _ in range(speculation.CONFIRM):
         pred.record(small)
     assert pred.predict() is None  # inline-sized collectives are never speculated on
-    for k in [big_a] * S.CONFIRM + [small] * (S.MAX_PERIOD - 1):
+    for k in [big_a] * speculation.CONFIRM + [small] * (speculation.MAX_PERIOD - 1):
         pred.record(k)  # period MAX_PERIOD: big_a is the next guess as long as it is in the last MAX_PERIOD
-    assert pred.since_worth == S.MAX_PERIOD - 1
+    assert pred.since_worth == speculation.MAX_PERIOD - 1
     pred.record(small)
     assert pred.predict() is None
 
 
 def test_default_fusion_threshold_splits_only_when_buckets_can_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
-    from phalanx.env import names as N
+    from phalanx.env import names as env_names
     from phalanx.torch.optimizer import DEFAULT_FUSION_THRESHOLD_BYTES, MIN_AUTO_BUCKET_BYTES, fusion_threshold_bytes
 
-    monkeypatch.delenv(N.HOROVOD_FUSION_THRESHOLD, raising=False)
+    monkeypatch.delenv(env_names.HOROVOD_FUSION_THRESHOLD, raising=False)
     assert fusion_threshold_bytes(40 << 20) == 10 << 20  # about 4 buckets, overlapping backward
     assert fusion_threshold_bytes(1 << 20) == MIN_AUTO_BUCKET_BYTES
     assert fusion_threshold_bytes(40 << 20, overlap=False) == DEFAULT_FUSION_THRESHOLD_BYTES  # shm: one bucket
-    monkeypatch.setenv(N.HOROVOD_FUSION_THRESHOLD, "4096")
+    monkeypatch.setenv(env_names.HOROVOD_FUSION_THRESHOLD, "4096")
     assert fusion_threshold_bytes(40 << 20, overlap=False) == 4096  # the user's choice wins
-    monkeypatch.setenv(N.HOROVOD_FUSION_THRESHOLD, "lots")
+    monkeypatch.setenv(env_names.HOROVOD_FUSION_THRESHOLD, "lots")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='lots'"):
         fusion_threshold_bytes()

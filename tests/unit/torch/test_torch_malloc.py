@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.torch import _malloc
 
 # In a fresh process (mallopt is process-wide): page faults of allocating, touching and freeing a 64 MiB
@@ -50,6 +50,6 @@ def test_tuned_malloc_reuses_freed_large_blocks_without_page_faults() -> None:
 
 
 def test_knob_values() -> None:
-    assert _malloc.enabled({}) and _malloc.enabled({N.PHALANX_MALLOC_TUNE: "1"})
+    assert _malloc.enabled({}) and _malloc.enabled({env_names.PHALANX_MALLOC_TUNE: "1"})
     for off in ("0", "false", "No", " off "):
-        assert not _malloc.enabled({N.PHALANX_MALLOC_TUNE: off})
+        assert not _malloc.enabled({env_names.PHALANX_MALLOC_TUNE: off})

@@ -43,7 +43,7 @@ def _expected(n: int, dtype: torch.dtype, numel: int, op: Any) -> torch.Tensor:
 
 
 CASES = [(torch.float32, R.SUM), (torch.float64, R.PRODUCT), (torch.int16, R.MAX), (torch.bool, R.SUM),
-         (torch.bfloat16, R.SUM)]  # fmt: skip
+         (torch.bfloat16, R.SUM)]
 
 
 @pytest.mark.timeout(120)

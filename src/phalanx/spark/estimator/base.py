@@ -19,7 +19,7 @@ from typing import Any
 
 from pyspark.ml import Estimator
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 from phalanx.spark.api import launch_spark, run_spec
 from phalanx.spark.estimator.job import TrainSpec
@@ -35,7 +35,7 @@ log = logging.getLogger("phalanx")
 _DRIVER_ONLY = frozenset({"model", "optimizer", "store", "backend"})
 _START_HINT = "the HOROVOD_START_TIMEOUT variable"
 #: The driver's variables the ranks get too (an estimator has no env= argument): the timeline.
-_FORWARDED_ENV = (N.HOROVOD_TIMELINE, N.HOROVOD_TIMELINE_MARK_CYCLES)
+_FORWARDED_ENV = (env_names.HOROVOD_TIMELINE, env_names.HOROVOD_TIMELINE_MARK_CYCLES)
 
 
 def check_common(values: dict[str, Any]) -> None:

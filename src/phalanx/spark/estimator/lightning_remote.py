@@ -12,7 +12,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
 from phalanx.spark.driver_log import log_to_driver
 from phalanx.spark.estimator.job import TrainSpec, epoch_line
 from phalanx.spark.estimator.schema import row_shape
@@ -102,7 +102,7 @@ def train(spec: TrainSpec) -> dict[str, Any]:
 
     import phalanx.lightning  # noqa: F401 (registers strategy="horovod")
 
-    rank, size = int(os.environ[N.RANK]), int(os.environ[N.WORLD_SIZE])
+    rank, size = int(os.environ[env_names.RANK]), int(os.environ[env_names.WORLD_SIZE])
     if spec.params.get("random_seed") is not None:
         L.seed_everything(int(spec.params["random_seed"]), verbose=False)
     module = cloudpickle.loads(spec.model_blob)

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from phalanx.errors import CollectiveMismatchError
 from phalanx.tensorflow import _bridge
-from phalanx.tensorflow.keras import optimizer as O
+from phalanx.tensorflow.keras import optimizer as keras_optimizer
 
 DROPPED_COMPILE_ARGS = ("experimental_run_tf_function",)
 STEPS_ADVICE = (
@@ -93,16 +93,16 @@ def _compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -
         if arg in kwargs:
             kwargs.pop(arg)
             warnings.warn(f"model.compile({arg}=...) is a TensorFlow 1 argument that Keras 3 removed; phalanx "
-                          "drops it (remove it from the call)", stacklevel=2)  # fmt: skip
+                          "drops it (remove it from the call)", stacklevel=2)
     optimizer = _distributed_outside(optimizer)
-    if O.is_distributed(optimizer):
+    if keras_optimizer.is_distributed(optimizer):
         if kwargs.get("jit_compile") is True:
             warnings.warn("jit_compile=True is turned off: XLA cannot compile phalanx's allreduce bridge",
-                          stacklevel=2)  # fmt: skip
+                          stacklevel=2)
         kwargs["jit_compile"] = False
         optimizer = _loss_scaled(self, optimizer, kwargs.get("auto_scale_loss", True))
     result = _ORIGINAL["compile"](self, optimizer, *args, **kwargs)
-    if O.is_distributed(getattr(self, "optimizer", None)):
+    if keras_optimizer.is_distributed(getattr(self, "optimizer", None)):
         remember(self)
     return result
 
@@ -124,9 +124,9 @@ def live_models() -> list[Any]:
 def _distributed_outside(optimizer: Any) -> Any:
     """``LossScaleOptimizer(DistributedOptimizer(x))`` built by hand -> ``DistributedOptimizer(LossScale(x))``."""
     inner = getattr(optimizer, "inner_optimizer", None)
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not O.is_distributed(inner):
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not keras_optimizer.is_distributed(inner):
         return optimizer
-    return O.with_options(O.plain_copy(optimizer), O.options_of(inner))
+    return keras_optimizer.with_options(keras_optimizer.plain_copy(optimizer), keras_optimizer.options_of(inner))
 
 
 def _loss_scaled(model: Any, optimizer: Any, auto_scale_loss: bool) -> Any:
@@ -134,12 +134,12 @@ def _loss_scaled(model: Any, optimizer: Any, auto_scale_loss: bool) -> Any:
     policy = getattr(getattr(model, "dtype_policy", None), "name", "")
     if not auto_scale_loss or policy != "mixed_float16" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer
-    scaled = keras.optimizers.LossScaleOptimizer(O.plain_copy(optimizer))
-    return O.with_options(scaled, O.options_of(optimizer))
+    scaled = keras.optimizers.LossScaleOptimizer(keras_optimizer.plain_copy(optimizer))
+    return keras_optimizer.with_options(scaled, keras_optimizer.options_of(optimizer))
 
 
 def _fit(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if not O.is_distributed(getattr(self, "optimizer", None)):
+    if not keras_optimizer.is_distributed(getattr(self, "optimizer", None)):
         return _ORIGINAL["fit"](self, *args, **kwargs)
     if len(args) > 5:  # fit(x, y, batch_size, epochs, verbose, callbacks, ...)
         args = (*args[:5], [_StepAgreement(), *(args[5] or [])], *args[6:])

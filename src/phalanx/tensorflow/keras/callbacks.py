@@ -13,7 +13,7 @@ from keras.src.utils import io_utils
 import phalanx.torch as ptorch
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import _bridge, ops
-from phalanx.torch import _reduce as R
+from phalanx.torch import _reduce
 
 
 def model_variables(model: Any) -> list[Any]:
@@ -110,7 +110,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
             return
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and isinstance(float(v), float))
         values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
-        averaged = _bridge.np_allreduce(values, "MetricAverageCallback:" + ",".join(keys)[:90], R.Average, 1.0, 1.0)
+        name = "MetricAverageCallback:" + ",".join(keys)[:90]
+        averaged = _bridge.np_allreduce(values, name, _reduce.Average, 1.0, 1.0)
         for key, value in zip(keys, averaged.tolist()):
             logs[key] = value
 
@@ -149,7 +150,7 @@ class _MomentumCorrection:
             if not self.warned:
                 warnings.warn(f"momentum_correction is not applied to {type(optimizer).__name__} (phalanx "
                               "corrects SGD and RMSprop momentum); pass momentum_correction=False to silence "
-                              "this", stacklevel=3)  # fmt: skip
+                              "this", stacklevel=3)
                 self.warned = True
             return
         if not slots or old_lr == 0.0 or new_lr == old_lr:
@@ -189,7 +190,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
                  end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None) -> None:  # fmt: skip
+                 steps_per_epoch: int | None = None) -> None:
         super().__init__()
         self.initial_lr = initial_lr
         self.multiplier = multiplier if callable(multiplier) else (lambda _epoch: multiplier)
@@ -214,7 +215,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         steps = self.steps_per_epoch or (self.params or {}).get("steps")
         if not steps:
             raise ValueError("LearningRateScheduleCallback(staircase=False) needs steps_per_epoch= (fit does "
-                             "not know the number of steps of this dataset)")  # fmt: skip
+                             "not know the number of steps of this dataset)")
         return int(steps)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
@@ -249,13 +250,13 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """
 
     def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:  # fmt: skip
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
         def multiplier(epoch: float) -> float:
             size = ptorch.size()
             return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
-                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)  # fmt: skip
+                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
         self.warmup_epochs = warmup_epochs
         self.verbose = verbose
 

@@ -22,7 +22,7 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import ops
 from phalanx.tensorflow._groups import check_groups, groups_option, local_layer_variables, partition
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.torch import _reduce as R
+from phalanx.torch import _reduce
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 BUFFER_NAME = "DistributedOptimizer.gradients"
@@ -33,7 +33,7 @@ class Options:
     """How a distributed optimizer reduces gradients (fixed at construction)."""
 
     compression: type[Compressor] = Compression.none
-    op: int = R.Average
+    op: int = _reduce.Average
     backward_passes_per_step: int = 1
     average_aggregated_gradients: bool = False
     prescale: float = 1.0
@@ -190,17 +190,17 @@ def _check(optimizer: Any, options: Options) -> None:
         raise InvalidArgumentError(
             "backward_passes_per_step > 1 with a LossScaleOptimizer (mixed precision) is not supported by "
             "phalanx; use backward_passes_per_step=1 or the inner optimizer's gradient_accumulation_steps")
-    R.check_op(options.op, torch.float32)
+    _reduce.check_op(options.op, torch.float32)
     check_groups(options.groups)
 
 
 def DistributedOptimizer(
     optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-    gradient_predivide_factor: float = 1.0, op: int = R.Average, backward_passes_per_step: int = 1,
+    gradient_predivide_factor: float = 1.0, op: int = _reduce.Average, backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
     process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
-) -> Any:  # fmt: skip
+) -> Any:
     """Wrap a Keras optimizer so that ``model.fit`` averages gradients across ranks before applying them.
 
     Args:
@@ -234,7 +234,7 @@ def DistributedOptimizer(
                       average_aggregated_gradients=average_aggregated_gradients,
                       prescale=1.0 / gradient_predivide_factor, postscale=gradient_predivide_factor,
                       process_set=process_set, groups=groups_option(num_groups, groups),
-                      scale_local_gradients=scale_local_gradients)  # fmt: skip
+                      scale_local_gradients=scale_local_gradients)
     return with_options(optimizer, options)
 
 
@@ -250,7 +250,7 @@ def with_options(optimizer: Any, options: Options) -> Any:
 def PartialDistributedOptimizer(
     optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-    gradient_predivide_factor: float = 1.0, op: int = R.Average, backward_passes_per_step: int = 1,
+    gradient_predivide_factor: float = 1.0, op: int = _reduce.Average, backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False, groups: Any = None, process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True, local_layers: Any = None,
 ) -> Any:
