@@ -83,6 +83,7 @@ def start_connect() -> None:
     active = SparkSession.getActiveSession()
     if active is not None:
         active.stop()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the server's python workers, both launchers
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

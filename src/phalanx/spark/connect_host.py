@@ -142,6 +142,7 @@ class Hosted(SparkLauncher):
         bind = _bind_host(advertise)
         channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=bind, advertise_host=advertise)
         self._channel = channel
+        self._exits.attach(channel)
         self._store = RendezvousStore(self._channel_size(), channel.secret, bind_host=bind)
         job = JobContract(run_id=self.run_id, master_addr=advertise, master_port=self._store.port,
                           channel=channel.address, secret=channel.secret, start_timeout_s=self.spec.start_timeout_s)
