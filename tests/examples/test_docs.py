@@ -47,12 +47,15 @@ def test_every_environment_variable_is_documented() -> None:
 
 def test_every_example_is_listed_in_the_readme_and_run_by_a_test() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    tests = "".join(p.read_text(encoding="utf-8") for p in (REPO / "tests" / "examples").glob("test_examples_*.py"))
+    # Examples that need a shared Spark Connect session are run next to the other Connect tests.
+    connect = REPO / "tests" / "spark" / "test_spark_connect.py"
+    test_files = [*(REPO / "tests" / "examples").glob("test_examples_*.py"), connect]
+    tests = "".join(p.read_text(encoding="utf-8") for p in test_files)
     examples = [p for p in (REPO / "examples").glob("*.py") if p.stem not in ("_digits", "demo")]
     assert len(examples) >= 7
     unlisted = [p.name for p in examples if f"examples/{p.name}" not in readme]
     untested = [p.stem for p in examples if p.stem not in tests]
     assert not unlisted, f"README.md's examples table lacks {unlisted}"
-    assert not untested, f"no test in tests/examples runs {untested}"
+    assert not untested, f"no test in tests/examples (or the Connect tests) runs {untested}"
     mentioned = set(re.findall(r"examples/(\w+\.py)", readme))
     assert not [m for m in mentioned if not (REPO / "examples" / m).is_file()], "README names a missing example"
