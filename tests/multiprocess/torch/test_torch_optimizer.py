@@ -230,8 +230,9 @@ def _goes_on_smaller() -> Any:
     if me == 2:
         return None
     # A re-formed world of two (what an elastic job that goes on smaller does): a fresh group, hvd.init().
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          wait_for_workers=False, timeout=timedelta(seconds=30))
+    from phalanx.job import store_client
+
+    store = store_client.from_env(os.environ, timedelta(seconds=30))  # the job's authenticated store
     dist.init_process_group("gloo", store=dist.PrefixStore("smaller", store), rank=me, world_size=2)
     hvd.init()
     second, size = step(), hvd.size()
