@@ -53,8 +53,11 @@ def _estimator(store: LocalStore, **overrides: Any) -> TorchEstimator:
 
 
 def fail_in_epoch_one(epoch: int, record: dict[str, Any]) -> None:
-    """A callback that interrupts the run after epoch 1's checkpoint."""
-    if epoch == 1:
+    """A callback that interrupts the run after epoch 1's checkpoint: on rank 0, which writes it before
+    calling the callbacks (a rank that raised first could have the job stopped before rank 0's write)."""
+    import phalanx.torch as hvd
+
+    if epoch == 1 and hvd.rank() == 0:
         raise RuntimeError("interrupted on purpose")
 
 
