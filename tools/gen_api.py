@@ -1,6 +1,6 @@
-"""Write docs/api.md from the code: every public name of phalanx.run, phalanx.torch, phalanx.spark and
-phalanx.tensorflow.keras,
-with its signature (arguments and defaults) and its docstring.
+"""Write docs/api.md from the code: every public name of phalanx.run, phalanx.torch, phalanx.spark (and its
+estimator modules), phalanx.tensorflow.keras and phalanx.lightning, with its signature (arguments and defaults)
+and its docstring. An object exported by several modules is described once and referred to after.
 
     .venv/bin/python tools/gen_api.py            # rewrite docs/api.md
     .venv/bin/python tools/gen_api.py --check    # exit 1 if docs/api.md is out of date
@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
-MODULES = ("phalanx", "phalanx.torch", "phalanx.spark", "phalanx.tensorflow.keras")
+MODULES = ("phalanx", "phalanx.torch", "phalanx.spark", "phalanx.spark.torch", "phalanx.spark.lightning",
+           "phalanx.spark.keras", "phalanx.tensorflow.keras", "phalanx.lightning")
 HEADER = """# API reference
 
 Generated from the docstrings by `tools/gen_api.py` (`--check` fails when this file is out of date); do not
 edit by hand. Narrative documentation: [torch.md](torch.md) (semantics of the Horovod API),
 [tensorflow.md](tensorflow.md) (Keras),
-[spark.md](spark.md) (Spark launchers), [env.md](env.md) (environment variables),
-[timeline.md](timeline.md), [migration.md](migration.md).
+[spark.md](spark.md) (Spark launchers), [estimators.md](estimators.md) (Spark estimators),
+[env.md](env.md) (environment variables), [timeline.md](timeline.md),
+[migration.md](migration.md) (also for the Lightning strategy).
 """
 
 
@@ -92,11 +94,18 @@ def describe(qualified: str, obj: Any) -> list[str]:
 
 def render() -> str:
     lines = [HEADER]
+    described: dict[int, str] = {}  # id of a class or function -> where it was described first
     for module_name in MODULES:
         module = importlib.import_module(module_name)
         lines += [f"## `{module_name}`", "", (inspect.getdoc(module) or "").split("\n\n")[0], ""]
         for name in public_names(module_name):
-            lines += describe(f"{module_name}.{name}", getattr(module, name))
+            obj, qualified = getattr(module, name), f"{module_name}.{name}"
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and id(obj) in described:
+                lines += [f"### `{qualified}`", "", f"The same object as `{described[id(obj)]}`.", ""]
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                described[id(obj)] = qualified
+            lines += describe(qualified, obj)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -16,7 +16,11 @@ API = REPO / "docs" / "api.md"
 ENV = REPO / "docs" / "env.md"
 
 
-@pytest.mark.parametrize("module_name", ["phalanx.torch", "phalanx.spark", "phalanx.tensorflow.keras"])
+DOCUMENTED = ("phalanx.torch", "phalanx.spark", "phalanx.spark.torch", "phalanx.spark.lightning", "phalanx.spark.keras",
+              "phalanx.tensorflow.keras", "phalanx.lightning")
+
+
+@pytest.mark.parametrize("module_name", DOCUMENTED)
 def test_every_public_name_has_an_api_entry(module_name: str) -> None:
     text = API.read_text(encoding="utf-8")
     module = importlib.import_module(module_name)
