@@ -29,7 +29,7 @@ def _contract(tag: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    backend = str(dist.get_backend())
+    backend = f"{dist.get_backend()} {dist.get_backend_config()}"
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     dist.destroy_process_group()
@@ -58,7 +58,8 @@ def test_run_returns_every_rank_in_order_with_the_contract() -> None:
     out = run(_contract, args=("x",), num_proc=2, env={"USER_VAR": "u", "HOROVOD_TIMELINE": "/tmp/tl.json"})
     assert [o["RANK"] for o in out] == ["0", "1"]
     assert {o["sum"] for o in out} == {3.0}  # real allreduce, rendezvous through the driver's store
-    assert {o["backend"] for o in out} == {"phalanx_shm"}  # one host: gloo requests get shared memory
+    # one host: gloo requests get shared memory, posing as gloo
+    assert {o["backend"] for o in out} == {"gloo cpu:phalanx_shm,cuda:gloo"}
     assert all(o["tag"] == "x" and o["WORLD_SIZE"] == "2" for o in out)
     # local[2]: one executor host, so local ranks 0 and 1 and a single cross rank.
     assert [(o["LOCAL_RANK"], o["LOCAL_WORLD_SIZE"], o["HOROVOD_CROSS_RANK"], o["HOROVOD_CROSS_SIZE"])

@@ -25,7 +25,7 @@ def _identity() -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    backend = str(dist.get_backend())
+    backend = f"{dist.get_backend()} {dist.get_backend_config()}"
     pg = dist.distributed_c10d._get_default_group()
     t = torch.ones(1)
     dist.all_reduce(t)
@@ -40,7 +40,7 @@ def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
     out = run(_identity, num_proc=4, env={"USER_VAR": "v"})
     assert {o["sum"] for o in out} == {4.0}
     # two hosts, two ranks each: the gloo request gets the hierarchical phalanx_shm group (shm within a host)
-    assert {o["backend"] for o in out} == {"phalanx_shm"}
+    assert {o["backend"] for o in out} == {"gloo cpu:phalanx_shm,cuda:gloo"}
     assert all(o["shm"].get("allreduce") == 1 for o in out), [o["shm"] for o in out]
     assert {o["python"] for o in out} == {sys.executable}, "executors must run the driver's interpreter"
     assert {o["USER_VAR"] for o in out} == {"v"}

@@ -327,5 +327,26 @@ def _close_fds(fds: list[int]) -> None:
                 pass  # already closed
 
 
+def pose_as_gloo(requested: str) -> None:
+    """Make the default group, made for ``init_process_group(requested)`` with ``phalanx_shm`` in place of
+    gloo on the CPU, look like the gloo group asked for: ``dist.get_backend()`` reports ``requested``, and
+    every other device the request maps to gloo gets the wrapped gloo group as its backend (torch stops
+    creating backends at a Python group, so it never made them). A group of another kind is left alone.
+
+    Its device map (``dist.get_backend_config()``) keeps the truth, e.g. ``cpu:phalanx_shm,cuda:gloo``. A
+    ``new_group`` without a backend inherits the name, so it is a plain gloo group.
+    """
+    c10d: Any = dist.distributed_c10d
+    pg = c10d._get_default_group() if c10d.is_initialized() else None
+    if not isinstance(pg, ShmProcessGroup):
+        return
+    for entry in str(c10d.get_backend_config(pg)).split(","):
+        device, _, backend = entry.partition(":")
+        if backend == "gloo":
+            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO, pg.gloo)
+    _name, store = c10d._world.pg_map[pg]
+    c10d._world.pg_map[pg] = (dist.Backend(requested), store)
+
+
 if NAME not in dist.Backend.backend_list:
     dist.Backend.register_backend(NAME, _create, devices=["cpu"])

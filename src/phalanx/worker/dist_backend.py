@@ -10,8 +10,12 @@ job where some host runs two or more ranks, becomes a request for ``phalanx_shm`
 (:mod:`phalanx.transport.backend`): allreduce, broadcast, barrier, all-gather-into-tensor and
 reduce-scatter-tensor of CPU tensors go through shared memory among each host's ranks (across hosts,
 hierarchically: gloo among the hosts' first ranks) and everything else through the gloo group it wraps.
-``"gloo"`` becomes ``"phalanx_shm"`` and ``"cpu:gloo,cuda:nccl"`` becomes ``"cpu:phalanx_shm,cuda:nccl"``;
-any other backend (nccl, the default ``None``, mpi) and jobs with one rank per host are left alone. On by
+``"gloo"`` (and ``"cpu:gloo,cuda:gloo"``) becomes ``"cpu:phalanx_shm,cuda:gloo"``, ``"cpu:gloo"`` becomes
+``"cpu:phalanx_shm"``; the group then poses as gloo (:func:`phalanx.transport.backend.pose_as_gloo`):
+``dist.get_backend()`` reports the name asked for and CUDA tensors go to the real gloo group. A request
+that maps some device to another backend (``"cpu:gloo,cuda:nccl"``: a Python process group cannot hold
+torch's NCCL backend beside it), any other backend (nccl, the default ``None``, mpi) and jobs with one
+rank per host are left alone. On by
 default, because DDP and FSDP2 on it are faster than on gloo (``bench/shm.py``; figures in BENCHMARKS.md);
 ``PHALANX_SHM_NATIVE=0`` or ``PHALANX_SHM=0`` turns it off.
 
@@ -31,7 +35,6 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import Any
 
 from phalanx.env import names as env_names
@@ -71,12 +74,25 @@ def choose(backend: Any, environ: Mapping[str, str]) -> Any:
         return backend
     if not _on(environ, env_names.PHALANX_SHM_NATIVE, "1") or not _on(environ, env_names.PHALANX_SHM, "1"):
         return backend
-    if backend.lower() == "gloo":
-        return SHM_BACKEND
-    parts = [p.strip() for p in backend.split(",")]
-    if any(p.lower() == "cpu:gloo" for p in parts):
-        return ",".join(f"cpu:{SHM_BACKEND}" if p.lower() == "cpu:gloo" else p for p in parts)
-    return backend
+    devices = _gloo_devices(backend)
+    if devices is None or "cpu" not in devices:
+        return backend
+    # the CPU first: torch creates no backend after a Python group's, so none is made in vain before it
+    return ",".join([f"cpu:{SHM_BACKEND}", *(f"{d}:gloo" for d in devices if d != "cpu")])
+
+
+def _gloo_devices(backend: str) -> list[str] | None:
+    """The devices of a request that maps every device to gloo (``"gloo"``: gloo's cpu and cuda), in
+    the request's order; None when some device gets another backend or the string is not a device map."""
+    if backend.strip().lower() == "gloo":
+        return ["cpu", "cuda"]
+    devices: list[str] = []
+    for part in backend.lower().split(","):
+        device, _, name = part.strip().partition(":")
+        if name != "gloo" or not device:
+            return None
+        devices.append(device)
+    return devices
 
 
 def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -114,47 +130,26 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_process_group(backend: Any = None, *args: Any, **kwargs: Any) -> Any:
         chosen = backend if native.backend_is_exact() else choose(backend, os.environ)
-        if chosen is not backend:
-            importlib.import_module(_BACKEND_MODULE)  # registers the backend with torch.distributed
         call = dict(signature.bind_partial(chosen, *args, **kwargs).arguments)
-        return original(**job_store_arguments(call, os.environ))
+        if chosen is backend:
+            return original(**job_store_arguments(call, os.environ))
+        module = importlib.import_module(_BACKEND_MODULE)  # registers the backend with torch.distributed
+        result = original(**job_store_arguments(call, os.environ))
+        module.pose_as_gloo(backend)
+        return result
 
     setattr(init_process_group, _MARK, True)
     # phalanx.torch carries its own shared-memory transport: it calls inside ``native.exact_backend``.
     return init_process_group
 
 
-def _monitored(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``monitored_barrier`` that also serves ``phalanx_shm`` groups (torch refuses every backend but gloo).
-
-    The group's CPU backend is the gloo group it wraps (``ShmProcessGroup``), which does the real work.
-    """
-
-    @functools.wraps(original)
-    def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
-        c10d: Any = sys.modules[f"{_TARGET}.distributed_c10d"]
-        if c10d._rank_not_in_group(group) or c10d.get_backend(group) != SHM_BACKEND:
-            return original(group, timeout, wait_all_ranks)
-        if timeout is None:
-            timeout = c10d.default_pg_timeout
-        elif isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
-        pg = c10d._get_default_group() if group is None else group
-        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
-
-    setattr(monitored_barrier, _MARK, True)
-    return monitored_barrier
-
-
 def _patch() -> None:
-    """Wrap ``init_process_group`` and ``monitored_barrier`` in the loaded ``torch.distributed`` (and its
-    ``distributed_c10d``)."""
+    """Wrap ``init_process_group`` in the loaded ``torch.distributed`` (and its ``distributed_c10d``)."""
     for name in (_TARGET, f"{_TARGET}.distributed_c10d"):
         module: Any = sys.modules.get(name)
-        for attr, wrap in (("init_process_group", _wrap), ("monitored_barrier", _monitored)):
-            fn = getattr(module, attr, None)
-            if fn is not None and not getattr(fn, _MARK, False):
-                setattr(module, attr, wrap(fn))
+        fn = getattr(module, "init_process_group", None)
+        if fn is not None and not getattr(fn, _MARK, False):
+            module.init_process_group = _wrap(fn)
 
 
 def patched_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:

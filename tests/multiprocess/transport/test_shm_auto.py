@@ -19,6 +19,8 @@ from phalanx.errors import WorkerFailedError
 pytestmark = [pytest.mark.multiprocess]
 
 DEFAULT: dict[str, str] = {}  # no variable: the substitution is on by default
+#: what ``dist.get_backend()`` and ``dist.get_backend_config()`` report: substituted (posing as gloo), or gloo
+POSED, GLOO = "gloo cpu:phalanx_shm,cuda:gloo", "gloo cpu:gloo,cuda:gloo"
 EXAMPLES = str(Path(__file__).resolve().parents[3] / "examples")
 
 
@@ -36,7 +38,7 @@ def _spy() -> dict[str, Any]:
     def spy(*args: Any, **kwargs: Any) -> Any:
         out = inner(*args, **kwargs)
         pg = dist.distributed_c10d._get_default_group()
-        seen["backend"] = str(dist.get_backend())
+        seen["backend"] = f"{dist.get_backend()} {dist.get_backend_config()}"
         seen["calls"] = getattr(pg, "shm_calls", None)  # not the group: it must die with destroy
         return out
 
@@ -73,7 +75,7 @@ def _ddp() -> tuple[str, bool, bool]:
 @pytest.mark.timeout(90)
 def test_ddp_on_gloo_request_gets_shared_memory() -> None:
     for backend, used, same in phalanx.run(_ddp, np=2, env=DEFAULT):
-        assert (backend, used, same) == ("phalanx_shm", True, True)
+        assert (backend, used, same) == (POSED, True, True)
     assert _leftovers() == []
 
 
@@ -81,7 +83,7 @@ def test_ddp_on_gloo_request_gets_shared_memory() -> None:
 def test_switches_off_keep_gloo() -> None:
     for env in ({"PHALANX_SHM_NATIVE": "0"}, {"PHALANX_SHM": "0"}):
         for backend, used, same in phalanx.run(_ddp, np=2, env=env):
-            assert (backend, used, same) == ("gloo", False, True)
+            assert (backend, used, same) == (GLOO, False, True)
 
 
 def _die_in_ddp() -> None:
@@ -136,7 +138,7 @@ def _example(name: str, fn: str, kinds: tuple[str, ...] = ("allreduce",)) -> tup
 def test_fsdp2_trains_on_shared_memory() -> None:
     fsdp_calls = ("allgather", "reduce_scatter")
     results = phalanx.run(_example, args=("fsdp_digits", "train_fsdp", fsdp_calls), np=2, env=DEFAULT)
-    assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
+    assert [r[:2] for r in results] == [(POSED, True)] * 2
     assert results[0][2] > 0.5  # one epoch on digits (chance: 0.1)
     assert _leftovers() == []
 
@@ -145,7 +147,7 @@ def test_fsdp2_trains_on_shared_memory() -> None:
 def test_lightning_ddp_trains_on_shared_memory() -> None:
     pytest.importorskip("lightning")
     results = phalanx.run(_example, args=("lightning_digits", "train_lightning"), np=2, env=DEFAULT)
-    assert [r[:2] for r in results] == [("phalanx_shm", True)] * 2
+    assert [r[:2] for r in results] == [(POSED, True)] * 2
     assert results[0][2] > 0.5
     assert _leftovers() == []
 
@@ -166,7 +168,7 @@ pg = dist.distributed_c10d._get_default_group()
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(40, 3))
 model(torch.randn(8, 40)).sum().backward()
 calls = getattr(pg, "shm_calls", None) or {}
-print("backend", dist.get_backend(), "allreduce", calls.get("allreduce", 0), flush=True)
+print("backend", dist.get_backend(), dist.get_backend_config(), "allreduce", calls.get("allreduce", 0), flush=True)
 dist.destroy_process_group()
 sys.stderr.flush()
 os._exit(0)
@@ -174,8 +176,8 @@ os._exit(0)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("env, expected", [({}, "backend phalanx_shm allreduce 1"),
-                                           ({"PHALANX_SHM_NATIVE": "0"}, "backend gloo allreduce 0")])
+@pytest.mark.parametrize("env, expected", [({}, f"backend {POSED} allreduce 1"),
+                                           ({"PHALANX_SHM_NATIVE": "0"}, f"backend {GLOO} allreduce 0")])
 def test_phalanxrun_script_ranks_get_it_too(tmp_path: Path, env: dict[str, str], expected: str) -> None:
     """A command rank (``phalanxrun python train.py``) execs the user's program: the wheel's start-up hook
     ``phalanx-shm-native.pth`` substitutes the backend there."""
@@ -199,7 +201,7 @@ def _other_calls() -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     r = dist.get_rank()
-    out: dict[str, Any] = {"backend": dist.get_backend()}
+    out: dict[str, Any] = {"backend": f"{dist.get_backend()} {dist.get_backend_config()}"}
     t = torch.full((3,), float(r + 1))
     dist.reduce(t, dst=0)
     out["reduce"] = t.tolist() if r == 0 else None
@@ -225,7 +227,7 @@ def _other_calls() -> dict[str, Any]:
 @pytest.mark.timeout(90)
 def test_calls_beyond_the_shared_memory_ones_still_work() -> None:
     rank0, rank1 = phalanx.run(_other_calls, np=2, env=DEFAULT)
-    assert rank0 == {"backend": "phalanx_shm", "reduce": [3.0] * 3, "gather": [[0.0, 0.0], [1.0, 1.0]],
+    assert rank0 == {"backend": POSED, "reduce": [3.0] * 3, "gather": [[0.0, 0.0], [1.0, 1.0]],
                      "scatter": [0.0, 0.0], "all_to_all": [0.0, 10.0], "subgroup": [1.0, 1.0]}
     assert rank1 == {**rank0, "reduce": None, "gather": None, "scatter": [1.0, 1.0], "all_to_all": [1.0, 11.0]}
     assert _leftovers() == []

@@ -36,7 +36,7 @@ def _disagree() -> dict[str, Any]:
             errors[name] = f"{type(e).__name__}: {e}"
     agreed = torch.ones(3) * (rank + 1)
     dist.all_reduce(agreed)  # the group still works after the mismatches
-    out = {"backend": str(dist.get_backend()), "errors": errors, "after": agreed.tolist()}
+    out = {"backend": f"{dist.get_backend()} {dist.get_backend_config()}", "errors": errors, "after": agreed.tolist()}
     dist.destroy_process_group()
     return out
 
@@ -44,7 +44,7 @@ def _disagree() -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_ranks_that_disagree_raise_on_every_rank_and_never_get_wrong_data() -> None:
     out = phalanx.run(_disagree, np=2)
-    assert {o["backend"] for o in out} == {"phalanx_shm"}
+    assert {o["backend"] for o in out} == {"gloo cpu:phalanx_shm,cuda:gloo"}
     for o in out:
         for name, error in o["errors"].items():
             assert error is not None, f"{name}: a mismatch went through"

@@ -211,7 +211,8 @@ def _ddp_job(hosts: list[str]) -> tuple[str, bool, bool, float]:
     every = [torch.empty_like(flat[0]) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flat[0])
     calls = getattr(pg, "shm_calls", None) or {}
-    out = (str(dist.get_backend()), calls.get("allreduce", 0) >= 4, all(torch.equal(every[0], e) for e in every),
+    backend = f"{dist.get_backend()} {dist.get_backend_config()}"
+    out = (backend, calls.get("allreduce", 0) >= 4, all(torch.equal(every[0], e) for e in every),
            float((flat[0] - flat[1]).abs().max()))
     dist.destroy_process_group()
     return out
@@ -220,7 +221,7 @@ def _ddp_job(hosts: list[str]) -> tuple[str, bool, bool, float]:
 @pytest.mark.timeout(120)
 def test_ddp_on_two_hosts_gets_gloos_weights() -> None:
     for backend, used, agree, diff in phalanx.run(_ddp_job, args=(AABB,), np=4):
-        assert (backend, used, agree) == ("phalanx_shm", True, True)
+        assert (backend, used, agree) == ("gloo cpu:phalanx_shm,cuda:gloo", True, True)
         assert diff < 1e-5  # the same weights up to the order of the float sums
     assert _leftovers() == []
 
@@ -231,7 +232,7 @@ def test_ddp_on_two_hosts_gets_gloos_weights() -> None:
 def test_gloo_is_kept(hosts: list[str], env: dict[str, str]) -> None:
     """One rank per host (nothing to share) and the switches keep the plain gloo default group."""
     for backend, used, agree, diff in phalanx.run(_ddp_job, args=(hosts,), np=len(hosts), env=env):
-        assert (backend, used, agree, diff) == ("gloo", False, True, 0.0)
+        assert (backend, used, agree, diff) == ("gloo cpu:gloo,cuda:gloo", False, True, 0.0)
 
 
 def _peer_leaves(hosts: list[str], n: int) -> str:

@@ -132,16 +132,20 @@ def test_auto_backend_choice() -> None:
     from phalanx.worker.dist_backend import choose
 
     one_host = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # on by default
-    assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "1"}) == "phalanx_shm"
-    assert choose("gloo", one_host) == "phalanx_shm"
-    assert choose("GLOO", one_host) == "phalanx_shm"
-    assert choose("cpu:gloo,cuda:nccl", one_host) == "cpu:phalanx_shm,cuda:nccl"
-    for other in ("nccl", None, "mpi", "cuda:nccl"):
+    shm = "cpu:phalanx_shm,cuda:gloo"  # gloo's CUDA entry stays gloo's
+    assert choose("gloo", {**one_host, "PHALANX_SHM_NATIVE": "1"}) == shm
+    assert choose("gloo", one_host) == shm
+    assert choose("GLOO", one_host) == shm
+    assert choose("cpu:gloo,cuda:gloo", one_host) == shm
+    assert choose("cuda:gloo,cpu:gloo", one_host) == shm
+    assert choose("cpu:gloo", one_host) == "cpu:phalanx_shm"
+    # a Python group cannot keep torch's NCCL backend beside it: such a request keeps gloo
+    for other in ("nccl", None, "mpi", "cuda:nccl", "cpu:gloo,cuda:nccl", "cuda:gloo", "cpu:gloo,:gloo"):
         assert choose(other, one_host) == other
     assert choose("gloo", {**one_host, "WORLD_SIZE": "4"}) == "gloo"  # other hosts, their count unknown
     aabb = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}  # hierarchical
-    assert choose("gloo", aabb) == "phalanx_shm"
-    assert choose("gloo", {**aabb, "LOCAL_WORLD_SIZE": "1"}) == "phalanx_shm"  # AAAB: B's lone rank decides alike
+    assert choose("gloo", aabb) == shm
+    assert choose("gloo", {**aabb, "LOCAL_WORLD_SIZE": "1"}) == shm  # AAAB: B's lone rank decides alike
     assert choose("gloo", {**aabb, "PHALANX_SHM": "0"}) == "gloo"
     assert choose("gloo", {**aabb, "GROUP_WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "1"}) == "gloo"  # one per host
     assert choose("gloo", {**aabb, "GROUP_WORLD_SIZE": "two"}) == "gloo"
