@@ -6,14 +6,13 @@ the whole exchange). A peer that fails, sends garbage or is too slow is closed a
 event reaches the job; a worker reads nothing from a server that could not prove itself. Afterwards the
 driver sends the payload and the peer streams hellos, log lines, its result or its error.
 
-At most :data:`MAX_PENDING_HANDSHAKES` connections may be unauthenticated at once (each holds a thread for
-at most the handshake's deadline); further ones are closed at once, and a worker retries until its start
-timeout. The accepting thread survives any error but the channel's own close.
+Accepting, the handshake and its bounds are :class:`phalanx.job.auth_server.AuthServer`'s (the store's
+too): at most ``MAX_PENDING_HANDSHAKES`` connections may be unauthenticated at once, further ones are
+closed at once, and a worker retries until its start timeout.
 """
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 
 from phalanx.errors import ChannelError
 from phalanx.job import handshake
+from phalanx.job.auth_server import AuthServer
 from phalanx.job.events import EventQueue
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
 from phalanx.job.handshake import Role, new_secret
@@ -28,14 +28,8 @@ from phalanx.job.records import ErrorRecord, Hello, LogLine
 
 __all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "WorkerChannel", "new_secret"]
 
-log = logging.getLogger(__name__)
-
 #: Seconds an unauthenticated peer has for the whole handshake.
 AUTH_TIMEOUT_S = handshake.HANDSHAKE_TIMEOUT_S
-#: Connections that may be in their handshake at once; more are closed on arrival.
-MAX_PENDING_HANDSHAKES = 32
-ACCEPTER_JOIN_S = 5.0  # close() waits this long for the accepting thread to end (it is woken at once)
-_ACCEPT_RETRY_S = 0.05  # pause after a failed accept (EMFILE, ENOBUFS) before the next one
 _CONNECT_RETRY_S = 0.2  # a worker's pause before it retries a busy or unreachable driver
 
 
@@ -82,21 +76,19 @@ class DriverChannel:
         self.secret = new_secret()
         self.events = EventQueue()
         self._payload = payload
-        self._server = socket.create_server((bind_host, 0), backlog=max(128, 2 * world_size))
         self._advertise = advertise_host or bind_host
         self._lock = threading.Lock()
         self._peers: dict[tuple[int, Role], FrameWriter] = {}
         self._closed = {r: threading.Event() for r in range(world_size)}
         self._closed_at: dict[tuple[int, Role], float] = {}
         self._stopping = False
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
-        self._accepter = threading.Thread(target=self._accept_loop, name="phalanx-channel", daemon=True)
-        self._accepter.start()
+        self._server = AuthServer(self.secret, bind_host, self._admits, self._serve, name="phalanx-channel",
+                                  backlog=max(128, 2 * world_size), handshake_timeout_s=AUTH_TIMEOUT_S)
 
     @property
     def address(self) -> str:
         """``host:port`` that workers connect to."""
-        return f"{self._advertise}:{self._server.getsockname()[1]}"
+        return f"{self._advertise}:{self._server.port}"
 
     def worker_done(self, rank: int, timeout_s: float) -> bool:
         """Wait until rank's worker connection has closed; False if it did not within ``timeout_s``."""
@@ -130,77 +122,24 @@ class DriverChannel:
         return True
 
     def close(self) -> None:
-        """Stop accepting (the accepting thread ends) and close every connection.
-
-        Closing a listening socket does not wake a thread blocked in ``accept()`` on Linux: without the
-        ``shutdown`` every job left that thread and its listening port behind in the driver for good.
-        """
-        self._stopping = True
-        self.events.close()
-        try:
-            self._server.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        try:
-            self._server.close()
-        except OSError:
-            pass
-        if self._accepter is not threading.current_thread():
-            self._accepter.join(timeout=ACCEPTER_JOIN_S)
+        """Stop accepting (the accepting thread ends) and close every connection."""
         with self._lock:
-            writers = list(self._peers.values())
-        for writer in writers:
-            writer.close()
-
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._server.accept()
-            except OSError as e:
-                if self._stopping:
-                    return
-                log.warning("the channel could not accept a connection (retrying): %s", e)
-                time.sleep(_ACCEPT_RETRY_S)
-                continue
-            self._admit(conn)
-
-    def _admit(self, conn: socket.socket) -> None:
-        """Hand a new connection to a thread of its own, or close it: never raises."""
-        if not self._pending.acquire(blocking=False):
-            close_socket(conn)
-            return
-        try:
-            threading.Thread(target=self._serve, args=(conn,), name="phalanx-peer", daemon=True).start()
-        except Exception as e:  # a thread that cannot start must not end the accepting loop
-            log.warning("the channel could not serve a connection: %s", e)
-            self._pending.release()
-            close_socket(conn)
+            self._stopping = True
+        self.events.close()
+        self._server.close()
 
     def _admits(self, rank: int, role: Role) -> bool:
         return rank < self.world_size and role in (Role.WORKER, Role.SUPERVISOR)
 
-    def _authenticate(self, conn: socket.socket) -> tuple[int, Role] | None:
+    def _serve(self, conn: socket.socket, who: tuple[int, Role]) -> None:
+        """Send an authenticated peer the payload, then turn its frames into events until it closes."""
+        if not self._register(who, conn):
+            return
         try:
-            return handshake.serve(conn, self.secret, self._admits, AUTH_TIMEOUT_S)
-        finally:
-            self._pending.release()
-
-    def _serve(self, conn: socket.socket) -> None:
-        who: tuple[int, Role] | None = None
-        try:
-            who = self._authenticate(conn)
-            if who is None or not self._register(who, conn):
-                who = None
-                return
-            conn.settimeout(None)
             self._peers[who].send(Kind.PAYLOAD, self._payload)
             self._pump(conn, who[0])
-        except (ChannelError, OSError, ValueError):
-            pass
         finally:
-            conn.close()
-            if who is not None:
-                self._unregister(who)
+            self._unregister(who)
 
     def _register(self, who: tuple[int, Role], conn: socket.socket) -> bool:
         with self._lock:

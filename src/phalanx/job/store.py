@@ -12,22 +12,17 @@ reply is a status byte and a list. Ops follow ``TCPStore``'s semantics, includin
 
 from __future__ import annotations
 
-import logging
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 
 from phalanx.errors import ChannelError
 from phalanx.job import handshake
-from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
+from phalanx.job.auth_server import AuthServer
+from phalanx.job.framing import FrameWriter, Kind, read_frame
 
-log = logging.getLogger(__name__)
-
-#: Connections that may be in their handshake at once; more are closed on arrival (clients retry).
-MAX_PENDING_HANDSHAKES = 32
 #: Largest request an authenticated client may send.
 MAX_REQUEST_BYTES = 1 << 30
 _U32 = struct.Struct(">I")
@@ -193,7 +188,8 @@ def _apply(data: KeyValues, op: int, items: list[bytes]) -> list[bytes]:
 
 
 class StoreServer:
-    """Serves :class:`KeyValues` to authenticated clients; the listening socket is bound on construction.
+    """Serves :class:`KeyValues` to authenticated clients (role ``STORE``); the listening socket is bound on
+    construction (:class:`phalanx.job.auth_server.AuthServer`).
 
     Args:
         secret: the job's secret (hex).
@@ -202,68 +198,15 @@ class StoreServer:
 
     def __init__(self, secret: str, bind_host: str = "127.0.0.1") -> None:
         self.data = KeyValues()
-        self._secret = secret
-        self._server = socket.create_server((bind_host, 0), backlog=128)
-        self.port: int = self._server.getsockname()[1]
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._stopping = False
-        self._accepter = threading.Thread(target=self._accept_loop, name="phalanx-store", daemon=True)
-        self._accepter.start()
+        self._server = AuthServer(secret, bind_host, lambda _rank, role: role is handshake.Role.STORE,
+                                  self._answer, name="phalanx-store")
+        self.port: int = self._server.port
 
     def close(self) -> None:
         """Stop accepting and close every connection (clients' waits fail at once)."""
-        self._stopping = True
-        close_socket(self._server)
-        self._accepter.join(5.0)
-        with self._lock:
-            conns = list(self._conns)
-        for conn in conns:
-            close_socket(conn)
+        self._server.close()
 
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                conn, _ = self._server.accept()
-            except OSError as e:
-                if self._stopping:
-                    return
-                log.warning("the store could not accept a connection (retrying): %s", e)
-                time.sleep(0.05)
-                continue
-            if not self._pending.acquire(blocking=False):
-                close_socket(conn)
-                continue
-            try:
-                threading.Thread(target=self._serve, args=(conn,), name="phalanx-store-peer", daemon=True).start()
-            except Exception as e:  # a thread that cannot start must not end the accepting loop
-                log.warning("the store could not serve a connection: %s", e)
-                self._pending.release()
-                close_socket(conn)
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            try:
-                who = handshake.serve(conn, self._secret, lambda _rank, role: role is handshake.Role.STORE)
-            finally:
-                self._pending.release()
-            if who is None:
-                return
-            with self._lock:
-                if self._stopping:
-                    return
-                self._conns.add(conn)
-            conn.settimeout(None)
-            self._answer(conn)
-        except (ChannelError, OSError, ValueError) as e:
-            log.debug("store connection ended: %s", e)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            close_socket(conn)
-
-    def _answer(self, conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket, _who: tuple[int, handshake.Role]) -> None:
         writer = FrameWriter(conn)
         while True:
             frame = read_frame(conn, limit=MAX_REQUEST_BYTES)

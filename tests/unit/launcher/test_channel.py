@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from phalanx.errors import ChannelError
+from phalanx.job import auth_server
 from phalanx.job import channel as channel_mod
 from phalanx.job.channel import Closed, DriverChannel, Result, Role, WorkerChannel
 from phalanx.job.framing import FrameWriter, Kind, read_frame
@@ -194,7 +195,7 @@ def test_the_handshake_deadline_covers_the_whole_exchange(monkeypatch: pytest.Mo
 
 
 def test_unauthenticated_connections_are_bounded_and_workers_still_get_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(channel_mod, "MAX_PENDING_HANDSHAKES", 3)
+    monkeypatch.setattr(auth_server, "MAX_PENDING_HANDSHAKES", 3)
     monkeypatch.setattr(channel_mod, "AUTH_TIMEOUT_S", 1.0)
     ch = DriverChannel(world_size=1, payload=b"p")
     host, port = ch.address.rsplit(":", 1)
@@ -225,7 +226,7 @@ def test_the_accept_loop_survives_a_thread_that_cannot_start(monkeypatch: pytest
             super().start()
 
     shim = types.SimpleNamespace(Thread=Flaky, current_thread=threading.current_thread)
-    monkeypatch.setattr(channel_mod, "threading", shim)
+    monkeypatch.setattr(auth_server, "threading", shim)
     try:
         host, port = ch.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=5) as first:
