@@ -26,6 +26,11 @@ class InvalidArgumentError(PhalanxError, ValueError):
     """An argument or setting has a value phalanx cannot use; the message names it and the fix."""
 
 
+class SettingError(InvalidArgumentError):
+    """An environment variable phalanx reads has a value it cannot parse (``phalanx.env.settings``); the
+    message names the variable, the value and what it must be."""
+
+
 class PayloadError(PhalanxError, TypeError):
     """The function or its arguments cannot be serialized; the message names the offending object."""
 

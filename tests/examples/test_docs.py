@@ -1,5 +1,6 @@
 """The reference documentation matches the code: docs/api.md is what tools/gen_api.py writes today, and
-every public name and every environment variable is documented. No processes."""
+docs/env.md what tools/gen_env.py writes, and every public name and every environment variable is documented.
+No processes."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ def test_api_md_is_generated_from_the_current_code() -> None:
     spec.loader.exec_module(gen_api)
     assert gen_api.render() == API.read_text(encoding="utf-8"), (
         "docs/api.md is out of date: run .venv/bin/python tools/gen_api.py")
+
+
+def test_env_md_is_generated_from_the_settings() -> None:
+    spec = importlib.util.spec_from_file_location("gen_env", REPO / "tools" / "gen_env.py")
+    assert spec is not None and spec.loader is not None
+    gen_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen_env)
+    assert gen_env.render() == ENV.read_text(encoding="utf-8"), (
+        "docs/env.md is out of date: run .venv/bin/python tools/gen_env.py")
 
 
 def test_every_environment_variable_is_documented() -> None:

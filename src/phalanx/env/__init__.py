@@ -1,40 +1,17 @@
-"""The environment contract: every variable a worker receives, named and parsed in one place.
+"""The environment: every variable phalanx reads or writes, named and parsed in one place.
 
-========================  ===========================================================================
-variable                  meaning
-========================  ===========================================================================
-RANK, WORLD_SIZE          global rank and number of ranks (torch names)
-LOCAL_RANK,               rank among the ranks on this host, and their number
-LOCAL_WORLD_SIZE
-GROUP_RANK,               index of this host among the job's hosts, and their number
-GROUP_WORLD_SIZE
-ROLE_RANK,                as RANK / WORLD_SIZE (torchrun sets them; some libraries read them)
-ROLE_WORLD_SIZE
-MASTER_ADDR, MASTER_PORT  the store the driver hosts; every rank connects as an authenticated client
-TORCHELASTIC_RUN_ID       the job's id; Lightning detects a torchrun-style job by it
-TORCHELASTIC_RESTART_*    restart count (0 unless elastic) and max restarts
-TORCHELASTIC_USE_AGENT_   "True": env:// rendezvous connects to the driver's store instead of starting
-STORE                     one on rank 0 (no free-port race)
-HOROVOD_RANK, _SIZE,      Horovod's names for the same facts; CROSS_RANK / CROSS_SIZE group ranks with
-HOROVOD_LOCAL_RANK, ...   the same local rank across hosts (Horovod's definition)
-HOROVOD_HOSTNAME          the host the launcher placed this rank on
-PHALANX_RUN_ID            the job's id
-PHALANX_CHANNEL           host:port of the driver's channel (results, errors, logs)
-PHALANX_SECRET            the per-job secret that authenticates this worker on the channel
-PHALANX_START_TIMEOUT_S   seconds a worker may take to reach the channel
-PHALANX_ELASTIC_WORKER_   elastic jobs: the worker's stable id (its torch rank comes from the store,
-ID                        round by round; see docs/elastic.md)
-PHALANX_ELASTIC_TIMEOUT_  elastic jobs: seconds to wait for the next round and for a collective (60)
-S
-PHALANX_ELASTIC_CHECKPOI  elastic jobs (user knob): commit() also writes the state to this directory
-NT_DIR
-PYTHONUNBUFFERED          "1" so that output streams line by line (a user's own value is kept)
-========================  ===========================================================================
+- :mod:`phalanx.env.names`: every variable's name, once;
+- :mod:`phalanx.env.settings`: every setting phalanx reads, with its type, default, parser and error
+  (``SettingError``), under one truth rule (unset or empty means the default);
+- :mod:`phalanx.env.contract`: the worker contract, pure functions from (job, rank) to ``dict[str, str]``;
+- :mod:`phalanx.env.catalog`: docs/env.md's tables (``tools/gen_env.py`` writes the page from it);
+- :mod:`phalanx.env.elastic`, :mod:`phalanx.env.foreign`, :mod:`phalanx.env.shm`: elastic store keys, other
+  launchers' rank variables, the transport's file names.
 """
 
 from __future__ import annotations
 
-from phalanx.env import elastic, names
+from phalanx.env import elastic, names, settings
 from phalanx.env.contract import (
     DEFAULT_START_TIMEOUT_S,
     JobContract,
@@ -56,5 +33,6 @@ __all__ = [
     "elastic",
     "names",
     "read_contract",
+    "settings",
     "worker_env",
 ]

@@ -12,10 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from phalanx.env import names as env_names
+from phalanx.env.settings import DEFAULT_START_TIMEOUT_S, START_TIMEOUT, TEARDOWN_GRACE
 from phalanx.errors import WorkerContractError
-
-DEFAULT_START_TIMEOUT_S = 30.0
-DEFAULT_TEARDOWN_GRACE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -240,7 +238,7 @@ def read_contract(environ: Mapping[str, str] | None = None) -> WorkerContract:
         master_port=_int(env, env_names.MASTER_PORT),
         channel=env.get(env_names.PHALANX_CHANNEL, ""),
         secret=env.get(env_names.PHALANX_SECRET, ""),
-        start_timeout_s=float(env.get(env_names.PHALANX_START_TIMEOUT_S, DEFAULT_START_TIMEOUT_S)),
+        start_timeout_s=START_TIMEOUT.get(env),
         restart_count=int(env.get(env_names.TORCHELASTIC_RESTART_COUNT, "0") or 0),
     )
     return WorkerContract(identity=identity, job=job)
@@ -250,16 +248,6 @@ def teardown_grace_s(environ: Mapping[str, str] | None = None) -> float:
     """Seconds between SIGTERM and SIGKILL when a job is torn down: ``PHALANX_TEARDOWN_GRACE_S`` or 3.
 
     Raises:
-        WorkerContractError: the variable is not a non-negative number.
+        SettingError: the variable is not a non-negative number.
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(env_names.PHALANX_TEARDOWN_GRACE_S)
-    if raw in (None, ""):
-        return DEFAULT_TEARDOWN_GRACE_S
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise WorkerContractError(f"{env_names.PHALANX_TEARDOWN_GRACE_S}={raw!r} is not a number of seconds") from e
-    if value < 0:
-        raise WorkerContractError(f"{env_names.PHALANX_TEARDOWN_GRACE_S}={raw!r} must be >= 0 seconds")
-    return value
+    return TEARDOWN_GRACE.get(environ)

@@ -1,7 +1,7 @@
 """Every environment variable phalanx reads or writes, named once.
 
-Nothing else in the package spells a variable name: import the constant from here. The table in
-``phalanx.env`` (and ``docs/env.md``) documents each one.
+Nothing else in the package spells a variable name: import the constant from here; read a value through
+``phalanx.env.settings``. docs/env.md (written by tools/gen_env.py) documents each one.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import ChannelError
 from phalanx.job import handshake
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
@@ -141,5 +142,5 @@ def _connect(host: str, port: int, secret: str, rank: int, deadline: float) -> s
 def from_env(env: Mapping[str, str], timeout: timedelta) -> StoreClient:
     """A client of the job's store from a rank's contract variables (``MASTER_ADDR``, ``MASTER_PORT``,
     ``PHALANX_SECRET``, ``RANK``)."""
-    return StoreClient(env[env_names.MASTER_ADDR], int(env[env_names.MASTER_PORT]), env[env_names.PHALANX_SECRET],
+    return StoreClient(env[env_names.MASTER_ADDR], int(env[env_names.MASTER_PORT]), settings.SECRET.get(env),
                        int(env.get(env_names.RANK, "0")), timeout)

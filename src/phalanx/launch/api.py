@@ -7,9 +7,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from phalanx.env import DEFAULT_START_TIMEOUT_S
-from phalanx.env import names as env_names
-from phalanx.env.elastic import DEFAULT_ELASTIC_TIMEOUT_S
+from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy
 from phalanx.job.payload import serialize_call
@@ -42,14 +40,12 @@ def resolve_start_timeout(start_timeout: float | None, environ: Mapping[str, str
     Raises:
         InvalidArgumentError: not a positive number.
     """
-    env = os.environ if environ is None else environ
-    raw: object = start_timeout if start_timeout is not None else env.get(env_names.HOROVOD_START_TIMEOUT)
-    if raw is None:
-        return DEFAULT_START_TIMEOUT_S
+    if start_timeout is None:
+        return settings.HOROVOD_START_TIMEOUT.get(environ)
     try:
-        value = float(raw)  # type: ignore[arg-type]
+        value = float(start_timeout)
     except (TypeError, ValueError) as e:
-        raise InvalidArgumentError(f"start_timeout must be a number of seconds; got {raw!r}") from e
+        raise InvalidArgumentError(f"start_timeout must be a number of seconds; got {start_timeout!r}") from e
     if value <= 0:
         raise InvalidArgumentError(f"start_timeout must be positive (seconds); got {value:g}")
     return value
@@ -220,9 +216,6 @@ def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: i
         raise InvalidArgumentError(f"elastic job needs min_np <= np <= max_np; got {lo} <= {np} <= {hi}")
     if reset_limit is not None and (isinstance(reset_limit, bool) or not isinstance(reset_limit, int)):
         raise InvalidArgumentError(f"reset_limit must be an int >= 0 or None; got {reset_limit!r}")
-    raw = (env or {}).get(env_names.PHALANX_ELASTIC_TIMEOUT_S) or os.environ.get(env_names.PHALANX_ELASTIC_TIMEOUT_S)
-    try:
-        timeout = float(raw) if raw else DEFAULT_ELASTIC_TIMEOUT_S
-    except ValueError as e:
-        raise InvalidArgumentError(f"{env_names.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
+    given = settings.ELASTIC_TIMEOUT.is_set(env or {})
+    timeout = settings.ELASTIC_TIMEOUT.get(env if given else None)
     return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout, script)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import IO, Any, Protocol
 
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.job.framing import close_socket
 from phalanx.launch.proctree import terminate_tree
 
@@ -183,7 +184,7 @@ class Template:
 
 def enabled() -> bool:
     """Warm starts are on unless ``PHALANX_WARM_START=0``, and need Linux (fork + SCM_RIGHTS)."""
-    return (os.environ.get(env_names.PHALANX_WARM_START, "1") != "0" and sys.platform.startswith("linux")
+    return (settings.WARM_START.get() and sys.platform.startswith("linux")
             and hasattr(socket, "send_fds"))
 
 

@@ -11,12 +11,11 @@ check applies (docs/spark.md, "Spark Connect").
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 from typing import Any
 
-from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 
 _LOCAL = re.compile(r"local(?:\[(\d+)(?:,\s*\d+)?\])?$")
@@ -115,9 +114,9 @@ def every_slot(session: Any) -> int:
 def client_host(session: Any, environ: dict[str, str] | None = None) -> str:
     """The address executors would reach this client at: ``PHALANX_CONNECT_CLIENT_HOST`` when set, else the
     local address of the route to the Connect server (its host as the session was given it)."""
-    env = os.environ if environ is None else environ
-    if env.get(env_names.PHALANX_CONNECT_CLIENT_HOST):
-        return env[env_names.PHALANX_CONNECT_CLIENT_HOST]
+    chosen = settings.CONNECT_CLIENT_HOST.get(environ)
+    if chosen:
+        return chosen
     server = _server_host(session)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

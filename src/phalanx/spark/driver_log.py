@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import ChannelError
 from phalanx.job.framing import Kind
 
@@ -24,7 +23,7 @@ def log_to_driver(message: object) -> None:
     from phalanx.worker import current_channel
 
     channel = current_channel()
-    if channel is not None and os.environ.get(env_names.PHALANX_LOG_TO_DRIVER) == "1":
+    if channel is not None and settings.LOG_TO_DRIVER.get():
         try:
             channel.send(Kind.EVENT, json.dumps({"log": str(message)}).encode())
             return

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from phalanx.env import JobContract, RankIdentity, assign_ranks, compose_env, worker_env
+from phalanx.env import JobContract, RankIdentity, assign_ranks, compose_env, settings, worker_env
 from phalanx.env import names as env_names
 from phalanx.errors import ChannelError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
@@ -59,7 +59,7 @@ class TaskSpec:
 
     def warm(self) -> bool:
         """True when this job's ranks may be forked from a warm-start template."""
-        off = self.env.get(env_names.PHALANX_WARM_START) == "0"
+        off = not settings.WARM_START.get(self.env)
         return self.command is None and self.warm_preload is not None and not off and warm.enabled()
 
 

@@ -15,10 +15,10 @@ import os
 import threading
 
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError
 from phalanx.timeline.writer import DEFAULT_MAX_BYTES, Timeline
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
 #: ``HOROVOD_TIMELINE=DYNAMIC``: Horovod's "do not start now; hvd.start_timeline() will".
 DYNAMIC = "DYNAMIC"
 
@@ -64,11 +64,6 @@ def current() -> Timeline | None:
     return _active
 
 
-def env_flag(name: str) -> bool:
-    """True when the environment variable ``name`` is set to 1/true/yes/on (any case)."""
-    return os.environ.get(name, "").strip().lower() in _TRUE
-
-
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -81,18 +76,9 @@ def _env_int(name: str, default: int) -> int:
 
 def max_bytes_from_env() -> int:
     """The rotation cap from ``PHALANX_TIMELINE_MAX_MB`` (megabytes; 0 = unbounded), default 1024 MB."""
-    raw = os.environ.get(env_names.PHALANX_TIMELINE_MAX_MB, "").strip()
-    if not raw:
+    if not settings.TIMELINE_MAX_MB.is_set():
         return DEFAULT_MAX_BYTES
-    try:
-        mb = float(raw)
-    except ValueError as e:
-        raise InvalidArgumentError(
-            f"{env_names.PHALANX_TIMELINE_MAX_MB}={raw!r} is not a number of megabytes (0 = unbounded)"
-        ) from e
-    if mb < 0:
-        raise InvalidArgumentError(f"{env_names.PHALANX_TIMELINE_MAX_MB}={raw!r} must be >= 0 (0 = unbounded)")
-    return int(mb * 1024 * 1024)
+    return int(settings.TIMELINE_MAX_MB.get() * 1024 * 1024)
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -128,7 +114,7 @@ def start_timeline(
     """
     global _active
     rank = _env_int(env_names.RANK, 0)
-    every = env_flag(env_names.PHALANX_TIMELINE_ALL_RANKS) if all_ranks is None else all_ranks
+    every = settings.TIMELINE_ALL_RANKS.get() if all_ranks is None else all_ranks
     cap = max_bytes_from_env() if max_bytes is None else max_bytes
     with _lock:
         _stop_locked()
@@ -185,11 +171,11 @@ def start_from_env() -> Timeline | None:
     Raises:
         TimelineError: the path cannot be written.
     """
-    path = os.environ.get(env_names.HOROVOD_TIMELINE, "").strip()
+    path = settings.TIMELINE.get()
     if not path or path.upper() == DYNAMIC:
         return None
     running = _active
-    every = env_flag(env_names.PHALANX_TIMELINE_ALL_RANKS)
+    every = settings.TIMELINE_ALL_RANKS.get()
     if running is not None and running.path in (path, rank_path(path, running.rank) if every else path):
         return running
-    return start_timeline(path, mark_cycles=env_flag(env_names.HOROVOD_TIMELINE_MARK_CYCLES))
+    return start_timeline(path, mark_cycles=settings.TIMELINE_MARK_CYCLES.get())

@@ -17,16 +17,15 @@ Every rank publishes its generation (``phalanx.gen/<rank>``) when it enters ``in
 from __future__ import annotations
 
 import json
-import os
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from phalanx.env import DEFAULT_START_TIMEOUT_S
-from phalanx.env import names as N
-from phalanx.errors import HorovodInternalError, InvalidArgumentError
+from phalanx.env import names as env_names
+from phalanx.env import settings
+from phalanx.errors import HorovodInternalError
 from phalanx.transport import api as transport
 
 PREFIX = "phalanx.gen/"
@@ -122,8 +121,8 @@ def _missing(gen: int, rank: int, size: int, timeout_s: float) -> str:
     return (
         f"rank {rank} waited {timeout_s:g} s in hvd.init() #{gen} for rank(s) {late} to call hvd.init() "
         f"again after hvd.shutdown(): {where}. Every rank must call hvd.shutdown() and hvd.init() the same "
-        f"number of times; raise {N.HOROVOD_GLOO_TIMEOUT_SECONDS} (or, unset, {N.PHALANX_START_TIMEOUT_S}) if a "
-        "rank legitimately takes longer"
+        f"number of times; raise {env_names.HOROVOD_GLOO_TIMEOUT_SECONDS} (or, unset, "
+        f"{env_names.PHALANX_START_TIMEOUT_S}) if a rank legitimately takes longer"
     )
 
 
@@ -150,12 +149,5 @@ def start_timeout_s() -> float:
     Raises:
         InvalidArgumentError: the value is not a positive number.
     """
-    raw = os.environ.get(N.PHALANX_START_TIMEOUT_S, "").strip()
-    try:
-        value = float(raw) if raw else DEFAULT_START_TIMEOUT_S
-    except ValueError as e:
-        raise InvalidArgumentError(f"{N.PHALANX_START_TIMEOUT_S}={raw!r} is not a number of seconds") from e
-    if value <= 0:
-        raise InvalidArgumentError(f"{N.PHALANX_START_TIMEOUT_S}={raw!r} must be a positive number of seconds")
-    return value
+    return settings.START_TIMEOUT.get()
 

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from phalanx.env import names as N
+from phalanx.env import settings
 
 #: Horovod's level names -> Python's (Python has no TRACE: it logs as DEBUG).
 LEVELS = {"TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
@@ -28,10 +28,7 @@ def level_of(raw: str) -> int:
     Raises:
         ValueError: not one of Horovod's level names.
     """
-    level = LEVELS.get(raw.strip().upper())
-    if level is None:
-        raise ValueError(f"{N.HOROVOD_LOG_LEVEL}={raw!r} is not one of {list(LEVELS)}; fix or unset it")
-    return level
+    return LEVELS[settings.LOG_LEVEL.get({settings.LOG_LEVEL.name: raw})]
 
 
 def configure(env: Mapping[str, str] | None = None) -> logging.Handler | None:
@@ -44,8 +41,8 @@ def configure(env: Mapping[str, str] | None = None) -> logging.Handler | None:
         ValueError: a level that is not one of Horovod's names.
     """
     env = os.environ if env is None else env
-    raw_level = env.get(N.HOROVOD_LOG_LEVEL, "").strip()
-    hide_time = env.get(N.HOROVOD_LOG_HIDE_TIME, "").strip().lower() in ("1", "true", "yes", "on")
+    raw_level = settings.LOG_LEVEL.get(env)
+    hide_time = settings.LOG_HIDE_TIME.get(env)
     if not raw_level and not hide_time:
         return None
     logger = logging.getLogger("phalanx")

@@ -22,7 +22,7 @@ import os
 import platform
 from collections.abc import Mapping
 
-from phalanx.env import names as N
+from phalanx.env import settings
 
 LOG = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ APPLIED: dict[str, int] = {}
 
 def enabled(env: Mapping[str, str]) -> bool:
     """Whether ``PHALANX_MALLOC_TUNE`` allows tuning (unset or anything but ``0``/``false``/``no``/``off``)."""
-    return env.get(N.PHALANX_MALLOC_TUNE, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.MALLOC_TUNE.get(env)
 
 
 def tune(env: Mapping[str, str] | None = None) -> dict[str, int]:

@@ -7,12 +7,12 @@ same sets (``new_group`` with different ranks on different processes would hang 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError
 from phalanx.torch import _state
 from phalanx.torch.functions import allgather_object
@@ -56,8 +56,7 @@ def init_process_sets(process_sets: Sequence[ProcessSet] | None, dynamic: bool =
 
 
 def _dynamic_enabled() -> bool:
-    raw = os.environ.get(N.HOROVOD_DYNAMIC_PROCESS_SETS, "")
-    return REGISTRY.dynamic or raw.strip().lower() in ("1", "true", "yes")
+    return REGISTRY.dynamic or settings.DYNAMIC_PROCESS_SETS.get()
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -78,7 +77,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not _dynamic_enabled():
         raise ValueError(
             f"adding a process set after init requires hvd.init(process_sets='dynamic') or "
-            f"{N.HOROVOD_DYNAMIC_PROCESS_SETS}=1 in the environment of every rank (or pass the set to "
+            f"{env_names.HOROVOD_DYNAMIC_PROCESS_SETS}=1 in the environment of every rank (or pass the set to "
             "hvd.init(process_sets=[...]))"
         )
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, HorovodInternalError
 from phalanx.torch import _generations
 from phalanx.transport import api as transport
@@ -315,16 +315,6 @@ def stop() -> None:
     transport.set_wait_hooks(None)
 
 
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return float(raw)
-    except ValueError as e:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds (0 turns it off)") from e
-
-
 def check_interval() -> float:
     """Seconds a wait lasts before the stall check acts (0: off): ``PHALANX_STALL_CHECK_S``, else Horovod's
     ``HOROVOD_STALL_CHECK_DISABLE=1`` (off) and ``HOROVOD_STALL_CHECK_TIME_SECONDS``, else 5.
@@ -332,11 +322,13 @@ def check_interval() -> float:
     Raises:
         ValueError: the value is not a number.
     """
-    if os.environ.get(N.PHALANX_STALL_CHECK_S, "").strip():
-        return _seconds(N.PHALANX_STALL_CHECK_S, DEFAULT_CHECK_S)
-    if os.environ.get(N.HOROVOD_STALL_CHECK_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+    own = settings.STALL_CHECK.get()
+    if own is not None:
+        return own
+    if settings.STALL_CHECK_DISABLE.get():
         return 0.0
-    return _seconds(N.HOROVOD_STALL_CHECK_TIME_SECONDS, DEFAULT_CHECK_S)
+    horovods = settings.STALL_CHECK_TIME.get()
+    return DEFAULT_CHECK_S if horovods is None else horovods
 
 
 def warn_after() -> float:
@@ -347,9 +339,10 @@ def warn_after() -> float:
     Raises:
         ValueError: the value is not a number.
     """
-    if os.environ.get(N.HOROVOD_STALL_CHECK_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+    if settings.STALL_CHECK_DISABLE.get():
         return 0.0
-    return _seconds(N.HOROVOD_STALL_CHECK_TIME_SECONDS, DEFAULT_WARN_S)
+    horovods = settings.STALL_CHECK_TIME.get()
+    return DEFAULT_WARN_S if horovods is None else horovods
 
 
 def shutdown_after() -> float:
@@ -360,7 +353,7 @@ def shutdown_after() -> float:
     Raises:
         ValueError: the value is not a number.
     """
-    return _seconds(N.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, 0.0)
+    return settings.STALL_SHUTDOWN_TIME.get()
 
 
 def current_wait() -> dict[str, Any] | None:
@@ -396,7 +389,7 @@ def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | 
         INSPECTOR.resumed()
         return HorovodInternalError(
             f"stall check: {wait['kind']} {wait['name']!r} on ranks {list(wait['ranks'])} waited {waited:.0f} s, "
-            f"past {N.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={INSPECTOR.shutdown_s:g}: a rank never issued it")
+            f"past {env_names.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={INSPECTOR.shutdown_s:g}: a rank never issued it")
     try:
         return INSPECTOR.stalled(wait)
     except (RuntimeError, OSError):

@@ -17,7 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
 from phalanx.torch import _generations
@@ -84,10 +85,11 @@ def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
     Returns:
         The topology; a single host is assumed when nothing says otherwise.
     """
-    local_size = _env_int(env, N.HOROVOD_LOCAL_SIZE, N.LOCAL_WORLD_SIZE, default=size)
-    local_rank = _env_int(env, N.HOROVOD_LOCAL_RANK, N.LOCAL_RANK, default=rank % max(local_size, 1))
-    cross_size = _env_int(env, N.HOROVOD_CROSS_SIZE, N.GROUP_WORLD_SIZE, default=max(size // local_size, 1))
-    cross_rank = _env_int(env, N.HOROVOD_CROSS_RANK, N.GROUP_RANK, default=rank // max(local_size, 1))
+    local_size = _env_int(env, env_names.HOROVOD_LOCAL_SIZE, env_names.LOCAL_WORLD_SIZE, default=size)
+    local_rank = _env_int(env, env_names.HOROVOD_LOCAL_RANK, env_names.LOCAL_RANK, default=rank % max(local_size, 1))
+    cross_size = _env_int(env, env_names.HOROVOD_CROSS_SIZE, env_names.GROUP_WORLD_SIZE,
+                          default=max(size // local_size, 1))
+    cross_rank = _env_int(env, env_names.HOROVOD_CROSS_RANK, env_names.GROUP_RANK, default=rank // max(local_size, 1))
     return Topology(rank, size, local_rank, local_size, cross_rank, cross_size)
 
 
@@ -98,8 +100,8 @@ def _backend() -> str:
 
 
 def _rank_and_size(env: Mapping[str, str]) -> tuple[int, int]:
-    rank = _env_int(env, N.RANK, N.HOROVOD_RANK, default=0)
-    size = _env_int(env, N.WORLD_SIZE, N.HOROVOD_SIZE, default=1)
+    rank = _env_int(env, env_names.RANK, env_names.HOROVOD_RANK, default=0)
+    size = _env_int(env, env_names.WORLD_SIZE, env_names.HOROVOD_SIZE, default=1)
     return rank, size
 
 
@@ -122,7 +124,7 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
     if dist.is_initialized():
         STATE.owns_group = False
         STATE.cuda_backend = "nccl" in str(dist.get_backend())
-    elif env.get(N.PHALANX_ELASTIC_WORKER_ID):
+    elif settings.ELASTIC_WORKER_ID.get(env) is not None:
         from phalanx.torch.elastic import _rendezvous  # only elastic jobs pay for it
 
         env = _rendezvous.join(backend, env)
@@ -130,7 +132,7 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
     elif _generations.JOB.store is not None:  # init again after shutdown (see _generations)
         _generations.rejoin(backend, *_rank_and_size(env), gloo_timeout(env))
         STATE.owns_group = True
-    elif env.get(N.MASTER_ADDR):
+    elif env.get(env_names.MASTER_ADDR):
         rank, size = _rank_and_size(env)
         transport.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
                                      timeout=gloo_timeout(env))
@@ -151,16 +153,8 @@ def gloo_timeout(env: Mapping[str, str]) -> timedelta | None:
     Raises:
         ValueError: not a positive number of seconds.
     """
-    raw = env.get(N.HOROVOD_GLOO_TIMEOUT_SECONDS, "").strip()
-    if not raw:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError as e:
-        raise ValueError(f"{N.HOROVOD_GLOO_TIMEOUT_SECONDS}={raw!r} is not a number of seconds") from e
-    if seconds <= 0:
-        raise ValueError(f"{N.HOROVOD_GLOO_TIMEOUT_SECONDS}={raw!r} must be a positive number of seconds")
-    return timedelta(seconds=seconds)
+    seconds = settings.GLOO_TIMEOUT.get(env)
+    return None if seconds is None else timedelta(seconds=seconds)
 
 
 def _share_cores(env: Mapping[str, str], topo: Topology) -> None:
@@ -169,7 +163,7 @@ def _share_cores(env: Mapping[str, str], topo: Topology) -> None:
     N ranks on a host each running torch's default one-thread-per-core OpenMP pool oversubscribe the
     CPU; OpenMP's spinning barriers then make a 1 MB copy take milliseconds instead of 0.1 ms.
     """
-    if env.get(N.OMP_NUM_THREADS) or topo.local_size <= 1:
+    if env.get(env_names.OMP_NUM_THREADS) or topo.local_size <= 1:
         return
     share = max(1, (os.cpu_count() or 1) // topo.local_size)
     if torch.get_num_threads() > share:

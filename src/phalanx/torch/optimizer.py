@@ -9,7 +9,6 @@ subclass of the wrapped optimizer's class (as in Horovod), so ``isinstance`` and
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 
 import phalanx.timeline as timeline
-from phalanx.env import names as N
+from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, NotInitializedError
 from phalanx.torch import _buckets as B
 from phalanx.torch import _join, _sparse, _state, _trace
@@ -53,16 +52,13 @@ def fusion_threshold_bytes(total_bytes: int = 0, overlap: bool = True) -> int:
     Raises:
         ValueError: the variable is not an integer.
     """
-    raw = os.environ.get(N.HOROVOD_FUSION_THRESHOLD, "")
-    if not raw.strip():
-        if not overlap:
-            return DEFAULT_FUSION_THRESHOLD_BYTES
-        auto = max(MIN_AUTO_BUCKET_BYTES, -(-total_bytes // AUTO_BUCKETS))
-        return min(DEFAULT_FUSION_THRESHOLD_BYTES, auto)
-    try:
-        return max(int(raw), 1)
-    except ValueError as e:
-        raise ValueError(f"{N.HOROVOD_FUSION_THRESHOLD}={raw!r} must be an integer number of bytes") from e
+    threshold = settings.FUSION_THRESHOLD.get()
+    if threshold is not None:
+        return max(threshold, 1)
+    if not overlap:
+        return DEFAULT_FUSION_THRESHOLD_BYTES
+    auto = max(MIN_AUTO_BUCKET_BYTES, -(-total_bytes // AUTO_BUCKETS))
+    return min(DEFAULT_FUSION_THRESHOLD_BYTES, auto)
 
 
 def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
@@ -157,7 +153,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Not in an elastic worker: a replacement builds its optimizer while the survivors are in sync(), and a
         # collective only it issues would not match theirs; early reduction (transport/_early.py) is off there too
         # (a re-formed world's ranks would claim anew).
-        if n > 1 and not os.environ.get(N.PHALANX_ELASTIC_WORKER_ID):
+        if n > 1 and settings.ELASTIC_WORKER_ID.get() is None:
             key = (ps.process_set_id or 0, self._layout)
             self._early = B.early_area(self._buckets, compression, self._phalanx_groups.grad, key)
             self._check_layout()

@@ -29,7 +29,6 @@ the bytes after ``k`` with zeros. The result of every byte is the one the plain 
 from __future__ import annotations
 
 import fcntl
-import os
 import struct
 import time
 import weakref
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.transport import _cma, _thp
 from phalanx.transport._channel import HOOKS, LINE, SPIN, Channel, control_lines, layout
 from phalanx.transport._many import _chunks, eligible, lerp_owner
@@ -52,7 +51,7 @@ _AREAS: weakref.WeakKeyDictionary[Channel, Area] = weakref.WeakKeyDictionary()
 
 def enabled() -> bool:
     """Whether early reduction is allowed (``PHALANX_SHM_EARLY_REDUCE``, default on)."""
-    return os.environ.get(env_names.PHALANX_SHM_EARLY_REDUCE, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.SHM_EARLY_REDUCE.get()
 
 
 def _bits(x: float) -> int:

@@ -24,14 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.transport import _segment
 from phalanx.transport._channel import Channel, _pid_dead, layout
 from phalanx.transport._serial import Serial
 
 CTRL_SLOT_BYTES = 64 * 1024
-DEFAULT_SLOT_BYTES = 2 * 1024 * 1024
-DEFAULT_TIMEOUT_S = 600.0
 NAME_BYTES = 128
 KINDS = ("ctrl", "data", "grad")
 
@@ -103,17 +101,13 @@ SUPPORTED_MACHINES = ("x86_64", "amd64")
 def enabled() -> bool:
     """Whether this rank allows the transport (``PHALANX_SHM``, default on), runs on an x86-64 machine
     (elsewhere it turns itself off: its memory ordering is only known correct there) and has ``/dev/shm``."""
-    flag = os.environ.get(env_names.PHALANX_SHM, "1").strip().lower()
     on_x86 = platform.machine().lower() in SUPPORTED_MACHINES
-    return flag not in ("0", "false", "no", "off") and on_x86 and _segment.available()
+    return settings.SHM.get() and on_x86 and _segment.available()
 
 
-def _float_env(name: str, default: float) -> float:
-    text = os.environ.get(name, "").strip()
-    try:
-        return float(text) if text else default
-    except ValueError as e:
-        raise ValueError(f"{name}={text!r} is not a number; unset it or give seconds/bytes") from e
+def slot_bytes() -> int:
+    """Each rank's staging slot (``PHALANX_SHM_SLOT_BYTES``), a multiple of 64 bytes (at least 64)."""
+    return settings.SHM_SLOT_BYTES.get() // 64 * 64 or 64
 
 
 def _machine_id() -> str:
@@ -133,7 +127,7 @@ def _machine_id() -> str:
 
 
 def _host_key() -> int:
-    host = os.environ.get(env_names.HOROVOD_HOSTNAME) or socket.gethostname()
+    host = settings.HOSTNAME.get() or socket.gethostname()
     key = f"{host}\0{_machine_id()}"
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=7).digest(), "little")
 
@@ -175,7 +169,7 @@ def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
 
 def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any) -> Transport | None:
     me = dist.get_rank()
-    slot = int(_float_env(env_names.PHALANX_SHM_SLOT_BYTES, DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    slot = slot_bytes()
     sizes = {"ctrl": CTRL_SLOT_BYTES, "data": slot, "grad": slot}
     total = sum(layout(len(local), s)[1] for s in sizes.values())
     transport = Transport({}, leaders, me == local[0], ranks, local, None, grad_async=grad_async())
@@ -213,12 +207,12 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
 
 def grad_async() -> bool:
     """Whether the optimizer's buckets run on the grad worker thread (``PHALANX_SHM_GRAD_ASYNC``, default off)."""
-    return os.environ.get(env_names.PHALANX_SHM_GRAD_ASYNC, "0").strip().lower() in ("1", "true", "yes", "on")
+    return settings.SHM_GRAD_ASYNC.get()
 
 
 def cma_wanted() -> bool:
     """Whether this rank allows cross-memory attach (``PHALANX_SHM_CMA``, default on)."""
-    return os.environ.get(env_names.PHALANX_SHM_CMA, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.SHM_CMA.get()
 
 
 def _enable_cma(transport: Transport) -> None:
@@ -262,7 +256,7 @@ def _exchange(ctrl: Any, ranks: tuple[int, ...], name: str) -> list[str]:
 
 def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, int]) -> dict[str, Channel]:
     me = local.index(dist.get_rank())
-    timeout = _float_env(env_names.PHALANX_SHM_TIMEOUT_S, DEFAULT_TIMEOUT_S)
+    timeout = settings.SHM_TIMEOUT.get()
     label = f"ranks {list(local)}"
     channels, base = {}, 0
     for kind in KINDS:

@@ -23,12 +23,11 @@ block not entirely mapped) are ignored: the reads then simply stay at the 4 KiB 
 from __future__ import annotations
 
 import ctypes
-import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from phalanx.env import names as env_names
+from phalanx.env import settings
 
 BLOCK = 2 << 20  # a transparent huge page on x86-64 (and arm64 with 4 KiB base pages)
 MIN_BYTES = 2 * BLOCK  # smaller tensors are skipped: at most one whole block in them, and the partial blocks
@@ -42,7 +41,7 @@ MADV_COLLAPSE = 25
 
 def enabled() -> bool:
     """Whether ``PHALANX_SHM_THP`` allows advising (unset or anything but ``0``/``false``/``no``/``off``)."""
-    return os.environ.get(env_names.PHALANX_SHM_THP, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.SHM_THP.get()
 
 
 def _madvise() -> object | None:

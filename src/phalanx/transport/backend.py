@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d
 
-from phalanx.env import names as env_names
 from phalanx.errors import ShmTransportError
 from phalanx.transport import _check, _ops, _segment, _setup, native
 from phalanx.transport._channel import Channel, _pid_dead, layout
@@ -237,7 +236,7 @@ def _channel(store: Any, prefix: str, local: tuple[int, ...], rank: int, timeout
     turns the transport off for the whole group rather than failing ``init_process_group``.
     """
     me, n = local.index(rank), len(local)
-    slot = int(_setup._float_env(env_names.PHALANX_SHM_SLOT_BYTES, _setup.DEFAULT_SLOT_BYTES)) // 64 * 64 or 64
+    slot = _setup.slot_bytes()
     total = layout(n, slot)[1]
     seg, channel, fifo, wake_r = None, None, "", -1
     try:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.transport import native
 
 SHM_BACKEND = native.BACKEND
@@ -64,15 +65,11 @@ def _x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _on(environ: Mapping[str, str], name: str, default: str) -> bool:
-    return environ.get(name, default).strip().lower() not in ("0", "false", "no", "off", "")
-
-
 def choose(backend: Any, environ: Mapping[str, str]) -> Any:
     """The backend to really use for ``init_process_group(backend)`` in a rank with ``environ``."""
     if not isinstance(backend, str) or not _shares_a_host(environ) or not _x86_64():
         return backend
-    if not _on(environ, env_names.PHALANX_SHM_NATIVE, "1") or not _on(environ, env_names.PHALANX_SHM, "1"):
+    if not settings.SHM_NATIVE.get(environ) or not settings.SHM.get(environ):
         return backend
     devices = _gloo_devices(backend)
     if devices is None or "cpu" not in devices:
@@ -106,7 +103,7 @@ def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dic
     """
     if call.get("store") is not None or call.get("init_method") not in (None, "env://"):
         return call
-    if not environ.get(env_names.PHALANX_SECRET) or not environ.get(env_names.MASTER_ADDR):
+    if not settings.SECRET.get(environ) or not environ.get(env_names.MASTER_ADDR):
         return call
     c10d: Any = sys.modules[f"{_TARGET}.distributed_c10d"]
     from phalanx.job.store_client import from_env  # imports torch, loaded by now

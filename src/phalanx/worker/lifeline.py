@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from phalanx.env import names as env_names
+from phalanx.env import settings
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -28,8 +28,8 @@ def die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         return
-    expected = os.environ.get(env_names.PHALANX_PARENT_PID)
-    if expected and expected.isdigit() and os.getppid() != int(expected):
+    expected = settings.PARENT_PID.get()
+    if expected is not None and os.getppid() != expected:
         os._exit(EXIT_ORPHANED)
 
 

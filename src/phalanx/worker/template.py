@@ -27,6 +27,7 @@ import sys
 from typing import Any
 
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.env.contract import process_name
 from phalanx.worker.lifeline import die_with_parent, set_process_name
 
@@ -68,7 +69,7 @@ def _become_rank(message: dict[str, Any], out_fd: int, err_fd: int) -> int:
     os.environ.clear()
     os.environ.update(message["env"])
     # /proc/<pid>/environ still shows the template's environment: the name marks the job's processes.
-    set_process_name(process_name(os.environ.get(env_names.PHALANX_RUN_ID, "")))
+    set_process_name(process_name(settings.RUN_ID.get()))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = ["-m phalanx.worker"]

@@ -4,7 +4,7 @@ import pytest
 
 from phalanx.env import JobContract, assign_ranks, compose_env, read_contract, worker_env
 from phalanx.env.contract import teardown_grace_s
-from phalanx.errors import WorkerContractError
+from phalanx.errors import SettingError, WorkerContractError
 from phalanx.launch.local import LocalJobSpec
 
 JOB = JobContract(run_id="r1", master_addr="10.0.0.1", master_port=1234, channel="10.0.0.1:99", secret="ab" * 32)
@@ -75,7 +75,7 @@ def test_compose_env_shares_cores_unless_the_user_chose() -> None:
 def test_teardown_grace_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     assert teardown_grace_s({}) == 3.0
     assert teardown_grace_s({"PHALANX_TEARDOWN_GRACE_S": "0.5"}) == 0.5
-    with pytest.raises(WorkerContractError, match="PHALANX_TEARDOWN_GRACE_S='soon' is not a number"):
+    with pytest.raises(SettingError, match="PHALANX_TEARDOWN_GRACE_S='soon' is not a number"):
         teardown_grace_s({"PHALANX_TEARDOWN_GRACE_S": "soon"})
     monkeypatch.setenv("PHALANX_TEARDOWN_GRACE_S", "7")
     assert LocalJobSpec(np=1).teardown_grace_s == 7.0

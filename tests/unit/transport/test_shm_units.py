@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from phalanx.env import settings
 from phalanx.transport import _ops, _segment, _setup
 from phalanx.transport._channel import LINE, PAGE, Channel, layout
 
@@ -68,7 +69,7 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_knob_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PHALANX_SHM_TIMEOUT_S", "soon")
     with pytest.raises(ValueError, match="PHALANX_SHM_TIMEOUT_S='soon'"):
-        _setup._float_env("PHALANX_SHM_TIMEOUT_S", 1.0)
+        settings.SHM_TIMEOUT.get()
 
 
 def test_cma_reads_another_process_and_reports_errors() -> None:

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.env import assign_ranks
-from phalanx.env import elastic as K
-from phalanx.env import names as N
+from phalanx.env import assign_ranks, settings
+from phalanx.env import elastic as elastic_keys
+from phalanx.env import names as env_names
 from phalanx.errors import ElasticTimeoutError, WorkerContractError
 from phalanx.job import store_client
 from phalanx.transport import api as transport
@@ -39,24 +39,23 @@ ROUND = _Round()
 
 def is_elastic(env: Mapping[str, str]) -> bool:
     """Whether this process is a worker of an elastic job."""
-    return bool(env.get(N.PHALANX_ELASTIC_WORKER_ID))
+    return settings.ELASTIC_WORKER_ID.get(env) is not None
 
 
 def timeout_s(env: Mapping[str, str] | None = None) -> float:
     """Seconds to wait for a round or a collective (``PHALANX_ELASTIC_TIMEOUT_S``, default 60).
 
     Raises:
-        WorkerContractError: the variable is not a positive number.
+        SettingError: the variable is not a positive number.
     """
-    env = os.environ if env is None else env
-    raw = env.get(N.PHALANX_ELASTIC_TIMEOUT_S) or str(K.DEFAULT_ELASTIC_TIMEOUT_S)
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise WorkerContractError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} is not a number of seconds") from e
-    if value <= 0:
-        raise WorkerContractError(f"{N.PHALANX_ELASTIC_TIMEOUT_S}={raw!r} must be positive")
-    return value
+    return settings.ELASTIC_TIMEOUT.get(env)
+
+
+def _worker_id(env: Mapping[str, str]) -> int:
+    worker = settings.ELASTIC_WORKER_ID.get(env)
+    if worker is None:
+        raise WorkerContractError(f"{env_names.PHALANX_ELASTIC_WORKER_ID} is not set: not an elastic worker")
+    return worker
 
 
 def _client(env: Mapping[str, str]) -> Any:
@@ -75,18 +74,18 @@ def wait_assignment(env: Mapping[str, str]) -> tuple[int, int, int]:
     store = _client(env)
     wait = timeout_s(env)
     try:
-        store.wait([K.round_key(ROUND.number + 1)], timedelta(seconds=wait))
+        store.wait([elastic_keys.round_key(ROUND.number + 1)], timedelta(seconds=wait))
     except (RuntimeError, dist.DistError) as e:
         raise ElasticTimeoutError(
-            f"elastic worker {env.get(N.PHALANX_ELASTIC_WORKER_ID)} waited {wait:g} s for round "
-            f"{ROUND.number + 1} from the driver and none came; raise {N.PHALANX_ELASTIC_TIMEOUT_S} if "
+            f"elastic worker {settings.ELASTIC_WORKER_ID.get(env)} waited {wait:g} s for round "
+            f"{ROUND.number + 1} from the driver and none came; raise {env_names.PHALANX_ELASTIC_TIMEOUT_S} if "
             f"re-forming the world takes longer ({e})"
         ) from e
-    latest = int(store.get(K.LATEST_KEY))
-    key = K.assign_key(latest, int(env[N.PHALANX_ELASTIC_WORKER_ID]))
+    latest = int(store.get(elastic_keys.LATEST_KEY))
+    key = elastic_keys.assign_key(latest, _worker_id(env))
     if not store.check([key]):
         raise WorkerContractError(f"the driver left elastic worker {key.rsplit('/', 1)[-1]} out of round {latest}")
-    rank, size = K.decode_assignment(store.get(key))
+    rank, size = elastic_keys.decode_assignment(store.get(key))
     return latest, rank, size
 
 
@@ -99,14 +98,14 @@ def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
     number, rank, size = wait_assignment(env)
     # Before the group forms: a round that fails to form (another loss meanwhile) is not waited for again.
     ROUND.number = number
-    prefixed = dist.PrefixStore(K.group_prefix(number), _client(env))
+    prefixed = dist.PrefixStore(elastic_keys.group_prefix(number), _client(env))
     transport.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
                                  timeout=timedelta(seconds=timeout_s(env)))
     return {**env, **_topology_env(env, rank)}
 
 
 def _host_key(env: Mapping[str, str]) -> int:
-    host = env.get(N.HOROVOD_HOSTNAME) or socket.gethostname()
+    host = settings.HOSTNAME.get(env) or socket.gethostname()
     return int.from_bytes(hashlib.blake2b(host.encode(), digest_size=7).digest(), "little")
 
 
@@ -116,15 +115,15 @@ def _topology_env(env: Mapping[str, str], rank: int) -> dict[str, str]:
     hosts = [torch.empty(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(hosts, mine)
     who = assign_ranks([str(int(h)) for h in hosts])[rank]
-    return {N.HOROVOD_LOCAL_RANK: str(who.local_rank), N.HOROVOD_LOCAL_SIZE: str(who.local_size),
-            N.HOROVOD_CROSS_RANK: str(who.cross_rank), N.HOROVOD_CROSS_SIZE: str(who.cross_size)}
+    return {env_names.HOROVOD_LOCAL_RANK: str(who.local_rank), env_names.HOROVOD_LOCAL_SIZE: str(who.local_size),
+            env_names.HOROVOD_CROSS_RANK: str(who.cross_rank), env_names.HOROVOD_CROSS_SIZE: str(who.cross_size)}
 
 
 def mark_synced(env: Mapping[str, str] | None = None) -> None:
     """Tell the driver this worker holds the job's state in the current round (no-op outside elastic jobs)."""
     env = os.environ if env is None else env
     if ROUND.store is not None and is_elastic(env):
-        ROUND.store.set(K.synced_key(ROUND.number, int(env[N.PHALANX_ELASTIC_WORKER_ID])), "1")
+        ROUND.store.set(elastic_keys.synced_key(ROUND.number, _worker_id(env)), "1")
 
 
 def new_round_published(wait_s: float = 0.0) -> bool:
@@ -137,7 +136,7 @@ def new_round_published(wait_s: float = 0.0) -> bool:
         return False
     give_up = time.monotonic() + wait_s
     while True:
-        if ROUND.store.check([K.round_key(ROUND.number + 1)]):
+        if ROUND.store.check([elastic_keys.round_key(ROUND.number + 1)]):
             return True
         if time.monotonic() >= give_up:
             return False

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from phalanx.env import names as N
+from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import CheckpointError, HostsUpdatedInterrupt
 from phalanx.torch import basics, functions
 from phalanx.torch.elastic import _rendezvous, handlers
@@ -47,7 +48,7 @@ CHECKPOINT_FILE = "state.pt"
 
 def checkpoint_path() -> Path | None:
     """``$PHALANX_ELASTIC_CHECKPOINT_DIR/state.pt``, or None when durable commits are off."""
-    folder = os.environ.get(N.PHALANX_ELASTIC_CHECKPOINT_DIR)
+    folder = settings.ELASTIC_CHECKPOINT_DIR.get()
     return Path(folder) / CHECKPOINT_FILE if folder else None
 
 
@@ -72,7 +73,7 @@ def write_atomically(path: Path, value: Any) -> None:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(
             f"could not write the elastic checkpoint {path} ({_free(path.parent)} free on its filesystem): "
-            f"{e}; free some space or point {N.PHALANX_ELASTIC_CHECKPOINT_DIR} elsewhere"
+            f"{e}; free some space or point {env_names.PHALANX_ELASTIC_CHECKPOINT_DIR} elsewhere"
         ) from e
 
 
