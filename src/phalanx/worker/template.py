@@ -17,6 +17,7 @@ launcher closes the socket, and its children die with it (parent-death signal).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -108,6 +109,9 @@ def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
 
             traceback.print_exc()
         finally:
+            # A cold-started rank is an interpreter that exits normally: its atexit hooks (the user's, a
+            # timeline's stop, TensorFlow's temporary files) run. os._exit alone would skip them.
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -68,6 +68,23 @@ def test_a_job_cannot_see_a_previous_jobs_state(tmp_path: Any, monkeypatch: pyte
     assert len(set(draws)) == len(draws), "numpy's generator was not reseeded in forked ranks"
 
 
+def _register_exit_hook(folder: str) -> int:
+    import atexit
+
+    rank = int(os.environ["RANK"])
+    atexit.register(lambda: open(os.path.join(folder, f"rank{rank}.exited"), "w").close())
+    return os.getppid()
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_rank_runs_its_atexit_hooks_as_a_cold_one_does(tmp_path: Any) -> None:
+    """A cold rank's interpreter runs atexit at exit (user hooks, TensorFlow's temporary-file removal)."""
+    _warm_up()
+    parents = phalanx.run(_register_exit_hook, args=(str(tmp_path),), np=2)
+    assert set(parents) <= warm.template_pids()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.exited", "rank1.exited"]
+
+
 def _raise_or_die(how: str) -> None:
     import time
 
