@@ -94,13 +94,14 @@ def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", [["--flavour", "pytorch_lightning"], ["--script"]], ids=["function", "script"])
-def test_lightning_horovod_under_torch_distributor(how: list[str], tmp_path: Path) -> None:
-    """One epoch each (the full run is the phalanxrun test's): the function with pytorch_lightning, the script."""
-    pytest.importorskip("lightning")
+def test_lightning_horovod_script_under_torch_distributor(tmp_path: Path) -> None:
+    """One epoch (the full run is the phalanxrun test's), the script form with pytorch_lightning. The function
+    form of the strategy runs under HorovodRunner and phalanx.spark.run (tests/examples/test_examples_spark.py),
+    TorchDistributor's function form with Lightning DDP (test_lightning_under_torch_distributor)."""
     pytest.importorskip("pytorch_lightning")
     result = load_example("lightning_horovod_digits").main(
-        ["--launcher", "distributor", "--epochs", "1", "--ckpt-dir", str(tmp_path), *how])
+        ["--launcher", "distributor", "--epochs", "1", "--ckpt-dir", str(tmp_path), "--script",
+         "--flavour", "pytorch_lightning"])
     assert result["size"] == 2 and result["weights_agree"]
     assert result["accuracy"] > 0.5  # one epoch; chance is 0.1
     assert (tmp_path / "digits.ckpt").is_file()
