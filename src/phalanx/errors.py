@@ -31,6 +31,11 @@ class SettingError(InvalidArgumentError):
     message names the variable, the value and what it must be."""
 
 
+class UsageError(PhalanxError, RuntimeError):
+    """A call that cannot work in the mode or state it was made in (e.g. a graph-only call in eager mode, or
+    more ranks than the data can be split into); the message says what to do instead."""
+
+
 class PayloadError(PhalanxError, TypeError):
     """The function or its arguments cannot be serialized; the message names the offending object."""
 
@@ -178,7 +183,7 @@ class WorkerFailedError(PhalanxError, RuntimeError):
 
     def __init__(self, failures: list[RankFailure] | tuple[RankFailure, ...]) -> None:
         if not failures:
-            raise ValueError("WorkerFailedError needs at least one RankFailure")
+            raise InvalidArgumentError("WorkerFailedError needs at least one RankFailure")
         self.failures: tuple[RankFailure, ...] = tuple(failures)
         super().__init__(self._message())
 

@@ -106,9 +106,9 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
         network_interfaces = _deprecated("network_interface", "network_interfaces",
                                          network_interface.split(","), network_interfaces)
     if hosts is not None and hostfile is not None:
-        raise ValueError("Argument hosts and hostfile only allow one provided.")
+        raise InvalidArgumentError("Argument hosts and hostfile only allow one provided.")
     if use_gloo and use_mpi:
-        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+        raise InvalidArgumentError("Argument use_gloo and use_mpi only allow one set True.")
     if executable is not None and executable != sys.executable:
         raise InvalidArgumentError(f"horovod.run(executable={executable!r}): phalanx starts ranks with this "
                                    f"interpreter ({sys.executable}); run the driver with the one you want")

@@ -8,6 +8,8 @@ its assignment in that round. Pure functions, shared by ``phalanx.launch`` and `
 
 from __future__ import annotations
 
+from phalanx.errors import InvalidArgumentError
+
 #: Seconds a worker waits for the next round and for one collective, unless PHALANX_ELASTIC_TIMEOUT_S.
 DEFAULT_ELASTIC_TIMEOUT_S = 60.0
 PREFIX = "phalanx/elastic"
@@ -50,7 +52,7 @@ def decode_assignment(raw: bytes | str) -> tuple[int, int]:
     try:
         return int(rank), int(size)
     except ValueError as e:
-        raise ValueError(f"elastic assignment {text!r} is not 'rank,size'") from e
+        raise InvalidArgumentError(f"elastic assignment {text!r} is not 'rank,size'") from e
 
 
 def round_plan(round_no: int, world: list[int]) -> list[tuple[str, str]]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from phalanx.env import names as env_names
 from phalanx.env import settings
-from phalanx.errors import ChannelError
+from phalanx.errors import ChannelError, InvalidArgumentError
 from phalanx.job import handshake
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
 from phalanx.job.store import Op, Status, pack, unpack
@@ -69,7 +69,7 @@ class StoreClient(dist.Store):
                 f"(the store's timeout: init_process_group(timeout=...))"
             )
         if status != Status.OK:
-            raise ValueError(b"".join(reply).decode(errors="replace"))
+            raise InvalidArgumentError(b"".join(reply).decode(errors="replace"))
         return reply
 
     def set(self, key: str, value: str | bytes) -> None:

@@ -44,7 +44,7 @@ def parse_hosts(text: str) -> dict[str, int]:
             continue
         host, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
         if not slots.strip().isdigit():
-            raise ValueError(f"host discovery line {raw!r} is not host:slots")
+            raise InvalidArgumentError(f"host discovery line {raw!r} is not host:slots")
         hosts[host.strip()] = hosts.get(host.strip(), 0) + int(slots)
     return hosts
 

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import phalanx.torch as ptorch
+from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow.basics import init
 from phalanx.tensorflow.collectives import (
     allgather,
@@ -92,7 +93,7 @@ def _set_by_id(process_set_id: int) -> ProcessSet | None:
 def _set_size(process_set_id: int) -> int:
     found = _set_by_id(process_set_id)
     if found is None:
-        raise ValueError(f"size_op: no process set with id {process_set_id} is registered")
+        raise InvalidArgumentError(f"size_op: no process set with id {process_set_id} is registered")
     return found.size()
 
 

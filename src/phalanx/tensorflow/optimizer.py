@@ -11,7 +11,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from phalanx.errors import InvalidArgumentError
+from phalanx.errors import InvalidArgumentError, UsageError
 from phalanx.tensorflow._reduce_grads import GradReducer, make_reducer
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
@@ -131,7 +131,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
         RuntimeError: called eagerly (TensorFlow 2 has no global variables: use ``broadcast_variables``).
     """
     if tf.executing_eagerly():
-        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. "
+        raise UsageError("hvd.broadcast_global_variables() does not support eager execution. "
                            "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 

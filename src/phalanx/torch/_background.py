@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from phalanx.errors import HorovodInternalError
+from phalanx.errors import HorovodInternalError, InvalidArgumentError
 
 FIRST_HANDLE = 1 << 50  # background handles live above the engine's and the groups' (``async_ops``)
 
@@ -92,7 +92,7 @@ def start(run: Callable[[], Any], name: str) -> int:
     runner = RUNNER
     with runner.cond:
         if name and name in runner.inflight:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"a collective named {name!r} is already in flight; synchronize() it first or give the new "
                 "one a different name="
             )
@@ -139,7 +139,7 @@ def wait(handle: int) -> Any:
 def _job(handle: int) -> Job:
     job = RUNNER.jobs.get(handle)
     if job is None:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+        raise InvalidArgumentError(f"handle {handle!r} is unknown or was already synchronized")
     return job
 
 

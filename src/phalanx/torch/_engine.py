@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import CollectiveMismatchError
+from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
 from phalanx.torch import _background, _generations, _join, _stall, _state, _trace
 from phalanx.torch import _header as H
 from phalanx.torch import _speculate as S
@@ -84,7 +84,7 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     groups = groups_of(process_set)
     name = coll.sig.name
     if name and name in ENGINE.inflight:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"a collective named {name!r} is already in flight on rank {_state.topology().rank}; "
             "synchronize() it first or give the new one a different name="
         )
@@ -240,7 +240,7 @@ def flush() -> None:
 def _lookup(handle: int) -> Entry:
     entry = ENGINE.handles.get(handle)
     if entry is None:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+        raise InvalidArgumentError(f"handle {handle!r} is unknown or was already synchronized")
     return entry
 
 

@@ -89,7 +89,7 @@ class Join(Barrier):
     def serve_step(self, groups: Any, sig: H.Signature) -> None:
         layouts = _LAYOUTS.get(sig.process_set_id, [])
         if not 0 <= sig.root < len(layouts):
-            raise RuntimeError(
+            raise CollectiveMismatchError(
                 f"rank {_state.topology().rank} has joined and was asked to serve DistributedOptimizer "
                 f"{sig.root} of process set {sig.process_set_id}, which it never built; every rank must build "
                 "the same DistributedOptimizers in the same order"

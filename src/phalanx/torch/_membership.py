@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from phalanx.env import names as env_names
 from phalanx.env import settings
-from phalanx.errors import CollectiveMismatchError
+from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
 from phalanx.torch import _state
 from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import REGISTRY, ProcessSet, _register, global_process_set
@@ -75,7 +75,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """
     _state.topology()
     if not _dynamic_enabled():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"adding a process set after init requires hvd.init(process_sets='dynamic') or "
             f"{env_names.HOROVOD_DYNAMIC_PROCESS_SETS}=1 in the environment of every rank (or pass the set to "
             "hvd.init(process_sets=[...]))"

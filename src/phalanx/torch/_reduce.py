@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.errors import InvalidArgumentError
+
 # Horovod's codes (horovod.common.basics): the values are part of the API.
 Average = 0
 Sum = 1
@@ -41,11 +43,14 @@ def check_op(op: int, dtype: torch.dtype) -> None:
             "op=hvd.Adasum is not implemented by phalanx.torch; use op=hvd.Average or op=hvd.Sum"
         )
     if op not in OP_NAMES:
-        raise ValueError(f"unknown reduce op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
+        raise InvalidArgumentError(
+            f"unknown reduce op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
     if dtype == torch.bool and op == Average:
-        raise ValueError("op=hvd.Average is not defined for bool tensors; use hvd.Sum (logical or) or hvd.Min")
+        raise InvalidArgumentError(
+            "op=hvd.Average is not defined for bool tensors; use hvd.Sum (logical or) or hvd.Min")
     if dtype.is_complex and op not in (Average, Sum):
-        raise ValueError(f"op={OP_NAMES[op]} is not defined for complex tensors ({dtype}); use Sum or Average")
+        raise InvalidArgumentError(
+            f"op={OP_NAMES[op]} is not defined for complex tensors ({dtype}); use Sum or Average")
 
 
 def resolve_op(op: int | None, average: bool | None) -> int:
@@ -56,7 +61,7 @@ def resolve_op(op: int | None, average: bool | None) -> int:
     """
     if average is not None:
         if op is not None:
-            raise ValueError("the average= argument is deprecated; pass only op=hvd.Average or op=hvd.Sum")
+            raise InvalidArgumentError("the average= argument is deprecated; pass only op=hvd.Average or op=hvd.Sum")
         return Average if average else Sum
     return Average if op is None else int(op)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.env.foreign import contract_from_foreign
-from phalanx.errors import NotInitializedError
+from phalanx.errors import InvalidArgumentError, NotInitializedError
 from phalanx.torch import _generations
 from phalanx.transport import api as transport
 
@@ -70,7 +70,7 @@ def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
             try:
                 return int(raw)
             except ValueError as e:
-                raise ValueError(f"{name}={raw!r} is not an integer; fix the launcher's environment") from e
+                raise InvalidArgumentError(f"{name}={raw!r} is not an integer; fix the launcher's environment") from e
     return default
 
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _background, _engine, _join, _state
 from phalanx.torch import _header as H
 from phalanx.torch import _reduce as R
@@ -154,7 +155,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
     """Start an allgather along dim 0 (the first dimension may differ per rank); return a handle."""
     if tensor.dim() == 0:
-        raise ValueError("allgather needs a tensor with at least one dimension; got a 0-d tensor")
+        raise InvalidArgumentError("allgather needs a tensor with at least one dimension; got a 0-d tensor")
     return _start(Allgather(tensor, _sig("allgather", name, tensor, process_set)), process_set)
 
 
@@ -174,7 +175,7 @@ def _broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, name: st
                ps: ProcessSet) -> int:  # fmt: skip
     ranks = groups_of(ps).ranks
     if root_rank not in ranks:
-        raise ValueError(f"root_rank={root_rank} is not a member of {ps!r} (ranks {list(ranks)})")
+        raise InvalidArgumentError(f"root_rank={root_rank} is not a member of {ps!r} (ranks {list(ranks)})")
     sig = _sig("broadcast", name, tensor, ps, root=root_rank)
     return _start(Broadcast(tensor, out, root_rank, sig), ps)
 
@@ -193,15 +194,15 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 def _splits(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None, n: int) -> list[int]:
     if tensor.dim() == 0:
-        raise ValueError("alltoall needs a tensor with at least one dimension; got a 0-d tensor")
+        raise InvalidArgumentError("alltoall needs a tensor with at least one dimension; got a 0-d tensor")
     d0 = tensor.shape[0]
     if splits is None:
         if d0 % n:
-            raise ValueError(f"alltoall without splits needs dim 0 ({d0}) divisible by the set size ({n})")
+            raise InvalidArgumentError(f"alltoall without splits needs dim 0 ({d0}) divisible by the set size ({n})")
         return [d0 // n] * n
     values = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(values) != n or sum(values) != d0 or min(values) < 0:
-        raise ValueError(f"alltoall splits={values} must be {n} non-negative counts summing to dim 0 ({d0})")
+        raise InvalidArgumentError(f"alltoall splits={values} must be {n} non-negative counts summing to dim 0 ({d0})")
     return values
 
 
@@ -222,7 +223,7 @@ def reducescatter_async(
     """Start a reduce-scatter along dim 0 (the first ``d0 % size`` members get one extra row)."""
     R.check_op(op, tensor.dtype)
     if tensor.dim() == 0:
-        raise ValueError("reducescatter needs a tensor with at least one dimension; got a 0-d tensor")
+        raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension; got a 0-d tensor")
     n, index = _members(process_set)
     sig = _sig("reducescatter", name, tensor, process_set, op=op, prescale=prescale_factor,
                postscale=postscale_factor)  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import phalanx.timeline as timeline
+from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _background, _engine, _generations, _log, _malloc, _membership, _state
 from phalanx.torch import process_sets as P
 
@@ -32,9 +33,10 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | str | None = N
         HorovodInternalError: a re-init did not meet every rank within ``PHALANX_START_TIMEOUT_S``.
     """
     if comm is not None:
-        raise ValueError("hvd.init(comm=...) (MPI communicators) is not supported by phalanx; call hvd.init()")
+        raise InvalidArgumentError(
+            "hvd.init(comm=...) (MPI communicators) is not supported by phalanx; call hvd.init()")
     if isinstance(process_sets, str) and process_sets != "dynamic":
-        raise ValueError(f"hvd.init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
+        raise InvalidArgumentError(f"hvd.init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
     if _state.STATE.topology is not None:
         if _generations.JOB.superseded is None:
             return

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _state
 from phalanx.torch import async_ops as A
 from phalanx.torch.process_sets import ProcessSet, global_process_set
@@ -128,7 +129,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         ValueError: ``optimizer`` is an LBFGS (as in Horovod).
     """
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state (as in Horovod); save and load it yourself")
+        raise InvalidArgumentError(
+            "cannot broadcast torch.optim.LBFGS state (as in Horovod); save and load it yourself")
     if not optimizer.state_dict()["state"]:
         _initialize_state(optimizer, model)
     payload = None

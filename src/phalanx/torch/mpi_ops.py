@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import HorovodInternalError
+from phalanx.errors import HorovodInternalError, InvalidArgumentError
 from phalanx.torch import _reduce as R
 from phalanx.torch import async_ops as A
 from phalanx.torch._autograd import (
@@ -119,10 +119,11 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
         ValueError: ``tensor`` is not sparse, or ``op`` is neither Average nor Sum.
     """
     if not tensor.is_sparse:
-        raise ValueError(f"sparse_allreduce_async needs a sparse COO tensor, got a {tensor.layout} one; "
-                         "use allreduce_async for dense tensors")  # fmt: skip
+        raise InvalidArgumentError(f"sparse_allreduce_async needs a sparse COO tensor, got a {tensor.layout} one; "
+                                   "use allreduce_async for dense tensors")
     if op not in (R.Average, R.Sum):
-        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {R.OP_NAMES.get(op, op)}")
+        raise InvalidArgumentError(
+            f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {R.OP_NAMES.get(op, op)}")
     indices = A.allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
     values = A.allgather_async(tensor._values().contiguous(), f"{name}.values", process_set)
 

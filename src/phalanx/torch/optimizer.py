@@ -17,7 +17,7 @@ import torch
 
 import phalanx.timeline as timeline
 from phalanx.env import settings
-from phalanx.errors import CollectiveMismatchError, NotInitializedError
+from phalanx.errors import CollectiveMismatchError, InvalidArgumentError, NotInitializedError
 from phalanx.torch import _buckets as B
 from phalanx.torch import _join, _sparse, _state, _trace
 from phalanx.torch import _reduce as R
@@ -69,16 +69,16 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int,
                 for j, p in enumerate(group["params"])}  # fmt: skip
     named = list(named_parameters)
     if named and not isinstance(named[0], tuple):
-        raise ValueError("named_parameters should be a sequence of (name, parameter) tuples, usually "
+        raise InvalidArgumentError("named_parameters should be a sequence of (name, parameter) tuples, usually "
                          "model.named_parameters()")  # fmt: skip
     names = [n for n, _ in named]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
-        raise ValueError(f"parameter names in named_parameters must be unique; duplicates: {dups}")
+        raise InvalidArgumentError(f"parameter names in named_parameters must be unique; duplicates: {dups}")
     by_id = {id(p): n for n, p in named}
     missing = [i for i, p in enumerate(params) if id(p) not in by_id]
     if missing:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"named_parameters was given but {len(missing)} optimizer parameter(s) are not named "
             f"(indices {missing[:10]} of the optimizer's parameters); pass model.named_parameters() of the "
             "model the optimizer was built from"
@@ -89,7 +89,7 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int,
 def _split(params: list[torch.Tensor], num_groups: int, groups: Any) -> list[list[torch.Tensor]] | None:
     if groups is not None:
         if not isinstance(groups, list) or not all(isinstance(g, list) for g in groups):
-            raise ValueError("groups must be a list of lists of parameters")
+            raise InvalidArgumentError("groups must be a list of lists of parameters")
         grouped = {id(p) for g in groups for p in g}
         rest = [[p] for p in reversed(params) if id(p) not in grouped]
         return [list(g) for g in groups] + rest
@@ -115,12 +115,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _phalanx_setup(self, named_parameters: Any, compression: type[Compressor], bpps: int, op: int,
                        predivide: float, num_groups: int, groups: Any, ps: ProcessSet) -> None:  # fmt: skip
         if op not in (R.Average, R.Sum, R.Adasum):
-            raise ValueError(f"DistributedOptimizer op must be hvd.Average or hvd.Sum, got {op!r}")
+            raise InvalidArgumentError(f"DistributedOptimizer op must be hvd.Average or hvd.Sum, got {op!r}")
         R.check_op(op, torch.float32)
         if predivide != 1.0 and op != R.Average:
-            raise ValueError("gradient_predivide_factor != 1.0 requires op=hvd.Average")
+            raise InvalidArgumentError("gradient_predivide_factor != 1.0 requires op=hvd.Average")
         if bpps < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {bpps}")
+            raise InvalidArgumentError(f"backward_passes_per_step must be >= 1, got {bpps}")
         self._names = _names(self, named_parameters)
         by_id = {id(p): p for g in self.param_groups for p in g["params"]}
         self._parameter_names = {by_id[k]: name for k, name in self._names.items()}  # Horovod's attribute
@@ -197,7 +197,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         key = id(p)
         count = self._passes.get(key, 0) + 1
         if count > self._bpps:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "Gradients were computed more than backward_passes_per_step times before call to step(); "
                 f"increase backward_passes_per_step (now {self._bpps}) to accumulate gradients locally"
             )
@@ -310,7 +310,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         self._follow_world()
         if self._next > 0 or any(c == self._bpps for c in self._passes.values()):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                 "optimizer.synchronize(); this would race the gradient allreduce"
             )

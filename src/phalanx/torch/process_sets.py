@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _state
 from phalanx.transport import api as shm
 
@@ -44,13 +45,13 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int]) -> None:
         if not isinstance(ranks_or_comm, Sequence | range):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ProcessSet takes a list of global ranks, got {type(ranks_or_comm).__name__}; "
                 "MPI communicators are not supported by phalanx"
             )
         ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(ranks)) != len(ranks):
-            raise ValueError(f"ProcessSet ranks must be distinct, got {list(ranks_or_comm)}")
+            raise InvalidArgumentError(f"ProcessSet ranks must be distinct, got {list(ranks_or_comm)}")
         self.ranks: list[int] = ranks
         self.process_set_id: int | None = None
         self._groups: _Groups | None = None
@@ -58,7 +59,7 @@ class ProcessSet:
     def _require(self) -> _Groups:
         _state.topology()
         if self.process_set_id is None or self._groups is None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"process set {self.ranks} is not registered: pass it to hvd.init(process_sets=[...]) "
                 "or hvd.add_process_set(...) on every rank first"
             )
@@ -134,7 +135,7 @@ def _register(ps: ProcessSet) -> ProcessSet:
     size = dist.get_world_size()
     bad = [r for r in ps.ranks if not 0 <= r < size]
     if bad or not ps.ranks:
-        raise ValueError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{size - 1}")
+        raise InvalidArgumentError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{size - 1}")
     for existing in REGISTRY.sets.values():
         if existing is ps:
             return ps
@@ -163,7 +164,7 @@ def groups_of(process_set: ProcessSet) -> _Groups:
     """
     groups = process_set._require()
     if _state.topology().rank not in groups.ranks:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"rank {_state.topology().rank} is not a member of {process_set!r}; only members may run "
             "collectives on it"
         )

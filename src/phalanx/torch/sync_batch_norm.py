@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _reduce as R
 from phalanx.torch import _state
 from phalanx.torch.mpi_ops import allreduce
@@ -33,7 +34,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
+            raise InvalidArgumentError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Normalize ``input``; in training mode with more than one rank, with global batch statistics."""

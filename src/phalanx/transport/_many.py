@@ -24,6 +24,7 @@ import struct
 import torch
 import torch.distributed as dist
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.transport import _cma
 from phalanx.transport._channel import Channel
 from phalanx.transport._ops import SMALL_BYTES, _Combine, _combiner, _kind, _parts, _reduce_into
@@ -103,7 +104,7 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
         ValueError: a scale with another op than SUM.
     """
     if scale != 1.0 and _kind(op) != dist.ReduceOp.SUM:
-        raise ValueError(f"a scaled allreduce must be a SUM, got {op}")
+        raise InvalidArgumentError(f"a scaled allreduce must be a SUM, got {op}")
     size = tensors[0].element_size()
     mine = [(t.data_ptr(), t.numel() * size) for t in tensors]
     total = sum(n for _a, n in mine)

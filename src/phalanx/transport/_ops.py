@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.transport import _cma, _stream
 from phalanx.transport._channel import Channel
 
@@ -59,7 +60,7 @@ def _make_combiner(op: object, dtype: torch.dtype) -> _Combine:
         R.BXOR: lambda a, b, out: torch.bitwise_xor(a, b, out=out),
     }
     if op not in table:
-        raise ValueError(f"reduce op {op} is not supported by the shared-memory transport (nor by gloo)")
+        raise InvalidArgumentError(f"reduce op {op} is not supported by the shared-memory transport (nor by gloo)")
     return table[op]
 
 

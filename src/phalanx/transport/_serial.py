@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.errors import ShmTransportError
+
 GATE_CHECK_S = 0.05  # how often a worker held by an inline call checks whether its Serial was closed
 _Job = tuple[Callable[[], None], Callable[[BaseException | None], None]]
 
@@ -54,7 +56,7 @@ class Pending:
             BaseException: the call's own exception (e.g. ``ShmTransportError`` naming the peer that died).
         """
         if not self._done.wait(_seconds(timeout)):
-            raise RuntimeError(f"shared-memory work not completed within {timeout} (it goes on)")
+            raise ShmTransportError(f"shared-memory work not completed within {timeout} (it goes on)")
         if self.error is not None:
             raise self.error
         return True
@@ -78,7 +80,7 @@ class _Inline(Pending):
         """Run the call here once its turn came (see :meth:`Pending.wait`)."""
         if not self.is_completed():
             if not self.reached.wait(_seconds(timeout)):
-                raise RuntimeError(f"shared-memory work not started within {timeout} (earlier calls go on)")
+                raise ShmTransportError(f"shared-memory work not started within {timeout} (earlier calls go on)")
             try:
                 self.fn()
             except BaseException as e:  # any: re-raised below, and the worker must be released

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from phalanx.errors import UsageError
 from phalanx.spark.estimator.schema import SCALAR, ColumnSpec
 
 Batch = dict[str, np.ndarray]
@@ -103,7 +104,7 @@ class ShardReader:
                 rows += _rows(chunk)
                 yield chunk
             if rows == 0:
-                raise RuntimeError(f"rank {self.rank} has no rows to read in {len(self.pieces)} row group(s)")
+                raise UsageError(f"rank {self.rank} has no rows to read in {len(self.pieces)} row group(s)")
 
     def _pass(self, epoch: int, index: int) -> Iterator[Batch]:
         rng = np.random.default_rng([self.seed, epoch, self.rank, index]) if self.shuffle else None

@@ -214,7 +214,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def _steps(self) -> int:
         steps = self.steps_per_epoch or (self.params or {}).get("steps")
         if not steps:
-            raise ValueError("LearningRateScheduleCallback(staircase=False) needs steps_per_epoch= (fit does "
+            raise InvalidArgumentError("LearningRateScheduleCallback(staircase=False) needs steps_per_epoch= (fit does "
                              "not know the number of steps of this dataset)")
         return int(steps)
 
