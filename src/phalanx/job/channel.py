@@ -22,9 +22,10 @@ from phalanx.errors import ChannelError
 from phalanx.job import handshake
 from phalanx.job.auth_server import AuthServer
 from phalanx.job.events import EventQueue
-from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
+from phalanx.job.framing import FrameWriter, Kind, close_socket, read_body, read_frame, read_header
 from phalanx.job.handshake import Role, new_secret
 from phalanx.job.records import ErrorRecord, Hello, LogLine
+from phalanx.job.spool import SPOOL_BYTES, Spooled
 
 __all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "WorkerChannel", "new_secret"]
 
@@ -35,10 +36,10 @@ _CONNECT_RETRY_S = 0.2  # a worker's pause before it retries a busy or unreachab
 
 @dataclass(frozen=True)
 class Result:
-    """A rank's serialized return value."""
+    """A rank's serialized return value (a large one in a file: :mod:`phalanx.job.spool`)."""
 
     rank: int
-    value: bytes
+    value: bytes | Spooled
 
 
 @dataclass(frozen=True)
@@ -163,10 +164,15 @@ class DriverChannel:
 
     def _pump(self, conn: socket.socket, rank: int) -> None:
         while True:
-            frame = read_frame(conn)
-            if frame is None:
+            head = read_header(conn)
+            if head is None:
                 return
-            event = _decode(rank, *frame)
+            kind, length = head
+            event: Event | None
+            if kind is Kind.RESULT and length > SPOOL_BYTES:  # to a file as it arrives, not into memory
+                event = Result(rank=rank, value=Spooled.receive(conn, length))
+            else:
+                event = _decode(rank, kind, read_body(conn, length))
             if event is not None:
                 self.events.put(event)
 

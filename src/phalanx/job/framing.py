@@ -12,10 +12,12 @@ import struct
 import threading
 import time
 from enum import IntEnum
+from typing import BinaryIO
 
 from phalanx.errors import ChannelError
 
 _HEADER = struct.Struct(">BQ")
+_PIECE_BYTES = 1 << 20  # the most a body read takes from the socket at once
 #: Largest frame an authenticated peer may send (a result of a few GiB is better saved to a file).
 MAX_FRAME_BYTES = 4 << 30
 
@@ -51,7 +53,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
     chunks: list[bytes] = []
     remaining = n
     while remaining:
-        chunk = _recv(sock, min(remaining, 1 << 20), deadline)
+        chunk = _recv(sock, min(remaining, _PIECE_BYTES), deadline)
         if not chunk:
             raise ChannelError(f"connection closed with {remaining} of {n} bytes still expected")
         chunks.append(chunk)
@@ -77,6 +79,21 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES,
             passed.
         TimeoutError: the socket's own timeout expired (no deadline given).
     """
+    head = read_header(sock, limit, deadline)
+    if head is None:
+        return None
+    try:
+        return head[0], _recv_exact(sock, head[1], deadline)
+    except TimeoutError as e:
+        if deadline is None:
+            raise
+        raise ChannelError("the peer did not finish its frame before the deadline") from e
+
+
+def read_header(sock: socket.socket, limit: int = MAX_FRAME_BYTES,
+                deadline: float | None = None) -> tuple[Kind, int] | None:
+    """Read a frame's header: ``(kind, body length)``, or None when the peer closed cleanly between frames.
+    The caller reads the body (:func:`read_frame` does both). Raises as :func:`read_frame`."""
     try:
         first = _recv(sock, 1, deadline)
         if not first:
@@ -93,12 +110,34 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES,
         raise ChannelError(f"unknown frame kind {kind_raw}") from e
     if length > limit:
         raise ChannelError(f"{kind.name} frame of {length} bytes is over the limit of {limit} bytes")
-    try:
-        return kind, _recv_exact(sock, length, deadline)
-    except TimeoutError as e:
-        if deadline is None:
-            raise
-        raise ChannelError("the peer did not finish its frame before the deadline") from e
+    return kind, length
+
+
+def read_body(sock: socket.socket, length: int) -> bytes:
+    """A frame's body of ``length`` bytes, after :func:`read_header` (the socket's own timeout applies).
+
+    Raises:
+        ChannelError: the connection closed before the whole body arrived.
+    """
+    return _recv_exact(sock, length)
+
+
+def copy_body(sock: socket.socket, length: int, out: BinaryIO) -> None:
+    """Write a frame's body of ``length`` bytes to ``out`` as it arrives, one piece at a time (never the
+    whole body in memory).
+
+    Raises:
+        ChannelError: the connection closed before the whole body arrived.
+    """
+    piece = bytearray(min(length, _PIECE_BYTES))
+    view = memoryview(piece)
+    remaining = length
+    while remaining:
+        n = sock.recv_into(view, min(remaining, len(piece)))
+        if not n:
+            raise ChannelError(f"connection closed with {remaining} of {length} bytes still expected")
+        out.write(view[:n])
+        remaining -= n
 
 
 class FrameWriter:

@@ -19,6 +19,7 @@ from phalanx.errors import PayloadError, RankFailure, StartTimeoutError, WorkerF
 from phalanx.job.channel import Closed, Custom, Event, Result
 from phalanx.job.logs import LogSink, TailBuffer
 from phalanx.job.records import ErrorRecord, Hello, LogLine
+from phalanx.job.spool import Spooled
 
 _POLL_S = 0.05
 #: Exit codes a worker uses when it was stopped on purpose (SIGTERM's shell code, and the watchdog's).
@@ -46,7 +47,7 @@ class _RankState:
     hello: bool = False
     exited: bool = False
     returncode: int | None = None
-    result: bytes | None = None
+    result: bytes | Spooled | None = None
     error: ErrorRecord | None = None
     failed_at: float | None = None
 
@@ -110,6 +111,9 @@ class JobMonitor:
         self._flush()
         failures = self._failures()
         if failures:
+            for state in self._ranks:
+                if isinstance(state.result, Spooled):
+                    state.result.close()
             raise WorkerFailedError(failures)
         return [self._load(rank, state) for rank, state in enumerate(self._ranks)]
 
@@ -218,10 +222,13 @@ class JobMonitor:
         )
 
     def _load(self, rank: int, state: _RankState) -> Any:
-        if state.result is None or self.config.raw_results:
-            return state.result
+        result, state.result = state.result, None  # a spooled result is read once, its file then closed
+        if isinstance(result, Spooled) and self.config.raw_results:
+            return result.read()
+        if result is None or self.config.raw_results:
+            return result
         try:
-            return cloudpickle.loads(state.result)
+            return result.load() if isinstance(result, Spooled) else cloudpickle.loads(result)
         except Exception as e:
             raise PayloadError(
                 f"rank {rank}'s return value cannot be unpickled on the driver: {type(e).__name__}: {e}. "

@@ -6,9 +6,11 @@ import socket
 import struct
 import threading
 import time
+import tracemalloc
 import types
 from collections.abc import Callable, Iterator
 
+import cloudpickle
 import pytest
 
 from phalanx.errors import ChannelError
@@ -17,6 +19,7 @@ from phalanx.job import channel as channel_mod
 from phalanx.job.channel import Closed, DriverChannel, Result, Role, WorkerChannel
 from phalanx.job.framing import FrameWriter, Kind, read_frame
 from phalanx.job.records import ErrorRecord, Hello, LogLine, Stream
+from phalanx.job.spool import SPOOL_BYTES, Spooled
 
 
 @pytest.fixture
@@ -236,3 +239,28 @@ def test_the_accept_loop_survives_a_thread_that_cannot_start(monkeypatch: pytest
         peer.close()
     finally:
         ch.close()
+
+
+def test_a_large_result_is_spooled_as_it_arrives_and_loaded_once(channel: DriverChannel) -> None:
+    """A result over SPOOL_BYTES goes to a file in pieces (the driver used to hold the body, the pieces it
+    joined them from, then the object too); loading it allocates the object only."""
+    value = bytes(range(256)) * (32 << 10)  # 8 MiB
+    body = cloudpickle.dumps(value)
+    peer = WorkerChannel.connect(channel.address, channel.secret, 0, Role.WORKER, timeout_s=5)
+    tracemalloc.start()
+    try:
+        peer.send(Kind.RESULT, body)
+        peer.close()
+        assert channel.worker_done(0, timeout_s=10)
+        result = _events(channel)[0]
+        receiving = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        assert isinstance(result, Result) and isinstance(result.value, Spooled)
+        loaded = result.value.load()
+        loading = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(result.value) == len(body) and loaded == value
+    assert receiving < SPOOL_BYTES + (1 << 20), receiving  # one piece at a time, never the whole body
+    assert loading < len(value) + (1 << 20), loading
+    assert result.value.file.closed

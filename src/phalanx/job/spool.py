@@ -1,0 +1,73 @@
+"""Large rank results kept in a file on the driver, not in its memory, until they are loaded.
+
+A rank's result arrives as one ``RESULT`` frame. Above :data:`SPOOL_BYTES` the channel writes the frame's
+body to an unlinked temporary file as it arrives (:class:`Spooled`), and the monitor unpickles it from
+there once the job succeeded: the driver then holds each result once, as the object the user gets,
+instead of the received bytes, the pieces they were joined from and the object. The file has no name (it
+is unlinked at creation), so nothing is left behind by a failed or killed driver.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from typing import Any, BinaryIO
+
+import cloudpickle
+
+from phalanx.job.framing import copy_body
+
+#: Results larger than this (bytes) are spooled to a file as they arrive.
+SPOOL_BYTES = 1 << 20
+
+
+class Spooled:
+    """A frame body in an unlinked temporary file.
+
+    Args:
+        file: the open file holding the body from offset 0.
+        size: the body's length in bytes.
+    """
+
+    def __init__(self, file: BinaryIO, size: int) -> None:
+        self.file = file
+        self.size = size
+
+    @classmethod
+    def receive(cls, sock: socket.socket, length: int) -> Spooled:
+        """Copy a frame's body of ``length`` bytes from ``sock`` to a new spool file.
+
+        Raises:
+            ChannelError: the connection closed before the whole body arrived.
+            OSError: the file could not be written (a full disk).
+        """
+        file = tempfile.TemporaryFile(prefix="phalanx-result-")
+        try:
+            copy_body(sock, length, file)
+        except BaseException:
+            file.close()
+            raise
+        return cls(file, length)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self) -> bytes:
+        """The whole body (then the file is closed)."""
+        with self.file as f:
+            f.seek(0)
+            return f.read()
+
+    def load(self) -> Any:
+        """Unpickle the body straight from the file (then the file is closed).
+
+        Raises:
+            Exception: whatever unpickling raises.
+        """
+        with self.file as f:
+            f.seek(0)
+            return cloudpickle.load(f)
+
+    def close(self) -> None:
+        """Drop the body (its disk space is freed)."""
+        self.file.close()
