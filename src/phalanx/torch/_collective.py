@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import _header as H
-from phalanx.torch import _speculate as S
+from phalanx.torch import _header as header
+from phalanx.torch import _speculate as speculation
 from phalanx.torch.process_sets import _Groups
 
 
 class Collective:
     """One collective's local side. Subclasses implement the kind-specific parts."""
 
-    sig: H.Signature
+    sig: header.Signature
 
     def aux(self) -> list[int]:
         """Auxiliary integers for the control block (alltoall splits)."""
@@ -26,15 +26,15 @@ class Collective:
         """This rank's payload as a flat uint8 tensor (a view when possible)."""
         raise NotImplementedError
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         """Compute the result from every rank's payload bytes (the one-round-trip path)."""
         raise NotImplementedError
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         """Launch the payload collective asynchronously on ``groups.data``."""
         raise NotImplementedError
 
-    def speculative_buffer(self, key: S.Key) -> torch.Tensor:
+    def speculative_buffer(self, key: speculation.Key) -> torch.Tensor:
         """This rank's data for a speculative allreduce predicted as ``key`` (only called when this
         collective's key equals the prediction, which only allreduce keys can)."""
         raise NotImplementedError
@@ -67,6 +67,6 @@ class Entry:
     state: str = "negotiating"
     error: BaseException | None = None
     name: str = ""
-    spec: tuple[S.Key, torch.Tensor, Any] | None = None
+    spec: tuple[speculation.Key, torch.Tensor, Any] | None = None
     row: str = ""
     seq: int = 0  # this collective's index among those this rank issued on its membership (stall inspector)

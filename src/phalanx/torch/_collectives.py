@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch import _header as H
-from phalanx.torch import _reduce as R
-from phalanx.torch import _speculate as S
+from phalanx.torch import _header as header
+from phalanx.torch import _reduce as reduction
+from phalanx.torch import _speculate as speculation
 from phalanx.torch import _state
 from phalanx.torch._collective import Collective
 from phalanx.torch.process_sets import REGISTRY, _Groups
@@ -50,11 +50,11 @@ class Allreduce(Collective):
 
     def __init__(
         self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], op: int, prescale: float,
-        postscale: float, n: int, sig: H.Signature,
-    ) -> None:  # fmt: skip
+        postscale: float, n: int, sig: header.Signature,
+    ) -> None:
         self.inputs, self.outputs, self.op, self.n, self.sig = inputs, outputs, op, n, sig
         self.post = postscale
-        self.buffers = [R.prescale(t, prescale).reshape(-1) for t in inputs]
+        self.buffers = [reduction.prescale(t, prescale).reshape(-1) for t in inputs]
         self.works: list[Any] = []
         self.wire: list[torch.Tensor] = []
         self.scaled: list[bool] = []  # per wire: the final scaling was folded into the copy onto the wire
@@ -74,7 +74,7 @@ class Allreduce(Collective):
         parts = [as_bytes(b) for b in self.buffers]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         offset = 0
         for buf, out in zip(self.buffers, self.outputs):
             nbytes = buf.numel() * buf.element_size()
@@ -83,7 +83,7 @@ class Allreduce(Collective):
             direct = out.is_contiguous() and out.dtype == buf.dtype and out.numel() == buf.numel()
             red = out.view(-1) if direct else torch.empty_like(buf)  # the rows are never views of ``out``
             _reduce_rows(rows, self.op, red)
-            R.finish_scale(red, self.op, self.n, self.post)
+            reduction.finish_scale(red, self.op, self.n, self.post)
             if not direct:
                 out.copy_(red.reshape(out.shape))
 
@@ -99,15 +99,15 @@ class Allreduce(Collective):
             wire = out.view(-1)
             self.spec_scaled = self._copy_to_wire(buf, wire)
             return wire
-        self.pooled = S.acquire(buf.numel(), buf.dtype)
+        self.pooled = speculation.acquire(buf.numel(), buf.dtype)
         return self.pooled.copy_(buf)
 
     def adopt(self, buffer: torch.Tensor, work: Any) -> None:
         self.wire, self.works, self.scaled = [buffer], [work], [self.spec_scaled]
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         for buf, out in zip(self.buffers, self.outputs):
-            wire_dt, scaled = R.wire_dtype(buf.dtype), False
+            wire_dt, scaled = reduction.wire_dtype(buf.dtype), False
             if wire_dt != buf.dtype:
                 wire = buf.to(wire_dt)
             elif out.is_contiguous() and buf.data_ptr() != out.data_ptr() and out.numel() == buf.numel():
@@ -117,7 +117,7 @@ class Allreduce(Collective):
                 wire = buf if buf.data_ptr() == out.data_ptr() else buf.clone()
             self.wire.append(wire)
             self.scaled.append(scaled)
-            op = R.dist_op(self.op, buf.dtype)
+            op = reduction.dist_op(self.op, buf.dtype)
             self.works.append(shm.all_reduce(wire, op=op, group=groups.data, async_op=True))
 
     def is_done(self) -> bool:
@@ -131,11 +131,11 @@ class Allreduce(Collective):
             work.wait()
             result = wire.to(out.dtype) if wire.dtype != out.dtype else wire
             if not scaled:
-                R.finish_scale(result, self.op, self.n, self.post)
+                reduction.finish_scale(result, self.op, self.n, self.post)
             if result.data_ptr() != out.data_ptr():
                 out.copy_(result.reshape(out.shape))
         if self.pooled is not None:
-            S.release(self.pooled)
+            speculation.release(self.pooled)
         return self.outputs[0] if self.sig.count == 1 and self.sig.group_hash == 0 else self.outputs
 
 
@@ -144,20 +144,20 @@ def _reduce_rows(rows: list[torch.Tensor], op: int, out: torch.Tensor) -> None:
     arithmetic as ``R.reduce_stack``, without stacking the rows first (sums, the common case)."""
     if len(rows) == 1:
         out.copy_(rows[0])
-    elif op in (R.Average, R.Sum) and out.dtype != torch.bool:
+    elif op in (reduction.Average, reduction.Sum) and out.dtype != torch.bool:
         torch.add(rows[0], rows[1], out=out)
         for row in rows[2:]:
             out.add_(row)
     else:
-        out.copy_(R.reduce_stack(torch.stack(rows), op))
+        out.copy_(reduction.reduce_stack(torch.stack(rows), op))
 
 
 def _foldable(op: int, postscale: float, n: int, dtype: torch.dtype) -> float | None:
     """The factor ``finish_scale`` would multiply a result by, when it may be applied to each rank's
     contribution instead (bit-identical: floating point and a power of two, so the scaling is exact and
     commutes with the sum), else None."""
-    factor = postscale / (n if op == R.Average else 1)
-    if not dtype.is_floating_point or factor == 1.0 or op not in (R.Average, R.Sum):
+    factor = postscale / (n if op == reduction.Average else 1)
+    if not dtype.is_floating_point or factor == 1.0 or op not in (reduction.Average, reduction.Sum):
         return None
     mantissa, _ = math.frexp(factor)
     return factor if abs(mantissa) == 0.5 else None
@@ -166,7 +166,7 @@ def _foldable(op: int, postscale: float, n: int, dtype: torch.dtype) -> float | 
 class Allgather(Collective):
     """Allgather along dim 0; ranks may contribute different first dimensions."""
 
-    def __init__(self, tensor: torch.Tensor, sig: H.Signature) -> None:
+    def __init__(self, tensor: torch.Tensor, sig: header.Signature) -> None:
         self.tensor, self.sig = tensor.contiguous(), sig
         self.rest = tuple(tensor.shape[1:])
         self.work: Any = None
@@ -179,10 +179,10 @@ class Allgather(Collective):
     def _rows(self, raw: torch.Tensor, d0: int) -> torch.Tensor:
         return _from_bytes(raw, self.tensor.dtype, (d0, *self.rest))
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         self.result = torch.cat([self._rows(p, s.shape[0]) for p, s in zip(payloads, sigs)])
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         self.dims = [s.shape[0] for s in sigs]
         width = max(self.dims)
         mine = self.tensor
@@ -212,7 +212,7 @@ class Allgather(Collective):
 class Broadcast(Collective):
     """Broadcast from ``root`` (a global rank) into ``output`` (the input itself for ``broadcast_``)."""
 
-    def __init__(self, tensor: torch.Tensor, output: torch.Tensor, root: int, sig: H.Signature) -> None:
+    def __init__(self, tensor: torch.Tensor, output: torch.Tensor, root: int, sig: header.Signature) -> None:
         self.tensor, self.output, self.root, self.sig = tensor, output, root, sig
         self.work: Any = None
         self.wire = output if output.is_contiguous() else output.contiguous()
@@ -220,7 +220,7 @@ class Broadcast(Collective):
     def payload_bytes(self) -> torch.Tensor:
         return as_bytes(self.tensor)
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         index = 0 if len(payloads) == 1 else self._root_index()
         self.output.copy_(_from_bytes(payloads[index], self.tensor.dtype, tuple(self.output.shape)))
 
@@ -228,7 +228,7 @@ class Broadcast(Collective):
         ranks = REGISTRY.sets[self.sig.process_set_id].ranks
         return ranks.index(self.root)
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         if _state.topology().rank == self.root and self.wire.data_ptr() != self.tensor.data_ptr():
             self.wire.copy_(self.tensor)
         self.work = shm.broadcast(as_bytes(self.wire), src=self.root, group=groups.data, async_op=True)
@@ -250,7 +250,7 @@ class Broadcast(Collective):
 class Alltoall(Collective):
     """Alltoall along dim 0 with per-destination row counts ``splits``; returns (output, received)."""
 
-    def __init__(self, tensor: torch.Tensor, splits: list[int], me: int, sig: H.Signature) -> None:
+    def __init__(self, tensor: torch.Tensor, splits: list[int], me: int, sig: header.Signature) -> None:
         self.tensor, self.splits, self.me, self.sig = tensor.contiguous(), splits, me, sig
         self.rest = tuple(tensor.shape[1:])
         row = 1
@@ -268,7 +268,7 @@ class Alltoall(Collective):
     def _received(self, aux: list[list[int]]) -> list[int]:
         return [row[self.me] for row in aux]
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         parts = []
         for raw, sig, splits in zip(payloads, sigs, aux):
             rows = _from_bytes(raw, self.tensor.dtype, (sig.shape[0], *self.rest))
@@ -277,7 +277,7 @@ class Alltoall(Collective):
         self.received = self._received(aux)
         self.output = torch.cat(parts)
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         self.received = self._received(aux)
         self.output = torch.empty(
             (sum(self.received), *self.rest), dtype=self.tensor.dtype, device=self.tensor.device
@@ -287,7 +287,7 @@ class Alltoall(Collective):
             output_split_sizes=[r * self.row_bytes for r in self.received],
             input_split_sizes=[s * self.row_bytes for s in self.splits],
             group=groups.data, async_op=True,
-        )  # fmt: skip
+        )
 
     def is_done(self) -> bool:
         return bool(self.work.is_completed())
@@ -305,7 +305,7 @@ class Reducescatter(Collective):
     """Reduce, then give rank i its slice of dim 0 (the first ``d0 % n`` ranks get one extra row)."""
 
     def __init__(self, tensor: torch.Tensor, op: int, pre: float, post: float, index: int, n: int,
-                 sig: H.Signature) -> None:  # fmt: skip
+                 sig: header.Signature) -> None:
         out = torch.empty_like(tensor)
         self.inner = Allreduce([tensor], [out], op, pre, post, n, sig)
         self.index, self.n, self.sig = index, n, sig
@@ -320,11 +320,11 @@ class Reducescatter(Collective):
         start = self.index * base + min(self.index, extra)
         return full[start : start + base + (1 if self.index < extra else 0)].clone()
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         self.inner.run_inline(payloads, sigs, aux)
         self.result = self._slice(self.inner.outputs[0])
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         self.inner.issue(groups, sigs, aux)
         self.result = None
 
@@ -343,16 +343,16 @@ class Reducescatter(Collective):
 class Barrier(Collective):
     """A collective with no payload: returns once every member issued it."""
 
-    def __init__(self, sig: H.Signature) -> None:
+    def __init__(self, sig: header.Signature) -> None:
         self.sig = sig
 
     def payload_bytes(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8)
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         return None
 
-    def issue(self, groups: _Groups, sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:
         # Reached when a speculative allreduce was predicted instead (header-only block): nothing to send.
         self.run_inline([], sigs, aux)
 

@@ -35,11 +35,11 @@ F_NAMELEN = 22
 F_NAME = 23  # .. 23 + NAME_WORDS
 
 KINDS = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall", 5: "reducescatter", 6: "barrier", 7: "join",
-         8: "optimizer step"}  # fmt: skip
+         8: "optimizer step"}
 DTYPES = [
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
     torch.float64, torch.bfloat16, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
+]
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 # Which fields each kind compares (beyond kind, device, process set, group signature and name).
@@ -110,11 +110,11 @@ _KIND_CODE = {v: k for k, v in KINDS.items()}
 
 def _sig_key(sig: Signature) -> tuple[object, ...]:
     return (sig.kind, sig.name, sig.dtype, sig.device, sig.shape, sig.op, sig.root, sig.process_set_id,
-            sig.prescale, sig.postscale, sig.group_hash, sig.count)  # fmt: skip
+            sig.prescale, sig.postscale, sig.group_hash, sig.count)
 
 
 def encode(sig: Signature, aux: list[int], inline: torch.Tensor | None, n_aux: int,
-           inline_words: int = INLINE_WORDS) -> torch.Tensor:  # fmt: skip
+           inline_words: int = INLINE_WORDS) -> torch.Tensor:
     """Build this rank's control block.
 
     The block of a signature without aux words and inline payload is cached (training loops repeat the

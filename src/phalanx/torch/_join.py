@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _header as H
-from phalanx.torch import _reduce as R
-from phalanx.torch import _speculate as S
+from phalanx.torch import _header as header
+from phalanx.torch import _reduce as reduction
+from phalanx.torch import _speculate as speculation
 from phalanx.torch import _state
 from phalanx.torch._collective import Entry
 from phalanx.torch._collectives import Allreduce, Barrier
@@ -39,7 +39,7 @@ _LAYOUTS: dict[int, list[tuple[list[tuple[int, torch.dtype, torch.device]], type
 
 
 def register_layout(psid: int, buckets: list[tuple[int, torch.dtype, torch.device]],
-                    compression: type[Compressor]) -> int:  # fmt: skip
+                    compression: type[Compressor]) -> int:
     """Record a DistributedOptimizer's bucket layout; returns its id (sent in its step blocks)."""
     layouts = _LAYOUTS.setdefault(psid, [])
     layouts.append((buckets, compression))
@@ -50,24 +50,24 @@ class OptimizerStep(Barrier):
     """The block a DistributedOptimizer sends before waiting for its buckets (no payload)."""
 
 
-def identity(sig: H.Signature) -> torch.Tensor:
+def identity(sig: header.Signature) -> torch.Tensor:
     """The tensor a joined rank contributes to an allreduce of ``sig``: the op's identity."""
     device = torch.device("cuda") if sig.device else torch.device("cpu")
     dtype, op = sig.dtype, sig.op
-    if op in (R.Sum, R.Average) or (dtype == torch.bool and op == R.Max):
+    if op in (reduction.Sum, reduction.Average) or (dtype == torch.bool and op == reduction.Max):
         return torch.zeros(sig.shape, dtype=dtype, device=device)
-    if op == R.Product or dtype == torch.bool:
+    if op == reduction.Product or dtype == torch.bool:
         return torch.ones(sig.shape, dtype=dtype, device=device)
     info: Any = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-    extreme = (float("inf") if op == R.Min else float("-inf")) if dtype.is_floating_point else None
-    value = extreme if extreme is not None else (info.max if op == R.Min else info.min)
+    extreme = (float("inf") if op == reduction.Min else float("-inf")) if dtype.is_floating_point else None
+    value = extreme if extreme is not None else (info.max if op == reduction.Min else info.min)
     return torch.full(sig.shape, value, dtype=dtype, device=device)
 
 
 class Join(Barrier):
     """One round of a joined rank: serves the live ranks' collective, or ends the join (``result``)."""
 
-    def __init__(self, sig: H.Signature, joined_at: int) -> None:
+    def __init__(self, sig: header.Signature, joined_at: int) -> None:
         super().__init__(sig)
         self.joined_at = joined_at
         self.result: int | None = None
@@ -77,16 +77,16 @@ class Join(Barrier):
     def aux(self) -> list[int]:
         return [self.joined_at, time.time_ns()]
 
-    def run_inline(self, payloads: list[torch.Tensor], sigs: list[H.Signature], aux: list[list[int]]) -> None:
+    def run_inline(self, payloads: list[torch.Tensor], sigs: list[header.Signature], aux: list[list[int]]) -> None:
         arrivals = [(row[0], row[1]) for row in aux]
         self.result = arrivals.index(max(arrivals))  # an index: join() maps it to a global rank
 
-    def serve_allreduce(self, groups: Any, sig: H.Signature, n: int) -> None:
+    def serve_allreduce(self, groups: Any, sig: header.Signature, n: int) -> None:
         ident = identity(sig)
         self.served = Allreduce([ident], [ident], sig.op, 1.0, 1.0, n, sig)
         self.served.issue(groups, [], [])
 
-    def serve_step(self, groups: Any, sig: H.Signature) -> None:
+    def serve_step(self, groups: Any, sig: header.Signature) -> None:
         layouts = _LAYOUTS.get(sig.process_set_id, [])
         if not 0 <= sig.root < len(layouts):
             raise CollectiveMismatchError(
@@ -114,15 +114,15 @@ class Join(Barrier):
         return self.result
 
 
-def _supported(lead: H.Signature) -> bool:
+def _supported(lead: header.Signature) -> bool:
     single = lead.count == 1 and lead.group_hash == 0
     return lead.kind == "optimizer step" or (lead.kind == "allreduce" and single)
 
 
-def _refusal(lead: H.Signature, joined: list[int], detail: str | None, live_sigs: list[H.Signature],
-             live_ranks: list[int]) -> CollectiveMismatchError:  # fmt: skip
+def _refusal(lead: header.Signature, joined: list[int], detail: str | None, live_sigs: list[header.Signature],
+             live_ranks: list[int]) -> CollectiveMismatchError:
     if detail is not None:
-        return H.mismatch_error(live_sigs, live_ranks, detail, _state.topology().rank)
+        return header.mismatch_error(live_sigs, live_ranks, detail, _state.topology().rank)
     return CollectiveMismatchError(
         f"rank(s) {joined} called hvd.join() while ranks {live_ranks} issued {lead.kind} of tensor "
         f"{lead.name or '<unnamed>'!r}: while a rank is joined the others may only run single-tensor "
@@ -131,33 +131,33 @@ def _refusal(lead: H.Signature, joined: list[int], detail: str | None, live_sigs
     )
 
 
-def _speculated(entry: Entry, live: list[int], sigs: list[H.Signature], lead: H.Signature, ok: bool) -> bool:
+def _speculated(entry: Entry, live: list[int], sigs: list[header.Signature], lead: header.Signature, ok: bool) -> bool:
     """Settle a speculative payload: True when it was the allreduce (the joined ranks sent zeros)."""
     if entry.spec is None:
         return False
     key, buffer, work = entry.spec
     entry.spec = None
-    usable = ok and lead.kind == "allreduce" and lead.op in (R.Sum, R.Average)
-    if usable and all(S.key_of(sigs[i]) == key for i in live):
+    usable = ok and lead.kind == "allreduce" and lead.op in (reduction.Sum, reduction.Average)
+    if usable and all(speculation.key_of(sigs[i]) == key for i in live):
         if isinstance(entry.coll, Join):
             work.wait()
-            S.release(buffer)
+            speculation.release(buffer)
         else:
             entry.coll.adopt(buffer, work)
         return True
     work.wait()
-    S.release(buffer)
+    speculation.release(buffer)
     return False
 
 
-def negotiated(entry: Entry, sigs: list[H.Signature], ranks: list[int], rows: torch.Tensor) -> None:
+def negotiated(entry: Entry, sigs: list[header.Signature], ranks: list[int], rows: torch.Tensor) -> None:
     """Handle a round in which some ranks sent ``join`` blocks and others did not (see the module doc)."""
     assert entry.groups is not None
     live = [i for i, s in enumerate(sigs) if s.kind != "join"]
     joined = [ranks[i] for i, s in enumerate(sigs) if s.kind == "join"]
     lead, coll, n = sigs[live[0]], entry.coll, len(ranks)
     live_sigs, live_ranks = [sigs[i] for i in live], [ranks[i] for i in live]
-    detail = H.find_mismatch(live_sigs, live_ranks)
+    detail = header.find_mismatch(live_sigs, live_ranks)
     ok = detail is None and _supported(lead)
     entry.state = "done"
     if _speculated(entry, live, sigs, lead, ok):
@@ -177,14 +177,14 @@ def negotiated(entry: Entry, sigs: list[H.Signature], ranks: list[int], rows: to
         entry.error = e
 
 
-def _allreduce_round(entry: Entry, live: list[int], live_sigs: list[H.Signature], rows: torch.Tensor,
-                     n: int) -> None:  # fmt: skip
+def _allreduce_round(entry: Entry, live: list[int], live_sigs: list[header.Signature], rows: torch.Tensor,
+                     n: int) -> None:
     assert entry.groups is not None
     coll = entry.coll
-    nbytes = [int(rows[i, H.F_NBYTES]) for i in live]
+    nbytes = [int(rows[i, header.F_NBYTES]) for i in live]
     if all(b >= 0 for b in nbytes):  # inline: only the live ranks' rows count (the identity adds nothing)
         if not isinstance(coll, Join):
-            start = H.HEADER_WORDS + n
+            start = header.HEADER_WORDS + n
             payloads = [rows[i, start:].view(torch.uint8)[:b] for i, b in zip(live, nbytes)]
             coll.run_inline(payloads, live_sigs, [])
         return

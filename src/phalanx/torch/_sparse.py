@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from phalanx.torch import async_ops as A
+from phalanx.torch import async_ops
 from phalanx.torch.mpi_ops import sparse_allreduce_async
 from phalanx.torch.process_sets import ProcessSet
 
@@ -41,7 +41,7 @@ class SparseGrads:
             self.gathered[id(p)] = (p, name, p.grad)
             p.grad = None  # its bucket slot carries zeros
 
-    @A.runs_inline
+    @async_ops.runs_inline
     def launch(self) -> None:
         """Start the allgathers of the sparse path (in the order the parameters were hooked)."""
         for p, name, grad in self.gathered.values():

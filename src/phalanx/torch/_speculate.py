@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import _header as H
-from phalanx.torch import _reduce as R
+from phalanx.torch import _header as header
+from phalanx.torch import _reduce as reduction
 from phalanx.transport import api as shm
 
 HISTORY = 16
@@ -35,10 +35,10 @@ CONFIRM = 8  # entries a period must explain before anything is predicted
 Key = tuple[Any, ...]
 
 
-def key_of(sig: H.Signature) -> Key:
+def key_of(sig: header.Signature) -> Key:
     """What must match for a speculative allreduce to stand for the real one."""
     return (sig.kind, sig.dtype, sig.device, sig.shape, sig.op, sig.prescale, sig.postscale, sig.count,
-            sig.group_hash, sig.process_set_id)  # fmt: skip
+            sig.group_hash, sig.process_set_id)
 
 
 def _nbytes(key: Key) -> int:
@@ -98,7 +98,7 @@ def _worth(key: Key | None) -> bool:
 def _worth_uncached(key: Key) -> bool:
     if key[0] != "allreduce" or key[7] != 1 or key[8] != 0 or key[2] != 0:
         return False
-    return R.wire_dtype(key[1]) == key[1] and _nbytes(key) > H.INLINE_BYTES
+    return reduction.wire_dtype(key[1]) == key[1] and _nbytes(key) > header.INLINE_BYTES
 
 
 _POOL: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
@@ -133,4 +133,4 @@ def garbage(key: Key) -> torch.Tensor:
 def launch(buffer: torch.Tensor, key: Key, group: Any) -> Any:
     """Start the speculative allreduce of ``buffer`` with the predicted op."""
 
-    return shm.all_reduce(buffer, op=R.dist_op(key[4], key[1]), group=group, async_op=True)
+    return shm.all_reduce(buffer, op=reduction.dist_op(key[4], key[1]), group=group, async_op=True)

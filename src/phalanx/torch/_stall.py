@@ -71,7 +71,7 @@ class Record:
         """The record as JSON."""
         return json.dumps({"rank": self.rank, "v": self.version, "wait": self.wait,
                            "issued": [[list(k), v] for k, v in self.issued.items()],
-                           "rounds": [[list(k), v] for k, v in self.rounds.items()]})  # fmt: skip
+                           "rounds": [[list(k), v] for k, v in self.rounds.items()]})
 
     @classmethod
     def loads(cls, text: str) -> Record:
@@ -82,7 +82,7 @@ class Record:
             wait["ranks"] = tuple(wait["ranks"])
         return cls(rank=d["rank"], version=d["v"], wait=wait,
                    issued={tuple(k): v for k, v in d["issued"]},
-                   rounds={tuple(k): v for k, v in d["rounds"]})  # fmt: skip
+                   rounds={tuple(k): v for k, v in d["rounds"]})
 
 
 def awaited(rec: Record, records: dict[int, Record]) -> list[int]:
@@ -366,7 +366,7 @@ def current_wait() -> dict[str, Any] | None:
     sig = entry.coll.sig
     phase = "payload" if rounds.get(ranks, 0) >= entry.seq else "control"
     return {"ranks": ranks, "seq": entry.seq, "phase": phase, "kind": sig.kind, "name": sig.name,
-            "psid": sig.process_set_id}  # fmt: skip
+            "psid": sig.process_set_id}
 
 
 def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | None:
@@ -384,7 +384,7 @@ def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | 
         INSPECTOR.warned = True
         _log.warning("stall check: %s %r on ranks %s has waited %.0f s for the other ranks (rank %d; "
                      "HOROVOD_STALL_CHECK_TIME_SECONDS)", wait["kind"], wait["name"], list(wait["ranks"]), waited,
-                     INSPECTOR.rank)  # fmt: skip
+                     INSPECTOR.rank)
     if 0 < INSPECTOR.shutdown_s <= waited:
         INSPECTOR.resumed()
         return HorovodInternalError(

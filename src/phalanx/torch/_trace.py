@@ -9,12 +9,12 @@ NEGOTIATE = {
     "broadcast": timeline.NEGOTIATE_BROADCAST, "alltoall": timeline.NEGOTIATE_ALLTOALL,
     "reducescatter": timeline.NEGOTIATE_REDUCESCATTER, "barrier": timeline.BARRIER,
     "join": timeline.BARRIER, "optimizer step": timeline.BARRIER,
-}  # fmt: skip
+}
 RUN = {
     "allreduce": timeline.ALLREDUCE, "allgather": timeline.ALLGATHER, "broadcast": timeline.BROADCAST,
     "alltoall": timeline.ALLTOALL, "reducescatter": timeline.REDUCESCATTER, "barrier": timeline.BARRIER,
     "join": timeline.BARRIER, "optimizer step": timeline.BARRIER,
-}  # fmt: skip
+}
 
 
 def recording() -> bool:

@@ -21,8 +21,8 @@ import torch
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _background, _engine, _join, _state
-from phalanx.torch import _header as H
-from phalanx.torch import _reduce as R
+from phalanx.torch import _header as header
+from phalanx.torch import _reduce as reduction
 from phalanx.torch._collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 
@@ -64,13 +64,13 @@ def _start(coll: Any, ps: ProcessSet) -> int:
     return _background.start(lambda: _engine.run(coll, ps), coll.sig.name)
 
 
-def _sig(kind: str, name: str | None, tensor: torch.Tensor | None, ps: ProcessSet, **kw: Any) -> H.Signature:
+def _sig(kind: str, name: str | None, tensor: torch.Tensor | None, ps: ProcessSet, **kw: Any) -> header.Signature:
     _state.topology()
     psid = ps.process_set_id if ps.process_set_id is not None else -1
     if tensor is None:
-        return H.Signature(kind, name or "", torch.uint8, 0, (), process_set_id=psid, **kw)
-    return H.Signature(kind, name or "", tensor.dtype, 1 if tensor.is_cuda else 0, tuple(tensor.shape),
-                       process_set_id=psid, **kw)  # fmt: skip
+        return header.Signature(kind, name or "", torch.uint8, 0, (), process_set_id=psid, **kw)
+    return header.Signature(kind, name or "", tensor.dtype, 1 if tensor.is_cuda else 0, tuple(tensor.shape),
+                            process_set_id=psid, **kw)
 
 
 def _members(ps: ProcessSet) -> tuple[int, int]:
@@ -82,12 +82,12 @@ def _members(ps: ProcessSet) -> tuple[int, int]:
 def _allreduce_handle(
     tensors: list[torch.Tensor], outputs: list[torch.Tensor], name: str | None, op: int, pre: float,
     post: float, ps: ProcessSet, grouped: bool,
-) -> int:  # fmt: skip
+) -> int:
     for t in tensors:
-        R.check_op(op, t.dtype)
+        reduction.check_op(op, t.dtype)
     kw: dict[str, Any] = {"op": op, "prescale": pre, "postscale": post}
     if grouped:
-        kw.update(group_hash=H.group_hash(tensors) or 1, count=len(tensors))
+        kw.update(group_hash=header.group_hash(tensors) or 1, count=len(tensors))
     sig = _sig("allreduce", name, tensors[0] if tensors else None, ps, **kw)
     n, _ = _members(ps)
     return _start(Allreduce(tensors, outputs, op, pre, post, n, sig), ps)
@@ -96,7 +96,7 @@ def _allreduce_handle(
 def allreduce_async(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
-) -> int:  # fmt: skip
+) -> int:
     """Start an allreduce of ``tensor`` into a new tensor; return a handle for :func:`synchronize`.
 
     Args:
@@ -115,7 +115,7 @@ def allreduce_async(
         ValueError: before ``hvd.init()``, bad op/dtype, or a name already in flight.
         NotImplementedError: ``op=Adasum``.
     """
-    op_ = R.resolve_op(op, average)
+    op_ = reduction.resolve_op(op, average)
     out = torch.empty_like(tensor)
     return _allreduce_handle([tensor], [out], name, op_, prescale_factor, postscale_factor, process_set, False)
 
@@ -123,9 +123,9 @@ def allreduce_async(
 def allreduce_async_(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
-) -> int:  # fmt: skip
+) -> int:
     """In-place form of :func:`allreduce_async`: the result is written into ``tensor``."""
-    op_ = R.resolve_op(op, average)
+    op_ = reduction.resolve_op(op, average)
     return _allreduce_handle([tensor], [tensor], name, op_, prescale_factor, postscale_factor, process_set, False)
 
 
@@ -133,9 +133,9 @@ def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> int:  # fmt: skip
+) -> int:
     """Start one allreduce of several tensors (one signature check); ``synchronize`` returns a list."""
-    op_ = R.resolve_op(op, average)
+    op_ = reduction.resolve_op(op, average)
     outs = [torch.empty_like(t) for t in tensors]
     return _allreduce_handle(list(tensors), outs, name, op_, prescale_factor, postscale_factor, process_set, True)
 
@@ -144,15 +144,15 @@ def grouped_allreduce_async_(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> int:  # fmt: skip
+) -> int:
     """In-place form of :func:`grouped_allreduce_async`."""
-    op_ = R.resolve_op(op, average)
+    op_ = reduction.resolve_op(op, average)
     ts = list(tensors)
     return _allreduce_handle(ts, ts, name, op_, prescale_factor, postscale_factor, process_set, True)
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather along dim 0 (the first dimension may differ per rank); return a handle."""
     if tensor.dim() == 0:
         raise InvalidArgumentError("allgather needs a tensor with at least one dimension; got a 0-d tensor")
@@ -166,13 +166,13 @@ def _group(handles: list[int]) -> int:
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+                            process_set: ProcessSet = global_process_set) -> int:
     """Start an allgather of each tensor; ``synchronize`` returns the list of results."""
     return _group([allgather_async(t, f"{name}.{i}" if name else None, process_set) for i, t in enumerate(tensors)])
 
 
 def _broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, name: str | None,
-               ps: ProcessSet) -> int:  # fmt: skip
+               ps: ProcessSet) -> int:
     ranks = groups_of(ps).ranks
     if root_rank not in ranks:
         raise InvalidArgumentError(f"root_rank={root_rank} is not a member of {ps!r} (ranks {list(ranks)})")
@@ -181,13 +181,13 @@ def _broadcast(tensor: torch.Tensor, out: torch.Tensor, root_rank: int, name: st
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+                    process_set: ProcessSet = global_process_set) -> int:
     """Start a broadcast of ``root_rank``'s tensor (a global rank) into a new tensor; return a handle."""
     return _broadcast(tensor, torch.empty_like(tensor), root_rank, name, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+                     process_set: ProcessSet = global_process_set) -> int:
     """In-place form of :func:`broadcast_async`: ``tensor`` receives the root's values."""
     return _broadcast(tensor, tensor, root_rank, name, process_set)
 
@@ -207,7 +207,7 @@ def _splits(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None, n
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-                   name: str | None = None, process_set: ProcessSet = global_process_set) -> int:  # fmt: skip
+                   name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
     """Start an alltoall: rows ``splits[i]`` go to the i-th member; ``synchronize`` returns
     ``(output, received_splits)``."""
     n, index = _members(process_set)
@@ -217,24 +217,24 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
 
 
 def reducescatter_async(
-    tensor: torch.Tensor, name: str | None = None, op: int = R.Average,
+    tensor: torch.Tensor, name: str | None = None, op: int = reduction.Average,
     process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-) -> int:  # fmt: skip
+) -> int:
     """Start a reduce-scatter along dim 0 (the first ``d0 % size`` members get one extra row)."""
-    R.check_op(op, tensor.dtype)
+    reduction.check_op(op, tensor.dtype)
     if tensor.dim() == 0:
         raise InvalidArgumentError("reducescatter needs a tensor with at least one dimension; got a 0-d tensor")
     n, index = _members(process_set)
     sig = _sig("reducescatter", name, tensor, process_set, op=op, prescale=prescale_factor,
-               postscale=postscale_factor)  # fmt: skip
+               postscale=postscale_factor)
     coll = Reducescatter(tensor, op, prescale_factor, postscale_factor, index, n, sig)
     return _start(coll, process_set)
 
 
 def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor], name: str | None = None, op: int = R.Average,
+    tensors: Sequence[torch.Tensor], name: str | None = None, op: int = reduction.Average,
     process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-) -> int:  # fmt: skip
+) -> int:
     """Start a reduce-scatter of each tensor; ``synchronize`` returns the list of results."""
     handles = [
         reducescatter_async(t, f"{name}.{i}" if name else None, op, process_set, prescale_factor, postscale_factor)

@@ -11,10 +11,10 @@ import torch.distributed as dist
 import phalanx.timeline as timeline
 from phalanx.errors import InvalidArgumentError
 from phalanx.torch import _background, _engine, _generations, _log, _malloc, _membership, _state
-from phalanx.torch import process_sets as P
+from phalanx.torch.process_sets import ProcessSet, clear_process_sets
 
 
-def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | str | None = None) -> None:
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
     """Initialize phalanx.torch (idempotent; collective when it creates process sets).
 
     Works under phalanx launchers and ``torchrun`` (``env://``), inside an already initialized
@@ -58,7 +58,7 @@ def init(comm: Any = None, process_sets: Sequence[P.ProcessSet] | str | None = N
 def shutdown() -> None:
     """Forget process sets and pending collectives and leave the process group ``init`` created."""
     _engine.reset()
-    P.clear_process_sets()
+    clear_process_sets()
     _state.leave_process_group()
     timeline.stop_timeline()
 

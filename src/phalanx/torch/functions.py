@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _state
-from phalanx.torch import async_ops as A
+from phalanx.torch import _state, async_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
@@ -25,9 +24,9 @@ def _dumps(obj: Any) -> bytes:
         return bytes(cloudpickle.dumps(obj))
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
+                     process_set: ProcessSet = global_process_set) -> Any:
     """Send a picklable object from ``root_rank`` to every member of the set.
 
     Args:
@@ -42,15 +41,15 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     me = _state.topology().rank
     payload = _dumps(obj) if me == root_rank else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
-    A.synchronize(A.broadcast_async_(size, root_rank, f"{name}.size" if name else None, process_set))
+    async_ops.synchronize(async_ops.broadcast_async_(size, root_rank, f"{name}.size" if name else None, process_set))
     buf = torch.zeros(int(size.item()), dtype=torch.uint8)
     if me == root_rank:
         buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    A.synchronize(A.broadcast_async_(buf, root_rank, f"{name}.data" if name else None, process_set))
+    async_ops.synchronize(async_ops.broadcast_async_(buf, root_rank, f"{name}.data" if name else None, process_set))
     return obj if me == root_rank else pickle.loads(buf.numpy().tobytes())
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object from every member.
 
@@ -59,8 +58,8 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     """
     raw = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
     count = torch.tensor([raw.numel()])
-    sizes = A.synchronize(A.allgather_async(count, f"{name}.sizes" if name else None, process_set))
-    data = A.synchronize(A.allgather_async(raw, f"{name}.data" if name else None, process_set))
+    sizes = async_ops.synchronize(async_ops.allgather_async(count, f"{name}.sizes" if name else None, process_set))
+    data = async_ops.synchronize(async_ops.allgather_async(raw, f"{name}.data" if name else None, process_set))
     out, offset = [], 0
     for n in sizes.tolist():
         out.append(pickle.loads(data[offset : offset + n].numpy().tobytes()))
@@ -77,7 +76,7 @@ def _named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
     return [(str(k), v) for k, v in items]
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
     """Overwrite every member's parameters/buffers in place with the root's.
 
@@ -97,10 +96,10 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = 
     for (dtype, device), tensors in by_dtype.items():
         # One fused broadcast per dtype: one signature check, one payload.
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-        handles.append((A.broadcast_async_(flat, root_rank, f"broadcast_parameters.{dtype}.{device}",
-                                           process_set), flat, tensors))  # fmt: skip
+        handles.append((async_ops.broadcast_async_(flat, root_rank, f"broadcast_parameters.{dtype}.{device}",
+                                                   process_set), flat, tensors))
     for handle, flat, tensors in handles:
-        A.synchronize(handle)
+        async_ops.synchronize(handle)
         offset = 0
         with torch.no_grad():
             for t in tensors:
@@ -108,9 +107,9 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: ProcessSet = 
                 offset += t.numel()
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None,
-                              process_set: ProcessSet = global_process_set) -> None:  # fmt: skip
+                              process_set: ProcessSet = global_process_set) -> None:
     """Make every member's optimizer state (options and per-parameter state) equal to the root's.
 
     As in Horovod, an optimizer without state yet first gets it from one step on zero gradients (every

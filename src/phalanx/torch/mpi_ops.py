@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from phalanx.errors import HorovodInternalError, InvalidArgumentError
-from phalanx.torch import _reduce as R
-from phalanx.torch import async_ops as A
+from phalanx.torch import _reduce as reduction
+from phalanx.torch import async_ops
 from phalanx.torch._autograd import (
     HorovodAllgather,
     HorovodAllreduce,
@@ -77,7 +77,7 @@ def handle_average_backwards_compatibility(op: int | None, average: bool | None)
     Raises:
         ValueError: both were given.
     """
-    return R.resolve_op(op, average)
+    return reduction.resolve_op(op, average)
 
 
 def get_average_backwards_compatibility_fun(reduce_ops: Any) -> Callable[[int | None, bool | None], int]:
@@ -104,7 +104,7 @@ def num_rank_is_power_2(num_rank: int) -> bool:
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
-                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:  # fmt: skip
+                           process_set: ProcessSet = global_process_set) -> Callable[[], torch.Tensor]:
     """Start the allreduce of a sparse COO tensor as two allgathers (its indices and its values), Horovod's
     way; returns a function that waits and returns the reduced sparse tensor (duplicate indices are summed
     when it is coalesced).
@@ -121,28 +121,28 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
     if not tensor.is_sparse:
         raise InvalidArgumentError(f"sparse_allreduce_async needs a sparse COO tensor, got a {tensor.layout} one; "
                                    "use allreduce_async for dense tensors")
-    if op not in (R.Average, R.Sum):
+    if op not in (reduction.Average, reduction.Sum):
         raise InvalidArgumentError(
-            f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {R.OP_NAMES.get(op, op)}")
-    indices = A.allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
-    values = A.allgather_async(tensor._values().contiguous(), f"{name}.values", process_set)
+            f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {reduction.OP_NAMES.get(op, op)}")
+    indices = async_ops.allgather_async(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices", process_set)
+    values = async_ops.allgather_async(tensor._values().contiguous(), f"{name}.values", process_set)
 
     def wait() -> torch.Tensor:
-        vals = A.synchronize(values)
-        idx = A.synchronize(indices)
-        if op == R.Average:
+        vals = async_ops.synchronize(values)
+        idx = async_ops.synchronize(indices)
+        if op == reduction.Average:
             vals = vals / process_set.size()
         return torch.sparse_coo_tensor(idx.transpose(0, 1), vals, tensor.size())
 
     return wait
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def allreduce(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Allreduce ``tensor`` across the set and return the result in a new tensor (differentiable).
 
     Args:
@@ -162,13 +162,13 @@ def allreduce(
         ValueError: before ``hvd.init()`` or on bad arguments.
         CollectiveMismatchError: ranks disagree on shape, dtype, op, ... (RuntimeError, on every rank).
     """
-    op_ = R.resolve_op(op, average)
+    op_ = reduction.resolve_op(op, average)
     compressed, cctx = compression.compress(tensor)
     if _tracked(compressed):
         out = HorovodAllreduce.apply(compressed, None, name, op_, prescale_factor, postscale_factor, process_set)
     else:  # nothing to differentiate: skip autograd's Function machinery (a fixed cost per call)
-        out = A.synchronize(A.allreduce_async(compressed, None, name, op_, prescale_factor, postscale_factor,
-                                              process_set))  # fmt: skip
+        handle = async_ops.allreduce_async(compressed, None, name, op_, prescale_factor, postscale_factor, process_set)
+        out = async_ops.synchronize(handle)
     return compression.decompress(out, cctx)
 
 
@@ -177,47 +177,49 @@ def _tracked(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad and torch.is_grad_enabled()
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def allreduce_(
     tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: int | None = None,
     prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """In-place allreduce: ``tensor`` receives the result, which is also returned."""
-    return A.synchronize(A.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    handle = async_ops.allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return async_ops.synchronize(handle)
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> list[torch.Tensor]:
     """Allreduce several tensors as one collective (one signature check); differentiable.
 
     Returns:
         The reduced tensors, in order.
     """
-    op_ = R.resolve_op(op, average)
+    op_ = reduction.resolve_op(op, average)
     packed = [compression.compress(t) for t in tensors]
     outs = HorovodGroupedAllreduce.apply(None, name, op_, prescale_factor, postscale_factor, process_set,
-                                         *[p[0] for p in packed])  # fmt: skip
+                                         *[p[0] for p in packed])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, packed)]
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def grouped_allreduce_(
     tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
     op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> list[torch.Tensor]:
     """In-place grouped allreduce; returns the (updated) input tensors."""
-    handle = A.grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
-    return A.synchronize(handle)
+    handle = async_ops.grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set)
+    return async_ops.synchronize(handle)
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Concatenate every member's tensor along dim 0 (first dimensions may differ); differentiable.
 
     Returns:
@@ -226,32 +228,32 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:  # fmt: skip
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather each tensor; returns the list of results (differentiable)."""
     return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Return ``root_rank``'s tensor (a global rank) on every member; differentiable."""
     if _tracked(tensor):
         return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
-    return A.synchronize(A.broadcast_async(tensor, root_rank, name, process_set))
+    return async_ops.synchronize(async_ops.broadcast_async(tensor, root_rank, name, process_set))
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:  # fmt: skip
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast: ``tensor`` receives ``root_rank``'s values and is returned."""
-    return A.synchronize(A.broadcast_async_(tensor, root_rank, name, process_set))
+    return async_ops.synchronize(async_ops.broadcast_async_(tensor, root_rank, name, process_set))
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:  # fmt: skip
+             process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to the i-th member and receive theirs; differentiable.
 
     Args:
@@ -267,12 +269,12 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
     return HorovodAlltoall.apply(tensor, splits, name, process_set)
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def reducescatter(
     tensor: torch.Tensor, name: str | None = None, compression: type[Compressor] = Compression.none,
-    op: int = R.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+    op: int = reduction.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Reduce across members and return this member's slice of dim 0; differentiable.
 
     Returns:
@@ -283,16 +285,16 @@ def reducescatter(
     return compression.decompress(out, cctx)
 
 
-@A.runs_inline
+@async_ops.runs_inline
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor], name: str | None = None, compression: type[Compressor] = Compression.none,
-    op: int = R.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+    op: int = reduction.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> list[torch.Tensor]:  # fmt: skip
+) -> list[torch.Tensor]:
     """Reduce-scatter each tensor; returns the list of slices (differentiable)."""
     packed = [compression.compress(t) for t in tensors]
     outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
-                                             *[p[0] for p in packed])  # fmt: skip
+                                             *[p[0] for p in packed])
     return [compression.decompress(o, p[1]) for o, p in zip(outs, packed)]
 
 
@@ -311,4 +313,4 @@ __all__ = [
     "nccl_built", "num_rank_is_power_2", "poll", "rank", "reducescatter", "reducescatter_async",
     "remove_process_set", "rocm_built", "shutdown", "size", "sparse_allreduce_async", "start_timeline",
     "stop_timeline", "synchronize"
-]  # fmt: skip
+]

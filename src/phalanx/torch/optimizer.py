@@ -18,10 +18,9 @@ import torch
 import phalanx.timeline as timeline
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError, NotInitializedError
-from phalanx.torch import _buckets as B
-from phalanx.torch import _join, _sparse, _state, _trace
-from phalanx.torch import _reduce as R
-from phalanx.torch import async_ops as A
+from phalanx.torch import _buckets as bucketing
+from phalanx.torch import _join, _sparse, _state, _trace, async_ops
+from phalanx.torch import _reduce as reduction
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
@@ -66,11 +65,11 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int,
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:  # Horovod's names: group index, then index in the group
         return {id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
-                for j, p in enumerate(group["params"])}  # fmt: skip
+                for j, p in enumerate(group["params"])}
     named = list(named_parameters)
     if named and not isinstance(named[0], tuple):
         raise InvalidArgumentError("named_parameters should be a sequence of (name, parameter) tuples, usually "
-                         "model.named_parameters()")  # fmt: skip
+                         "model.named_parameters()")
     names = [n for n, _ in named]
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
@@ -105,19 +104,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, named_parameters: Any, compression: type[Compressor], backward_passes_per_step: int,
                  op: int, gradient_predivide_factor: float, num_groups: int, groups: Any, sparse_as_dense: bool,
-                 process_set: ProcessSet) -> None:  # fmt: skip
+                 process_set: ProcessSet) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         self._phalanx_setup(named_parameters, compression, backward_passes_per_step, op,
-                            gradient_predivide_factor, num_groups, groups, process_set)  # fmt: skip
+                            gradient_predivide_factor, num_groups, groups, process_set)
         self.sparse_as_dense = sparse_as_dense
         self._sparse = _sparse.SparseGrads(self._ps, self._op)
 
     def _phalanx_setup(self, named_parameters: Any, compression: type[Compressor], bpps: int, op: int,
-                       predivide: float, num_groups: int, groups: Any, ps: ProcessSet) -> None:  # fmt: skip
-        if op not in (R.Average, R.Sum, R.Adasum):
+                       predivide: float, num_groups: int, groups: Any, ps: ProcessSet) -> None:
+        if op not in (reduction.Average, reduction.Sum, reduction.Adasum):
             raise InvalidArgumentError(f"DistributedOptimizer op must be hvd.Average or hvd.Sum, got {op!r}")
-        R.check_op(op, torch.float32)
-        if predivide != 1.0 and op != R.Average:
+        reduction.check_op(op, torch.float32)
+        if predivide != 1.0 and op != reduction.Average:
             raise InvalidArgumentError("gradient_predivide_factor != 1.0 requires op=hvd.Average")
         if bpps < 1:
             raise InvalidArgumentError(f"backward_passes_per_step must be >= 1, got {bpps}")
@@ -140,7 +139,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # Buckets deferred to synchronize() (shared memory, unless PHALANX_SHM_GRAD_ASYNC) gain nothing by splitting.
         overlap = shm.overlaps(self._phalanx_groups.grad) or not all(p.device.type == "cpu" for p in params)
         threshold = fusion_threshold_bytes(total, overlap)
-        self._buckets = B.plan(params, threshold, _split(params, num_groups, groups))
+        self._buckets = bucketing.plan(params, threshold, _split(params, num_groups, groups))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._next = 0
         self._synchronized = False
@@ -155,11 +154,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # (a re-formed world's ranks would claim anew).
         if n > 1 and settings.ELASTIC_WORKER_ID.get() is None:
             key = (ps.process_set_id or 0, self._layout)
-            self._early = B.early_area(self._buckets, compression, self._phalanx_groups.grad, key)
+            self._early = bucketing.early_area(self._buckets, compression, self._phalanx_groups.grad, key)
             self._check_layout()
 
     def _rescale(self, n: int) -> None:
-        avg, predivide = self._op == R.Average, self._predivide
+        avg, predivide = self._op == reduction.Average, self._predivide
         self._n = n
         self._prescale = (1.0 / predivide if avg else 1.0) if predivide != 1.0 else (1.0 / n if avg else 1.0)
         self._postscale = predivide / n if avg and predivide != 1.0 else 1.0
@@ -210,7 +209,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             early = self._early
             if early is not None and early.active():  # synchronize() launches the buckets after the early step
                 if bucket is self._buckets[0]:
-                    B.mark_early(early, bucket, i, self._prescale)
+                    bucketing.mark_early(early, bucket, i, self._prescale)
             elif not bucket.pending:
                 self._launch_ready()
 
@@ -222,25 +221,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch(bucket, force or self._next >= len(self._buckets) - INLINE_TAIL)
             self._next += 1
 
-    def _launch(self, bucket: B.Bucket, inline: bool) -> None:
+    def _launch(self, bucket: bucketing.Bucket, inline: bool) -> None:
         row, group = f"DistributedOptimizer.bucket{self._next}", groups_of(self._ps).grad
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        if B.launch_direct(bucket, self._compression, group, self._prescale, inline):  # no copy to trace
+        if bucketing.launch_direct(bucket, self._compression, group, self._prescale, inline):  # no copy to trace
             _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params), "bytes": nbytes})
             return
         _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
-        B.pack(bucket, self._prescale)
+        bucketing.pack(bucket, self._prescale)
         _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
         _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
-        B.launch(bucket, self._compression, group, inline)
+        bucketing.launch(bucket, self._compression, group, inline)
 
     def _launch_early(self) -> None:
         """Agree with the peer on the first bucket's bytes reduced early; launch the rest of that bucket."""
         bucket = self._buckets[0]
-        if B.launch_early(bucket, self._early, groups_of(self._ps).grad, self._prescale):
+        if bucketing.launch_early(bucket, self._early, groups_of(self._ps).grad, self._prescale):
             nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
             _trace.begin("DistributedOptimizer.bucket0", timeline.ALLREDUCE, {"tensors": len(bucket.params),
-                                                                             "bytes": nbytes})  # fmt: skip
+                                                                             "bytes": nbytes})
             self._next = 1
 
     def synchronize(self) -> None:
@@ -255,11 +254,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch_ready(force=True)
             announce = None
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
-                announce = A.optimizer_step_async(self._layout, self._ps)
+                announce = async_ops.optimizer_step_async(self._layout, self._ps)
             self._sparse.launch()
             try:
                 for i, bucket in enumerate(self._buckets):
-                    B.wait(bucket, self._compression, self._postscale)
+                    bucketing.wait(bucket, self._compression, self._postscale)
                     _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
                     bucket.reset()
             except Exception as e:
@@ -267,7 +266,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     _raise_mismatch(announce, e)
                 raise
             if announce is not None:
-                A.synchronize(announce)
+                async_ops.synchronize(announce)
             self._sparse.finish()
             self._next = 0
             if self._early is not None:
@@ -325,8 +324,8 @@ def _raise_mismatch(announce: Any, cause: Exception) -> None:
     rank that issued another collective instead of this step fails on the mismatch and leaves, and its peers'
     buckets only see a peer that left; the mismatch says why."""
     try:
-        if A.poll(announce):  # never blocks: a peer that is stuck rather than gone is not waited for twice
-            A.synchronize(announce)
+        if async_ops.poll(announce):  # never blocks: a peer that is stuck rather than gone is not waited for twice
+            async_ops.synchronize(announce)
     except CollectiveMismatchError as mismatch:
         raise mismatch from cause
     except Exception:  # the announcement failed too (the same departed peer): the bucket's error stands
@@ -335,10 +334,10 @@ def _raise_mismatch(announce: Any, cause: Exception) -> None:
 
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer, named_parameters: Any = None,
-    compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1, op: int = R.Average,
+    compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1, op: int = reduction.Average,
     gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Sequence[Any] | None = None,
     sparse_as_dense: bool = False, process_set: ProcessSet = global_process_set,
-) -> torch.optim.Optimizer:  # fmt: skip
+) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every rank.
 
     Args:
@@ -365,4 +364,4 @@ def DistributedOptimizer(
     _state.topology()
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)  # fmt: skip
+               gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set)

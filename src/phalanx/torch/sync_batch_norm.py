@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _reduce as R
+from phalanx.torch import _reduce as reduction
 from phalanx.torch import _state
 from phalanx.torch.mpi_ops import allreduce
 
@@ -29,7 +29,7 @@ class SyncBatchNorm(_BatchNorm):
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True) -> None:  # fmt: skip
+                 affine: bool = True, track_running_stats: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -57,14 +57,14 @@ class SyncBatchNorm(_BatchNorm):
             self.num_batches_tracked.add_(1)
         momentum = self._factor() if self.training and self.track_running_stats else 0.0
         return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                            use_batch, momentum, self.eps)  # fmt: skip
+                            use_batch, momentum, self.eps)
 
     def _synced(self, input: torch.Tensor) -> torch.Tensor:
         dims = [0, *range(2, input.dim())]
         x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        total = allreduce(stats, op=R.Sum, name=None)
+        total = allreduce(stats, op=reduction.Sum, name=None)
         c = self.num_features
         n = total[2 * c]
         mean = total[:c] / n

@@ -126,7 +126,7 @@ class State:
     """
 
     def __init__(self, bcast_object: Callable[[Any], Any] | None = None,
-                 get_rank: Callable[[], int] | None = None) -> None:  # fmt: skip
+                 get_rank: Callable[[], int] | None = None) -> None:
         self._bcast_object = bcast_object or _broadcast_from_rank0
         self._rank = get_rank or basics.rank
         self._host_messages: queue.Queue[tuple[float, int]] = queue.Queue()
@@ -246,7 +246,7 @@ class ObjectState(State):
     """
 
     def __init__(self, bcast_object: Callable[[Any], Any] | None = None, get_rank: Callable[[], int] | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 **kwargs: Any) -> None:
         self._saved: dict[str, Any] = copy.deepcopy(kwargs)
         self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
