@@ -24,8 +24,8 @@ import torch
 
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
 from phalanx.torch import _background, _generations, _join, _stall, _state, _trace
-from phalanx.torch import _header as H
-from phalanx.torch import _speculate as S
+from phalanx.torch import _header as header
+from phalanx.torch import _speculate as speculation
 from phalanx.torch._collective import Collective, Entry
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 from phalanx.transport import api as shm
@@ -37,7 +37,7 @@ class _Engine:
     handles: dict[int, Entry] = field(default_factory=dict)
     inflight: set[str] = field(default_factory=set)
     counter: itertools.count[int] = field(default_factory=itertools.count)
-    predictors: dict[tuple[int, ...], S.Predictor] = field(default_factory=dict)
+    predictors: dict[tuple[int, ...], speculation.Predictor] = field(default_factory=dict)
     rounds: dict[tuple[int, ...], int] = field(default_factory=dict)  # negotiated control blocks per membership
     issued: dict[tuple[int, ...], int] = field(default_factory=dict)  # submitted control blocks per membership
 
@@ -69,7 +69,7 @@ def _inline_candidate(coll: Collective) -> torch.Tensor | None:
     if coll.sig.kind == "barrier":
         return torch.empty(0, dtype=torch.uint8)
     raw = coll.payload_bytes()
-    return raw if raw.numel() <= H.INLINE_BYTES else None
+    return raw if raw.numel() <= header.INLINE_BYTES else None
 
 
 def submit(coll: Collective, process_set: ProcessSet) -> int:
@@ -106,11 +106,11 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
         entry.spec = _speculate(coll, groups)
         if _trace.recording():
             _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
-                                                                      "shape": list(coll.sig.shape)})  # fmt: skip
+                                                                      "shape": list(coll.sig.shape)})
         if entry.spec is None:
-            block = H.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
+            block = header.encode(coll.sig, coll.aux(), _inline_candidate(coll), n)
         else:  # the payload is already on its way: a header-only block (every rank knows the prediction)
-            block = H.encode(coll.sig, coll.aux(), None, n, inline_words=0)
+            block = header.encode(coll.sig, coll.aux(), None, n, inline_words=0)
         entry.gathered = torch.empty(block.numel() * n, dtype=torch.int64)
         entry.work = shm.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
         ENGINE.queue.append(entry)
@@ -120,19 +120,19 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     return handle
 
 
-def _speculate(coll: Collective, groups: _Groups) -> tuple[S.Key, torch.Tensor, Any] | None:
+def _speculate(coll: Collective, groups: _Groups) -> tuple[speculation.Key, torch.Tensor, Any] | None:
     key = _predictor(groups.ranks).predict()
     if key is None:
         return None
-    mine = coll.speculative_buffer(key) if S.key_of(coll.sig) == key else None
-    buffer = mine if mine is not None else S.garbage(key)
-    return key, buffer, S.launch(buffer, key, groups.data)
+    mine = coll.speculative_buffer(key) if speculation.key_of(coll.sig) == key else None
+    buffer = mine if mine is not None else speculation.garbage(key)
+    return key, buffer, speculation.launch(buffer, key, groups.data)
 
 
-def _predictor(ranks: tuple[int, ...]) -> S.Predictor:
+def _predictor(ranks: tuple[int, ...]) -> speculation.Predictor:
     predictor = ENGINE.predictors.get(ranks)
     if predictor is None:
-        predictor = ENGINE.predictors[ranks] = S.Predictor()
+        predictor = ENGINE.predictors[ranks] = speculation.Predictor()
     return predictor
 
 
@@ -153,36 +153,36 @@ def _negotiated(entry: Entry) -> None:
     rows = entry.gathered.view(n, -1)
     _trace.end(entry.row, _trace.NEGOTIATE[entry.coll.sig.kind])
     _trace.begin(entry.row, _trace.RUN[entry.coll.sig.kind])
-    headers = rows[:, : H.HEADER_WORDS].tolist()
+    headers = rows[:, : header.HEADER_WORDS].tolist()
     ENGINE.rounds[entry.groups.ranks] = ENGINE.rounds.get(entry.groups.ranks, 0) + 1
     same = all(h == headers[0] for h in headers[1:])
     if same:  # the common case: identical blocks, nothing to compare
-        sigs, detail = [H.decode(headers[0])] * n, None
+        sigs, detail = [header.decode(headers[0])] * n, None
     else:
-        sigs = [H.decode(h) for h in headers]
+        sigs = [header.decode(h) for h in headers]
         if any(s.kind == "join" for s in sigs):  # some ranks have joined, others have not (see _join)
             _predictor(entry.groups.ranks).record(None)
             _join.negotiated(entry, sigs, ranks, rows)
             return
-        detail = H.find_mismatch(sigs, ranks)
-    agreed = None if detail is not None else S.key_of(sigs[0])
+        detail = header.find_mismatch(sigs, ranks)
+    agreed = None if detail is not None else speculation.key_of(sigs[0])
     _predictor(entry.groups.ranks).record(agreed)
     if entry.spec is not None:
         key, buffer, work = entry.spec
         entry.spec = None
-        if agreed == key and all(S.key_of(s) == key for s in sigs):
+        if agreed == key and all(speculation.key_of(s) == key for s in sigs):
             entry.coll.adopt(buffer, work)  # the speculative allreduce was the payload
             entry.state = "running"
             return
         work.wait()  # a wrong guess: discard its result, carry on as usual
-        S.release(buffer)
+        speculation.release(buffer)
     try:
         if detail is not None:
-            raise H.mismatch_error(sigs, ranks, detail, _state.topology().rank)
-        aux = rows[:, H.HEADER_WORDS : H.HEADER_WORDS + n].tolist()
-        nbytes = [h[H.F_NBYTES] for h in headers]
+            raise header.mismatch_error(sigs, ranks, detail, _state.topology().rank)
+        aux = rows[:, header.HEADER_WORDS : header.HEADER_WORDS + n].tolist()
+        nbytes = [h[header.F_NBYTES] for h in headers]
         if all(b >= 0 for b in nbytes):
-            start = H.HEADER_WORDS + n
+            start = header.HEADER_WORDS + n
             if same:  # identical headers, so equal sizes: every rank's payload from one view
                 payloads = list(rows.view(torch.uint8)[:, start * 8 : start * 8 + nbytes[0]].unbind(0))
             else:
