@@ -194,22 +194,20 @@ class _Floor:
     traffic of the reduction, with a private copy standing in for the peer's gradients (half of each gradient
     averaged with it: read both, write one; the other half copied from it: read one, write one)."""
 
-    def __init__(self, model: Any, group: Any) -> None:
+    def __init__(self, model: Any, grad: Any) -> None:
         import torch
 
         self.params = [p for p in model.parameters() if p.requires_grad]
         # the peer's gradients, never shared: zeros, not random numbers (averaging with N(0, 1) "gradients"
         # drove the model's weights to NaN within a few dozen steps, and NaN made the CNN ~16% faster)
         self.peer = [torch.zeros(p.numel()) for p in self.params]
-        self.inner, self.group = torch.optim.SGD(self.params, lr=0.01), group
+        self.inner, self.grad = torch.optim.SGD(self.params, lr=0.01), grad
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
     def step(self) -> None:
-        from phalanx.transport import api as shm
-
-        shm.grad_barrier(self.group).wait()
+        self.grad.barrier().wait()
         for p, peer in zip(self.params, self.peer):
             g, half = p.grad.view(-1), p.numel() // 2
             g[:half].lerp_(peer[:half], 0.5)
@@ -257,12 +255,12 @@ def _bench_2_floor(steps: int, rounds: int) -> dict[str, dict[str, float]]:
     from phalanx.torch import process_sets
 
     hvd.init()
-    group = process_sets.groups_of(hvd.global_process_set).grad
+    grad = process_sets.groups_of(hvd.global_process_set).grad
     out: dict[str, dict[str, float]] = {}
     for name, (make, shape) in train.MODELS.items():
         trainers = train._trainers(name)
         model, pair = make(), make()
-        trainers["floor"] = (model, _Floor(model, group))
+        trainers["floor"] = (model, _Floor(model, grad))
         trainers["pair"] = (pair, torch.optim.SGD(pair.parameters(), lr=0.01))
         trainers["alone"] = _Alone(make(), 1)
         trainers["alone all cores"] = _Alone(make(), os.cpu_count() or 1)

@@ -6,8 +6,9 @@ the allreduce order on the data group is identical on every rank whatever order 
 in; a bucket whose parameter got no gradient on some rank is launched by ``synchronize`` (with zeros).
 
 When the gradient group is a single-host shared-memory channel with cross-memory attach, a bucket is
-reduced *directly*: straight from the gradient tensors autograd produced and into them (``shm.all_reduce_many``),
-with no fusion buffer and no copy; the Average division is applied by each part's owner after the sum.
+reduced *directly*: straight from the gradient tensors autograd produced and into them
+(``GradChannel.all_reduce_many``), with no fusion buffer and no copy; the Average division is applied by each
+part's owner after the sum.
 Otherwise (or when a gradient is sparse or not contiguous on this rank) each parameter's ``.grad`` becomes a
 view into its bucket's flat buffer, so the reduced gradient needs no copy back; the Average division is folded
 into the copy in (``mul(out=)``). Both paths speak the same protocol on the grad channel, so ranks that took
@@ -26,11 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from phalanx.torch import _stall
 from phalanx.torch.compression import Compression, Compressor
-from phalanx.transport import api as shm
+from phalanx.transport.api import EarlyArea, GradChannel
 
 
 @dataclass
@@ -149,7 +149,8 @@ def _direct_grads(bucket: Bucket) -> list[torch.Tensor] | None:
     return grads
 
 
-def launch_direct(bucket: Bucket, compression: type[Compressor], group: Any, prescale: float, inline: bool) -> bool:
+def launch_direct(bucket: Bucket, compression: type[Compressor], grad: GradChannel, prescale: float,
+                  inline: bool) -> bool:
     """Start the bucket's allreduce straight from its gradients when the group allows it (see the module).
 
     Returns:
@@ -161,7 +162,7 @@ def launch_direct(bucket: Bucket, compression: type[Compressor], group: Any, pre
     if grads is None:
         return False
     nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-    work = shm.all_reduce_many(grads, group, prescale, inline, nbytes)
+    work = grad.all_reduce_many(grads, prescale, inline, nbytes)
     if work is None:
         return False
     bucket.work, bucket.direct = work, grads
@@ -172,7 +173,8 @@ def _eligible(g: torch.Tensor, dtype: torch.dtype) -> bool:
     return not g.is_sparse and g.is_cpu and g.dtype == dtype and g.is_contiguous()
 
 
-def early_area(buckets: list[Bucket], compression: type[Compressor], group: Any, key: tuple[int, int]) -> Any:
+def early_area(buckets: list[Bucket], compression: type[Compressor], grad: GradChannel,
+               key: tuple[int, int]) -> EarlyArea | None:
     """The grad channel's early-reduction area for the first bucket (``transport._early``), or None when it does not
     apply (compression, a dtype or device the direct path does not reduce, a channel that cannot)."""
     if compression is not Compression.none or not buckets:
@@ -182,7 +184,7 @@ def early_area(buckets: list[Bucket], compression: type[Compressor], group: Any,
         return None
     sizes = [p.numel() * p.element_size() for p in buckets[0].params]
     fingerprint = zlib.crc32(repr((sizes, str(first.dtype), len(buckets))).encode())
-    return shm.early_claim(group, key, sizes, fingerprint)
+    return grad.early_claim(key, sizes, fingerprint)
 
 
 def mark_early(area: Any, bucket: Bucket, i: int, scale: float) -> None:
@@ -193,7 +195,7 @@ def mark_early(area: Any, bucket: Bucket, i: int, scale: float) -> None:
         area.mark(i, g, scale)
 
 
-def launch_early(bucket: Bucket, area: Any, group: Any, prescale: float) -> bool:
+def launch_early(bucket: Bucket, area: Any, grad: GradChannel, prescale: float) -> bool:
     """Agree with the peer on the bytes of the first bucket reduced early (``transport._early``) and start the
     allreduce of the rest, straight from the gradients (zeros for a missing one; a gradient that cannot be
     reduced in place is copied into the bucket's buffer).
@@ -210,9 +212,9 @@ def launch_early(bucket: Bucket, area: Any, group: Any, prescale: float) -> bool
     nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
     bucket.direct = grads
     if k >= nbytes:
-        bucket.work = shm.grad_barrier(group)
+        bucket.work = grad.barrier()
     else:
-        bucket.work = shm.all_reduce_many(grads, group, prescale, True, nbytes, start=k)
+        bucket.work = grad.all_reduce_many(grads, prescale, True, nbytes, start=k)
     return True
 
 
@@ -245,11 +247,11 @@ def _mixed_grads(bucket: Bucket) -> list[torch.Tensor]:
     return grads
 
 
-def launch(bucket: Bucket, compression: type[Compressor], group: Any, inline: bool = False) -> None:
-    """Start the bucket's asynchronous allreduce (sum) on ``group`` (``inline``: see ``shm.all_reduce``)."""
+def launch(bucket: Bucket, compression: type[Compressor], grad: GradChannel, inline: bool = False) -> None:
+    """Start the bucket's asynchronous allreduce (sum) on ``grad`` (``inline``: see ``GradChannel.all_reduce``)."""
     wire, bucket.ctx = compression.compress(bucket.buffer)
     bucket.wire = wire
-    bucket.work = shm.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True, inline=inline)
+    bucket.work = grad.all_reduce(wire, inline=inline)
 
 
 def wait(bucket: Bucket, compression: type[Compressor], postscale: float) -> None:

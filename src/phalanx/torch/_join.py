@@ -31,7 +31,6 @@ from phalanx.torch import _state
 from phalanx.torch._collective import Entry
 from phalanx.torch._collectives import Allreduce, Barrier
 from phalanx.torch.compression import Compressor
-from phalanx.transport import api as shm
 
 # (process set id) -> layouts of the DistributedOptimizers built on it, in construction order (same on
 # every member): each a list of buckets (elements, dtype, device) and the compression.
@@ -95,16 +94,16 @@ class Join(Barrier):
                 "the same DistributedOptimizers in the same order"
             )
         buckets, compression = layouts[sig.root]
-        area = shm.early_find(groups.grad, (sig.process_set_id or 0, sig.root))
+        area = groups.grad.early_find((sig.process_set_id or 0, sig.root))
         for i, (numel, dtype, device) in enumerate(buckets):
             wire, _ = compression.compress(torch.zeros(numel, dtype=dtype, device=device))
             k = area.agree(None, 1.0, joined=True) if i == 0 and area is not None else 0
             if k:  # the live rank reduced bytes before k early (with this rank's last marked gradients)
                 nbytes = numel * wire.element_size()
-                work = shm.grad_barrier(groups.grad) if k >= nbytes else None
-                self.works.append(work or shm.all_reduce_many([wire], groups.grad, 1.0, False, nbytes, start=k))
+                work = groups.grad.barrier() if k >= nbytes else None
+                self.works.append(work or groups.grad.all_reduce_many([wire], 1.0, False, nbytes, start=k))
                 continue
-            self.works.append(shm.all_reduce(wire, group=groups.grad, async_op=True))
+            self.works.append(groups.grad.all_reduce(wire))
 
     def finish(self) -> Any:
         for work in self.works:

@@ -24,7 +24,6 @@ from phalanx.torch import _reduce as reduction
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
-from phalanx.transport import api as shm
 
 DEFAULT_FUSION_THRESHOLD_BYTES = 128 * 1024 * 1024
 
@@ -137,7 +136,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         total = sum(p.numel() * p.element_size() for p in params)
         # Buckets deferred to synchronize() (shared memory, unless PHALANX_SHM_GRAD_ASYNC) gain nothing by splitting.
-        overlap = shm.overlaps(self._phalanx_groups.grad) or not all(p.device.type == "cpu" for p in params)
+        overlap = self._phalanx_groups.grad.overlaps() or not all(p.device.type == "cpu" for p in params)
         threshold = fusion_threshold_bytes(total, overlap)
         self._buckets = bucketing.plan(params, threshold, _split(params, num_groups, groups))
         self._where = {id(p): (b, i) for b in self._buckets for i, p in enumerate(b.params)}
@@ -222,16 +221,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next += 1
 
     def _launch(self, bucket: bucketing.Bucket, inline: bool) -> None:
-        row, group = f"DistributedOptimizer.bucket{self._next}", groups_of(self._ps).grad
+        row, grad = f"DistributedOptimizer.bucket{self._next}", groups_of(self._ps).grad
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        if bucketing.launch_direct(bucket, self._compression, group, self._prescale, inline):  # no copy to trace
+        if bucketing.launch_direct(bucket, self._compression, grad, self._prescale, inline):  # no copy to trace
             _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params), "bytes": nbytes})
             return
         _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
         bucketing.pack(bucket, self._prescale)
         _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
         _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
-        bucketing.launch(bucket, self._compression, group, inline)
+        bucketing.launch(bucket, self._compression, grad, inline)
 
     def _launch_early(self) -> None:
         """Agree with the peer on the first bucket's bytes reduced early; launch the rest of that bucket."""

@@ -26,7 +26,7 @@ from phalanx.transport import api as shm
 class _Groups:
     ctrl: Any
     data: Any
-    grad: Any  # the DistributedOptimizer's buckets: their order never interleaves with explicit collectives
+    grad: shm.GradChannel  # the DistributedOptimizer's buckets: never interleaved with explicit collectives
     ranks: tuple[int, ...]
     shm: bool = False  # CPU payloads travel through shared memory (grad: deferred to wait(), see transport._dispatch)
 
@@ -126,7 +126,7 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
         if transport is not None:
             shm.register({"ctrl": ctrl, "data": data, "grad": grad}, transport)
         via_shm = transport is not None
-    groups = _Groups(ctrl=ctrl, data=data, grad=grad, ranks=ranks, shm=via_shm)
+    groups = _Groups(ctrl=ctrl, data=data, grad=shm.GradChannel(grad), ranks=ranks, shm=via_shm)
     REGISTRY.groups[ranks] = groups
     return groups
 

@@ -5,9 +5,9 @@ Per process set, the caller builds a :class:`Transport` (:func:`build`, collecti
 registers its torch groups by channel kind (:func:`register`: ``ctrl``, ``data``, ``grad``); from then on
 :func:`all_reduce`, :func:`all_gather_single` and :func:`broadcast` take ``torch.distributed``'s
 signatures and carry a registered group's CPU tensors through shared memory (``torch.distributed``
-otherwise). The ``grad`` channel adds its own calls: :func:`all_reduce_many` (several tensors in place),
-:func:`grad_barrier` (an empty step), :func:`early_claim` / :func:`early_find` (its early-reduction area)
-and :func:`overlaps`. :func:`clear` closes every transport.
+otherwise). The ``grad`` group is used through one object, :class:`GradChannel`: the optimizer's
+asynchronous sums and the calls only a shared-memory grad channel answers (several tensors in place, an
+empty step, the early-reduction area). :func:`clear` closes every transport.
 
 The transport knows nothing of its callers: a caller that inspects slow waits (phalanx.torch's stall
 inspector) passes its callbacks in with :func:`set_wait_hooks`.
@@ -19,28 +19,62 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from phalanx.transport import native
+from phalanx.transport import _dispatch, native
 from phalanx.transport._channel import HOOKS
-from phalanx.transport._dispatch import (
-    Done,
-    all_gather_single,
-    all_reduce,
-    all_reduce_many,
-    broadcast,
-    clear,
-    early_claim,
-    early_find,
-    grad_barrier,
-    overlaps,
-    register,
-)
+from phalanx.transport._dispatch import Done, all_gather_single, all_reduce, broadcast, clear, register
+from phalanx.transport._early import Area as EarlyArea
 from phalanx.transport._setup import Transport, build, enabled
 
-__all__ = ["Done", "Transport", "WaitHooks", "all_gather_single", "all_reduce", "all_reduce_many", "broadcast",
-           "build", "clear", "early_claim", "early_find", "enabled", "grad_barrier", "init_process_group",
-           "overlaps", "register", "set_wait_hooks"]
+__all__ = ["Done", "EarlyArea", "GradChannel", "Transport", "WaitHooks", "all_gather_single", "all_reduce",
+           "broadcast", "build", "clear", "enabled", "init_process_group", "register", "set_wait_hooks"]
+
+
+@dataclass(frozen=True)
+class GradChannel:
+    """A process set's ``grad`` group as the DistributedOptimizer uses it: the narrow seam between the
+    optimizer's buckets and the transport.
+
+    On a single-host shared-memory grad channel the calls take the transport's fast paths; on any other
+    group :meth:`all_reduce` is ``torch.distributed``'s and the others answer None / False / True so the
+    caller takes its plain path.
+
+    Attributes:
+        group: the ``torch.distributed`` group registered as ``grad`` (:func:`register`).
+    """
+
+    group: Any
+
+    def overlaps(self) -> bool:
+        """Whether an asynchronous sum runs while the caller goes on, rather than deferred to ``wait()``."""
+        return _dispatch.overlaps(self.group)
+
+    def all_reduce(self, tensor: torch.Tensor, inline: bool = False) -> Any:
+        """Start an asynchronous in-place sum of ``tensor``; ``inline``: run it in the thread that waits for
+        it (after the calls issued before it) rather than on the transport's worker thread."""
+        return _dispatch.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True, inline=inline)
+
+    def all_reduce_many(self, tensors: list[torch.Tensor], scale: float = 1.0, inline: bool = False,
+                        nbytes: int = -1, start: int = 0) -> Any:
+        """Sum the concatenation of ``tensors`` in place, straight from and into them, each rank's share
+        multiplied by ``scale``, from byte ``start`` on; None when the channel cannot (the caller then fuses
+        them and calls :meth:`all_reduce`, which meets this call on the other ranks)."""
+        return _dispatch.all_reduce_many(tensors, self.group, scale, inline, nbytes, start)
+
+    def barrier(self) -> Any:
+        """An empty step after the queued calls (a bucket reduced early in full still advances the
+        channel's step number); returns its work."""
+        return _dispatch.grad_barrier(self.group)
+
+    def early_claim(self, key: tuple[int, int], sizes: list[int], fingerprint: int) -> EarlyArea | None:
+        """The early-reduction area for the caller's ``key`` (None when the channel has none)."""
+        return _dispatch.early_claim(self.group, key, sizes, fingerprint)
+
+    def early_find(self, key: tuple[int, int]) -> EarlyArea | None:
+        """The area ``key`` claimed (a rank that no longer contributes answers its steps), or None."""
+        return _dispatch.early_find(self.group, key)
 
 
 @dataclass(frozen=True)
