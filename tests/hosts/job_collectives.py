@@ -1,7 +1,8 @@
 """A rank of the multi-host collectives test: prints one JSON line with its layout and every result.
 
 Sets: the global set (2 hosts x 2 ranks: the hierarchical path), ``{0, 1}`` (both on the first host: shared
-memory) and ``{0, 2}`` (one rank per host: gloo alone). With ``quick``: the global set only.
+memory) and ``{0, 2}`` (one rank per host: gloo alone). With ``quick``: the global set only (any size).
+With ``wait``: then print ``READY`` and sleep (the test stops the job).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from typing import Any
 
 import torch
@@ -31,19 +33,23 @@ def collectives(ps: Any, members: list[int], n: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    full = "quick" not in sys.argv[1:]
     local_set, cross_set = hvd.ProcessSet([0, 1]), hvd.ProcessSet([0, 2])
-    hvd.init(process_sets=[local_set, cross_set])
+    hvd.init(process_sets=[local_set, cross_set] if full else None)
+    members = list(range(hvd.size()))
     out: dict[str, Any] = {
         "rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
         "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "host": socket.gethostname(),
-        "machine": _machine_id(), "global": collectives(hvd.global_process_set, [0, 1, 2, 3], 4),
+        "machine": _machine_id(), "global": collectives(hvd.global_process_set, members, len(members)),
     }
-    full = sys.argv[1:] != ["quick"]
     if full and hvd.rank() in (0, 1):
         out["local"] = collectives(local_set, [0, 1], 2)
     if full and hvd.rank() in (0, 2):
         out["cross"] = collectives(cross_set, [0, 2], 2)
     print("RESULT " + json.dumps(out), flush=True)
+    if "wait" in sys.argv[1:]:
+        print(f"READY {hvd.rank()}", flush=True)
+        time.sleep(600)
     hvd.shutdown()
 
 

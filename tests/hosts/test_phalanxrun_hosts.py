@@ -56,19 +56,22 @@ def check_set(record: dict[str, Any], members: list[int]) -> None:
     assert record["a2a"] == [float(r * 100 + me) for r in members]
 
 
-def check_job(stdout: str, first: str = "hosta", second: str = "hostb", quick: bool = False) -> None:
-    """Every rank's layout (``first`` holds ranks 0-1) and every collective's values on every path."""
+def check_job(stdout: str, first: str = "hosta", second: str = "hostb", quick: bool = False, per_host: int = 2) -> None:
+    """Every rank's layout (``first`` holds the first ``per_host`` ranks) and every collective's values on every
+    path (``quick``: the global set only)."""
     got = results(stdout)
-    assert sorted(got) == [0, 1, 2, 3], stdout[-3000:]
+    n = 2 * per_host
+    assert sorted(got) == list(range(n)), stdout[-3000:]
     layout = [(got[r]["host"], got[r]["local_rank"], got[r]["local_size"], got[r]["cross_rank"],
-               got[r]["cross_size"]) for r in range(4)]
-    assert layout == [(first, 0, 2, 0, 2), (first, 1, 2, 0, 2), (second, 0, 2, 1, 2), (second, 1, 2, 1, 2)]
+               got[r]["cross_size"]) for r in range(n)]
+    assert layout == [(h, local, per_host, cross, 2) for cross, h in enumerate((first, second))
+                      for local in range(per_host)]
     # One machine (one boot id) but two /dev/shm: shared memory is keyed by the /dev/shm, not the name.
-    machine = [got[r]["machine"] for r in range(4)]
-    assert machine[0] == machine[1] != machine[2] == machine[3]
-    assert machine[0].split("/")[0] == machine[2].split("/")[0]
-    for r in range(4):
-        check_set(got[r]["global"], [0, 1, 2, 3])
+    machine = [got[r]["machine"] for r in range(n)]
+    assert len(set(machine[:per_host])) == len(set(machine[per_host:])) == 1 and machine[0] != machine[-1]
+    assert machine[0].split("/")[0] == machine[-1].split("/")[0]
+    for r in range(n):
+        check_set(got[r]["global"], list(range(n)))
     if quick:
         return
     for r in (0, 1):
@@ -77,14 +80,40 @@ def check_job(stdout: str, first: str = "hosta", second: str = "hostb", quick: b
         check_set(got[r]["cross"], [0, 2])
 
 
-def test_two_hosts_layout_and_collectives(cluster: Cluster) -> None:
-    done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable, JOB),
-                          timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    check_job(done.stdout)
+def _shm(cluster: Cluster) -> dict[str, set[str]]:
+    """Each host's /dev/shm (its private tmpfs), as seen through its sshd's root."""
+    return {name: set(os.listdir(f"/proc/{h.sshd.pid}/root/dev/shm")) for name, h in cluster.hosts.items()}
+
+
+def _until_ready(driver: subprocess.Popen[str], n: int) -> str:
+    """The driver's output up to the ``n``-th READY line."""
+    assert driver.stdout is not None
+    seen, ready = [], 0
+    for line in driver.stdout:
+        seen.append(line)
+        ready += "READY" in line
+        if ready == n:
+            break
+    return "".join(seen)
+
+
+def test_layout_and_collectives_then_ctrl_c_stops_every_host(cluster: Cluster) -> None:
+    """Layout and collectives (every path) on 2 hosts x 2 ranks; then SIGINT to phalanxrun (Ctrl-C) stops every
+    host: no process and no /dev/shm file is left on either."""
+    before = _shm(cluster)
+    argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable, JOB,
+                                               "wait"))
+    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout = _until_ready(driver, 4)
+    check_job(stdout)
     # Each host's lines arrive on the driver, prefixed by rank.
-    assert {line.split("]")[0] for line in done.stdout.splitlines() if "RESULT" in line} == {"[0", "[1", "[2", "[3"}
+    assert {line.split("]")[0] for line in stdout.splitlines() if "RESULT" in line} == {"[0", "[1", "[2", "[3"}
+    assert cluster.leftovers().keys() == {"hosta", "hostb"}
+    driver.send_signal(signal.SIGINT)
+    _, stderr = driver.communicate(timeout=60)
+    assert driver.returncode != 0, stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}
+    assert _shm(cluster) == before
 
 
 def test_unchanged_horovod_script_trains_to_the_local_accuracy(cluster: Cluster, tmp_path: Path) -> None:
@@ -111,11 +140,11 @@ def test_a_host_refusing_ssh_is_named_before_anything_starts(cluster: Cluster) -
 
 
 def test_a_rank_killed_on_host_b_is_the_root_cause_and_nothing_is_left(cluster: Cluster) -> None:
-    done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable,
+    done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "2", "-H", "hosta:1,hostb:1", sys.executable,
                                               "tests/hosts/job_lifetime.py", "kill"), timeout=150)
     assert done.returncode == 128 + 9, done.stderr[-3000:]
     first = done.stderr.split("Also failed")[0]
-    assert "rank 3" in first and "SIGKILL" in first and "[on host hostb]" in first, done.stderr[-3000:]
+    assert "rank 1" in first and "SIGKILL" in first and "[on host hostb]" in first, done.stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}
 
 
@@ -123,14 +152,7 @@ def test_driver_killed_leaves_nothing_on_any_host(cluster: Cluster) -> None:
     argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable,
                                                "tests/hosts/job_lifetime.py", "wait"))
     driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert driver.stdout is not None
-    ready: set[str] = set()
-    for line in driver.stdout:
-        if "READY" in line:
-            ready.add(line.split("READY")[1].strip())
-        if len(ready) == 4:
-            break
-    assert len(ready) == 4
+    assert _until_ready(driver, 4).count("READY") == 4
     assert cluster.leftovers().keys() == {"hosta", "hostb"}
     driver.kill()
     driver.wait()
@@ -141,12 +163,7 @@ def test_a_dropped_ssh_connection_ends_the_job_naming_the_host(cluster: Cluster)
     argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable,
                                                "tests/hosts/job_lifetime.py", "wait"))
     driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert driver.stdout is not None and driver.stderr is not None
-    ready = 0
-    for line in driver.stdout:
-        ready += "READY" in line
-        if ready == 4:
-            break
+    _until_ready(driver, 4)
     ssh = [p for p in descendants(driver.pid) if cmdline(p).startswith("ssh ")]
     assert len(ssh) == 1, [cmdline(p) for p in descendants(driver.pid)]
     os.kill(ssh[0], signal.SIGKILL)
@@ -155,3 +172,4 @@ def test_a_dropped_ssh_connection_ends_the_job_naming_the_host(cluster: Cluster)
     # hostb's agent saw its stdin end and stopped its ranks: the root cause is one of them, on hostb.
     assert "[on host hostb]" in stderr.split("Also failed")[0], stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}
+
