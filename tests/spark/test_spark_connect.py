@@ -168,7 +168,7 @@ def test_modules_next_to_the_driver_script_travel_with_the_job(tmp_path: Path, m
     project = tmp_path / "project"
     project.mkdir()
     (project / "connect_helper_mod.py").write_text("def scale(x):\n    return x * 3\n")
-    from phalanx.spark import shipping
+    from phalanx.job import shipping
 
     monkeypatch.setattr(shipping, "driver_root", lambda: project)  # as if the driver's script were there
     assert HorovodRunner(np=2).run(_uses_helper, value=7) == {"value": 21, "shipped": True}

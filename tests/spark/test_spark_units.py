@@ -11,8 +11,9 @@ import pytest
 
 from phalanx.env import JobContract
 from phalanx.errors import InvalidArgumentError, PhalanxError, SlotsUnavailableError
+from phalanx.job import shipping
 from phalanx.job.payload import serialize_call
-from phalanx.spark import session, shipping
+from phalanx.spark import session
 from phalanx.spark.api import check_gpu_conf
 from phalanx.spark.task import TaskSpec, _gpu_env, check_script, task_gpus, task_host
 

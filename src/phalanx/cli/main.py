@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
+from phalanx.job.shipping import script_of
 from phalanx.launch.api import elastic_spec, hosts_spec, resolve_hosts, resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
+from phalanx.launch.elastic_hosts import ElasticHostsLauncher
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 
@@ -129,9 +131,8 @@ def _check_command(command: Sequence[str]) -> None:
     exe = command[0]
     if shutil.which(exe) is None and not os.path.isfile(exe):
         raise InvalidArgumentError(f"command {exe!r} was not found on PATH or as a file")
-    is_python = os.path.basename(exe).startswith("python")
-    script = command[1] if is_python and len(command) > 1 else (exe if exe.endswith(".py") else None)
-    if script and not script.startswith("-") and script.endswith(".py") and not os.path.isfile(script):
+    script = script_of(command)
+    if script and not os.path.isfile(script):
         raise InvalidArgumentError(f"script {script!r} does not exist (working directory: {os.getcwd()})")
 
 
@@ -205,9 +206,9 @@ def _local_host_warnings(ns: argparse.Namespace, hosts: HostsSpec | None) -> lis
 def _launch(config: RunConfig) -> None:
     spec = config.to_spec()
     if config.hosts is not None:
-        if config.elastic is not None:
-            raise InvalidArgumentError("an elastic job runs on this machine only (-H naming other hosts); "
-                                       "drop --min-np/--max-np or the other hosts")
+        if config.elastic is not None and not config.check_hosts_only:
+            ElasticHostsLauncher(spec, config.elastic, config.hosts).run()
+            return
         launcher = HostsLauncher(spec, config.hosts)
         if config.check_hosts_only:
             launcher.check()

@@ -95,6 +95,8 @@ class ElasticMonitor(JobMonitor):
             in the current round).
         give_up: a reason to fail instead of re-forming, whatever the policy says (e.g. Spark failed the
             whole stage); empty when there is none.
+        leaving: the worker ids the launcher is stopping (their host left the job); they count as lost
+            already, and their end re-forms nothing once a world without them was formed.
     """
 
     policy: ElasticPolicy = field(default_factory=lambda: ElasticPolicy(1, 1, 0))
@@ -102,6 +104,7 @@ class ElasticMonitor(JobMonitor):
     free_slots: Callable[[list[int]], int] = lambda alive: 0
     holds_state: Callable[[int], bool] = lambda worker: True
     give_up: Callable[[], str] = lambda: ""
+    leaving: Callable[[], set[int]] = lambda: set()
     world: list[int] = field(init=False, default_factory=list)
     resets: int = field(init=False, default=0)
     _spawned_at: list[float] = field(init=False, default_factory=list)
@@ -156,11 +159,18 @@ class ElasticMonitor(JobMonitor):
         state.failed_at = time.monotonic() if ended_at is None else ended_at
         if self._stopped_at is not None:
             return
-        self._lost.add(next(w for w, s in enumerate(self._ranks) if s is state))
+        wid = next(w for w, s in enumerate(self._ranks) if s is state)
+        self._lost.add(wid)
+        if wid in self.leaving() and wid not in self.world:
+            return  # retired, and the current world was formed without it
         self._on_loss(state)
 
+    def _alive(self) -> list[int]:
+        leaving = self.leaving()
+        return [w for w, s in enumerate(self._ranks) if not s.exited and w not in leaving]
+
     def _on_loss(self, state: _RankState) -> None:
-        alive = [w for w, s in enumerate(self._ranks) if not s.exited]
+        alive = self._alive()
         finished = any(s.result is not None for s in self._ranks)
         holding = sum(1 for w in alive if self.holds_state(w))
         decision = self.policy.decide(len(alive), self.free_slots(alive), self.resets, holding)
@@ -176,7 +186,7 @@ class ElasticMonitor(JobMonitor):
 
     def _grow(self, slots: int) -> None:
         """More slots were discovered: add workers up to ``max_np`` (a re-formation: it counts as a reset)."""
-        alive = [w for w, s in enumerate(self._ranks) if not s.exited]
+        alive = self._alive()
         size = min(self.policy.max_np, slots)
         finished = any(s.result is not None for s in self._ranks)
         if self._stopped_at is not None or finished or size <= len(alive):

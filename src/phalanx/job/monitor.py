@@ -75,7 +75,7 @@ class MonitorConfig:
     start_timeout_s: float
     start_timeout_hint: str
     stop_wait_s: float = 10.0
-    rank_hosts: tuple[str, ...] = ()
+    rank_hosts: Sequence[str] = ()
     raw_results: bool = False
 
 

@@ -11,10 +11,14 @@ stopped the job) stops every rank's process tree and ends the agent. Ranks die w
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +28,12 @@ from phalanx.errors import ChannelError, InvalidArgumentError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.records import ErrorRecord
-from phalanx.launch.core import worker_argv
+from phalanx.job.shipping import script_of, write_modules
+from phalanx.launch.core import DRAIN_WAIT_S, worker_argv
 from phalanx.launch.supervisor import EXIT_NOT_STARTED, RankSupervisor, exit_event
 
-#: Most bytes of the plan line (the plan holds the user's forwarded variables, not the payload).
-MAX_PLAN_BYTES = 4 << 20
+#: Most bytes of the plan line (the forwarded variables and a script job's shipped modules, base64).
+MAX_PLAN_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,10 @@ class AgentPlan:
         cwd: the working directory of the ranks.
         python: the interpreter of the ranks.
         teardown_grace_s: seconds between SIGTERM and SIGKILL when the job stops.
+        over: variables laid over the contract (an elastic worker's id and round timeout).
+        modules: driver-local module files shipped with a script job (relative path -> base64 source;
+            :mod:`phalanx.job.shipping`): written to a private directory first on the ranks'
+            ``PYTHONPATH``; the script runs from there when it does not exist on this host.
     """
 
     job: JobContract
@@ -54,13 +63,16 @@ class AgentPlan:
     cwd: str = "."
     python: str = sys.executable
     teardown_grace_s: float = 3.0
+    over: dict[str, str] = field(default_factory=dict)
+    modules: dict[str, str] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         """One JSON line (the plan's only wire form)."""
         body: dict[str, Any] = {
             "job": self.job.__dict__, "hosts": list(self.hosts), "ranks": list(self.ranks),
             "command": None if self.command is None else list(self.command), "env": self.env,
-            "cwd": self.cwd, "python": self.python, "teardown_grace_s": self.teardown_grace_s,
+            "cwd": self.cwd, "python": self.python, "teardown_grace_s": self.teardown_grace_s, "over": self.over,
+            "modules": self.modules,
         }
         return json.dumps(body).encode() + b"\n"
 
@@ -76,7 +88,8 @@ class AgentPlan:
             job = JobContract(**{k: raw["job"][k] for k in JobContract.__dataclass_fields__ if k in raw["job"]})
             plan = cls(job=job, hosts=tuple(raw["hosts"]), ranks=tuple(raw["ranks"]),
                        command=None if raw["command"] is None else tuple(raw["command"]), env=dict(raw["env"]),
-                       cwd=raw["cwd"], python=raw["python"], teardown_grace_s=float(raw["teardown_grace_s"]))
+                       cwd=raw["cwd"], python=raw["python"], teardown_grace_s=float(raw["teardown_grace_s"]),
+                       over=dict(raw.get("over", {})), modules=dict(raw.get("modules", {})))
         except (ValueError, KeyError, TypeError) as e:
             raise InvalidArgumentError(f"the agent's plan on stdin is malformed: {type(e).__name__}: {e}") from e
         _check_types(plan)
@@ -84,7 +97,8 @@ class AgentPlan:
 
 
 def _check_types(plan: AgentPlan) -> None:
-    strings = [*plan.hosts, *(plan.command or ()), *plan.env, *plan.env.values(), plan.cwd, plan.python]
+    strings = [*plan.hosts, *(plan.command or ()), *plan.env, *plan.env.values(), *plan.over, *plan.over.values(),
+               *plan.modules, *plan.modules.values(), plan.cwd, plan.python]
     if not all(isinstance(s, str) for s in strings) or not all(isinstance(r, int) for r in plan.ranks):
         raise InvalidArgumentError("the agent's plan has a non-string name or a non-integer rank")
     if any(not 0 <= r < len(plan.hosts) for r in plan.ranks):
@@ -98,6 +112,28 @@ class Agent:
         self.plan = plan
         self._supervisors: list[RankSupervisor] = []
         self._lock = threading.Lock()
+        self.modules_dir: str | None = None
+        self._command = plan.command
+        self._pythonpath: dict[str, str] = {}
+        if plan.modules:
+            self._install_modules()
+
+    def _install_modules(self) -> None:
+        files = {rel: base64.b64decode(data) for rel, data in self.plan.modules.items()}
+        self.modules_dir = tempfile.mkdtemp(prefix="phalanx-modules-")
+        write_modules(files, self.modules_dir)
+        inherited = self.plan.env.get(env_names.PYTHONPATH, os.environ.get(env_names.PYTHONPATH, ""))
+        self._pythonpath = {env_names.PYTHONPATH: os.pathsep.join(p for p in (self.modules_dir, inherited) if p)}
+        script = script_of(self.plan.command or ())
+        if self.plan.command and script and not os.path.isfile(os.path.join(self.plan.cwd, script)):
+            shipped = os.path.join(self.modules_dir, os.path.basename(script))
+            if os.path.isfile(shipped):
+                self._command = tuple(shipped if arg == script else arg for arg in self.plan.command)
+
+    def remove_modules(self) -> None:
+        """Remove the shipped modules' directory (the ranks have ended)."""
+        if self.modules_dir is not None:
+            shutil.rmtree(self.modules_dir, ignore_errors=True)
 
     def run(self) -> int:
         """Supervise every rank in a thread of its own; return 0 once all ended (their exits went to the
@@ -118,7 +154,7 @@ class Agent:
 
     def _env(self, rank: int) -> dict[str, str]:
         who = assign_ranks(self.plan.hosts)[rank]
-        own = {env_names.PHALANX_PARENT_PID: str(os.getpid())}
+        own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), **self._pythonpath, **self.plan.over}
         return compose_env(os.environ, self.plan.env, {**worker_env(self.plan.job, who), **own}, os.cpu_count())
 
     def _rank(self, rank: int) -> None:
@@ -132,7 +168,7 @@ class Agent:
         with self._lock:
             self._supervisors.append(supervisor)
         try:
-            argv = worker_argv(self.plan.command, self.plan.python)
+            argv = worker_argv(self._command, self.plan.python)
             returncode = supervisor.run(argv, self._env(rank), None, self.plan.cwd)
         except (PhalanxError, OSError) as e:
             supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
@@ -142,13 +178,17 @@ class Agent:
 
 
 def _watch_stdin(agent: Agent) -> None:
-    # The driver never writes after the plan: EOF (or an error) means it is gone or wants the job stopped.
+    # The driver never writes after the plan: EOF (or an error) means it is gone or wants these ranks stopped.
+    # The ranks' threads then report their ends (a driver still listening counts them) and the agent ends;
+    # if that takes longer than the teardown, it ends anyway.
     try:
         while sys.stdin.buffer.read(4096):
             pass
     except OSError:
         pass
     agent.stop()
+    time.sleep(agent.plan.teardown_grace_s + DRAIN_WAIT_S)
+    agent.remove_modules()
     os._exit(0)
 
 
@@ -159,10 +199,22 @@ def main() -> int:
     except InvalidArgumentError as e:
         sys.stderr.write(f"phalanx agent: {e}\n")
         return 2
-    agent = Agent(plan)
+    try:
+        agent = Agent(plan)
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"phalanx agent: cannot write the shipped modules: {e}\n")
+        return 2
     threading.Thread(target=_watch_stdin, args=(agent,), name="phalanx-stdin", daemon=True).start()
-    return agent.run()
+    try:
+        return agent.run()
+    finally:
+        agent.remove_modules()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    CODE = main()
+    # The stdin watcher (a daemon thread) may hold stdin's lock in a blocking read: a normal interpreter
+    # shutdown would then abort with "could not acquire lock for <stdin>"; the ranks have ended, so leave now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(CODE)

@@ -11,10 +11,12 @@ from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy
 from phalanx.job.payload import serialize_call
+from phalanx.job.shipping import shipped_payload
 from phalanx.launch import warm
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.discovery import check_script
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
+from phalanx.launch.elastic_hosts import ElasticHostsLauncher
 from phalanx.launch.hosts import HostSlots, only_this_machine, parse_hostfile, parse_hosts, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
@@ -146,7 +148,8 @@ def run(
         np: number of ranks (> 0).
         hosts: ``"h1:2,h2:2"``: run on these hosts, each host's slots filled in turn (horovodrun's
             placement). Hosts other than this machine are reached with the system ``ssh`` client
-            (BatchMode) and need the same interpreter path and phalanx; see docs/hosts.md.
+            (BatchMode) and need the same interpreter path and phalanx; the modules beside the driver's
+            script are shipped to them, as ``phalanx.spark`` does; see docs/hosts.md.
         env: extra environment variables for every rank.
         start_timeout: seconds every rank has to start (default: ``HOROVOD_START_TIMEOUT`` or 30).
         output_filename: also keep each rank's output in ``DIR/rank.N/{stdout,stderr}``.
@@ -158,8 +161,10 @@ def run(
         max_np: elastic job: the most workers (default ``np``).
         reset_limit: elastic job: the most re-formations before the job fails (default: no limit).
         host_discovery_script: elastic job: an executable printing ``host:slots`` lines, polled every
-            second; when this machine's slots grow, workers are added up to ``max_np`` and running ranks
-            get ``HostsUpdatedInterrupt`` at their next ``commit()``. Only this host's names count.
+            second; when the slots grow, workers are added up to ``max_np`` and running ranks get
+            ``HostsUpdatedInterrupt`` at their next ``commit()``. Without ``hosts`` only this machine's
+            names count; with ``hosts`` every listed host does, and a host that leaves the list has its
+            workers stopped (the world re-forms on the others).
         ssh_port: with ``hosts`` naming other machines: the ssh port (default: ssh's own).
         ssh_identity_file: with ``hosts`` naming other machines: the ssh private key.
         network_interfaces: with ``hosts`` naming other machines: the NIC (a name, a comma-separated
@@ -177,9 +182,11 @@ def run(
     """
     np = validate_np(np)
     remote = resolve_hosts(hosts, np)
+    # Across hosts the driver-local modules travel with the call, as on Spark (phalanx.job.shipping).
+    pack = serialize_call if remote is None else shipped_payload
     spec = LocalJobSpec(
         np=np,
-        payload=serialize_call(fn, tuple(args), dict(kwargs or {})),
+        payload=pack(fn, tuple(args), dict(kwargs or {})),
         env=validate_env(env),
         start_timeout_s=resolve_start_timeout(start_timeout),
         start_timeout_hint=start_timeout_hint("start_timeout="),
@@ -191,10 +198,8 @@ def run(
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
     elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env, host_discovery_script)
     if remote is not None:
-        if elastic is not None:
-            raise InvalidArgumentError("an elastic job runs on this machine only; drop hosts= or min_np/max_np")
-        return HostsLauncher(spec, hosts_spec(remote, ssh_port, ssh_identity_file, network_interfaces,
-                                              spec.start_timeout_s)).run()
+        where = hosts_spec(remote, ssh_port, ssh_identity_file, network_interfaces, spec.start_timeout_s)
+        return (ElasticHostsLauncher(spec, elastic, where) if elastic else HostsLauncher(spec, where)).run()
     return (ElasticLocalLauncher(spec, elastic) if elastic else LocalLauncher(spec)).run()
 
 

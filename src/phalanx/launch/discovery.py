@@ -2,9 +2,10 @@
 
 The script prints one ``host:slots`` line per available host. The driver runs it every
 ``DISCOVERY_INTERVAL_S`` seconds; when the slots change it tells the monitor, which grows the world up to
-``max_np`` (a new round; running ranks get ``HostsUpdatedInterrupt`` at their next ``commit()``). Local
-jobs run on this machine only, so only this host's names count (``localhost``, ``127.0.0.1``, its
-hostname); a line naming another host is ignored, with a warning.
+``max_np`` (a new round; running ranks get ``HostsUpdatedInterrupt`` at their next ``commit()``). A local
+job runs on this machine only, so only this host's names count there (:func:`local_slots`: ``localhost``,
+``127.0.0.1``, its hostname; a line naming another host is ignored, with a warning); a job across hosts
+(``-H``) takes every listed host.
 """
 
 from __future__ import annotations
@@ -62,23 +63,33 @@ def check_script(script: object) -> str:
     return os.path.abspath(script)
 
 
+def local_slots(hosts: dict[str, int], warned: set[str]) -> int:
+    """This machine's slots among the discovered ``hosts``; other hosts are ignored, each with one warning
+    (``warned`` holds the hosts warned about already)."""
+    names = local_names()
+    for host in sorted(set(hosts) - names - warned):
+        log.warning("host discovery listed %r: local elastic jobs run on this machine only "
+                    "(localhost, 127.0.0.1, %s); its slots are ignored", host, socket.gethostname())
+        warned.add(host)
+    return sum(slots for host, slots in hosts.items() if host in names)
+
+
 class HostDiscovery:
-    """Runs the script in a background thread and reports the local slot count when it changes.
+    """Runs the script in a background thread and reports the hosts and their slots when they change.
 
     Args:
         script: the executable that prints ``host:slots`` lines.
-        on_change: called (in the discovery thread) with the new number of local slots.
+        on_change: called (in the discovery thread) with the new ``host -> slots``.
         interval_s: seconds between runs.
     """
 
-    def __init__(self, script: str, on_change: Callable[[int], None],
+    def __init__(self, script: str, on_change: Callable[[dict[str, int]], None],
                  interval_s: float = DISCOVERY_INTERVAL_S) -> None:
         self.script = script
         self.on_change = on_change
         self.interval_s = interval_s
         self._stop = threading.Event()
-        self._slots: int | None = None
-        self._warned: set[str] = set()
+        self._hosts: dict[str, int] | None = None
         self._thread = threading.Thread(target=self._loop, name="phalanx-discovery", daemon=True)
 
     def start(self) -> None:
@@ -91,8 +102,8 @@ class HostDiscovery:
         if self._thread.is_alive():
             self._thread.join(DISCOVERY_TIMEOUT_S + 1.0)
 
-    def poll(self) -> int | None:
-        """Run the script once; return this machine's slots, or None when the run failed."""
+    def poll(self) -> dict[str, int] | None:
+        """Run the script once; return ``host -> slots``, or None when the run failed."""
         try:
             done = subprocess.run([self.script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_S,
                                   check=False)
@@ -104,24 +115,15 @@ class HostDiscovery:
                         done.stderr.strip()[:200])
             return None
         try:
-            hosts = parse_hosts(done.stdout)
+            return parse_hosts(done.stdout)
         except ValueError as e:
             log.warning("%s", e)
             return None
-        return self._local_slots(hosts)
-
-    def _local_slots(self, hosts: dict[str, int]) -> int:
-        names = local_names()
-        for host in sorted(set(hosts) - names - self._warned):
-            log.warning("host discovery listed %r: local elastic jobs run on this machine only "
-                        "(localhost, 127.0.0.1, %s); its slots are ignored", host, socket.gethostname())
-            self._warned.add(host)
-        return sum(slots for host, slots in hosts.items() if host in names)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            slots = self.poll()
-            if slots is not None and slots != self._slots:
-                self._slots = slots
-                self.on_change(slots)
+            hosts = self.poll()
+            if hosts is not None and hosts != self._hosts:
+                self._hosts = hosts
+                self.on_change(hosts)
             self._stop.wait(self.interval_s)

@@ -24,7 +24,7 @@ from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor
 from phalanx.launch import warm
-from phalanx.launch.discovery import HostDiscovery
+from phalanx.launch.discovery import HostDiscovery, local_slots
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.rendezvous import RendezvousStore
 
@@ -71,6 +71,8 @@ class ElasticLocalLauncher(LocalLauncher):
         self._target = min(spec.np, elastic.policy.max_np)
         self._first = self._target  # worker ids below this are the first world's
         self._discovery: HostDiscovery | None = None
+        self._warned: set[str] = set()
+        self._next_id = 0
 
     def run(self) -> list[Any]:
         """Run the job (see :meth:`LocalLauncher.run`), polling the host discovery script if there is one."""
@@ -85,8 +87,11 @@ class ElasticLocalLauncher(LocalLauncher):
         most = self.elastic.policy.max_np if self.elastic.discovery_script else self._first
         return worker_id_budget(most, self.elastic.policy.reset_limit)
 
-    def _on_slots(self, slots: int) -> None:
+    def _on_hosts(self, hosts: dict[str, int]) -> None:
         # In the discovery thread: replacements fill up to the discovered slots from now on; the monitor grows.
+        self._on_slots(local_slots(hosts, self._warned))
+
+    def _on_slots(self, slots: int) -> None:
         self._target = max(1, min(slots, self.elastic.policy.max_np))
         assert self._channel is not None
         self._channel.events.put(HostsUpdated(slots))
@@ -107,25 +112,32 @@ class ElasticLocalLauncher(LocalLauncher):
         self._publish(list(range(self._target)))
         log.debug("started elastic job: %d workers", self._target)
         if self.elastic.discovery_script:
-            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_slots)
+            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts)
             self._discovery.start()
 
     def _spawn_worker(self, template: warm.Template | None) -> int:
-        assert self._job is not None and self._channel is not None
-        wid = len(self._procs)
+        assert self._job is not None
+        wid = self._next_id
         if wid >= self._channel_size():
             raise PhalanxError(f"elastic job used all {self._channel_size()} worker ids; raise reset_limit")
+        self._next_id += 1
+        own = {env_names.PHALANX_ELASTIC_WORKER_ID: str(wid),
+               env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{self.elastic.timeout_s:g}",
+               env_names.LOCAL_WORLD_SIZE: str(self._target)}  # OpenMP threads: cores / live workers
+        self._launch(wid, own, template)
+        return wid
+
+    def _launch(self, wid: int, own: dict[str, str], template: warm.Template | None) -> None:
+        """Start worker ``wid`` here with the elastic variables ``own`` laid over its contract."""
+        assert self._job is not None and self._channel is not None
         size = self._channel_size()
         who = RankIdentity(rank=wid, size=size, local_rank=wid, local_size=size, cross_rank=0, cross_size=1,
                            host_rank=0, host_count=1, hostname=socket.gethostname())
-        own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), env_names.PHALANX_ELASTIC_WORKER_ID: str(wid),
-               env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{self.elastic.timeout_s:g}",
-               env_names.LOCAL_WORLD_SIZE: str(self._target)}  # OpenMP threads: cores / live workers
+        own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), **own}
         env = compose_env(os.environ, self.spec.env, {**worker_env(self._job, who), **own}, os.cpu_count())
         proc = self._spawn(env, template)
         self._procs.append(proc)
         self._watch(wid, proc, self._channel)
-        return wid
 
     def _publish(self, world: list[int]) -> None:
         assert self._store is not None

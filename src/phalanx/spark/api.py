@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
+from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
@@ -14,7 +15,6 @@ from phalanx.spark.connect import ConnectLauncher
 from phalanx.spark.connect_session import conf, is_connect
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
 from phalanx.spark.session import every_slot, spark_target, wait_for_slots
-from phalanx.spark.shipping import spark_payload
 
 if TYPE_CHECKING:
     pass
@@ -155,7 +155,7 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     _check_compat_args(compat)
     timeout = resolve_start_timeout(start_timeout)
     user_env = validate_env(env)
-    payload = spark_payload(fn, tuple(args), dict(kwargs or {}))
+    payload = shipped_payload(fn, tuple(args), dict(kwargs or {}))
     if verbose >= 2:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
     sc = spark_target()

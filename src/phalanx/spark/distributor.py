@@ -16,6 +16,7 @@ from typing import Any
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
+from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
@@ -23,7 +24,6 @@ from phalanx.spark.api import check_gpu_conf
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_target
-from phalanx.spark.shipping import spark_payload
 
 _START_HINT = start_timeout_hint(None)
 
@@ -116,7 +116,7 @@ class TorchDistributor:
             raise InvalidArgumentError(f"train_object must be a function or a script path; got {train_object!r}")
         if self.local_mode:
             return self._local(train_object, args, kwargs)
-        payload = spark_payload(train_object, args, kwargs)
+        payload = shipped_payload(train_object, args, kwargs)
         return self._spark(payload=payload, command=None, preload=preload_for(train_object)).values[0]
 
     def _run_script(self, command: tuple[str, ...]) -> str:

@@ -8,12 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
+from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout
 from phalanx.launch.warm import preload_for
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import every_slot, spark_target
-from phalanx.spark.shipping import spark_payload
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class HorovodRunner:
 
             log.info("HorovodRunner(np=%d): %d processes on the driver, no Spark job", np, -np)
             return run_local(main, kwargs=kwargs, np=-np, **local_elastic_kwargs(self.elastic))[0]
-        payload = spark_payload(main, (), kwargs)
+        payload = shipped_payload(main, (), kwargs)
         sc = spark_target()
         if np == 0:
             np = every_slot(sc, resolve_start_timeout(None), "the HOROVOD_START_TIMEOUT variable")

@@ -9,7 +9,7 @@ import pytest
 
 from phalanx.cli.main import parse_config
 from phalanx.errors import InvalidArgumentError
-from phalanx.launch.discovery import HostDiscovery, check_script, parse_hosts
+from phalanx.launch.discovery import HostDiscovery, check_script, local_slots, parse_hosts
 
 
 def test_parse_hosts_reads_host_slots_lines() -> None:
@@ -28,9 +28,12 @@ def _script(tmp_path: Path, body: str, mode: int = 0o755) -> Path:
 
 def test_only_this_machines_names_count(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     script = _script(tmp_path, f'echo localhost:1; echo 127.0.0.1:2; echo {socket.gethostname()}:1; echo far:8')
-    assert HostDiscovery(str(script), lambda slots: None).poll() == 4
+    hosts = HostDiscovery(str(script), lambda hosts: None).poll()
+    assert hosts is not None and hosts["far"] == 8
+    warned: set[str] = set()
+    assert local_slots(hosts, warned) == 4 and warned == {"far"}
     assert "'far'" in caplog.text and "this machine only" in caplog.text
-    assert HostDiscovery(str(_script(tmp_path, "exit 3")), lambda slots: None).poll() is None
+    assert HostDiscovery(str(_script(tmp_path, "exit 3")), lambda hosts: None).poll() is None
 
 
 def test_the_script_is_checked_before_anything_starts(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def test_hosts_spec_checks_the_ssh_options(tmp_path: Path) -> None:
 
 
 def test_forwarded_environment() -> None:
-    from phalanx.launch.remote import forwarded_env
+    from phalanx.launch.agents import forwarded_env
 
     env = {"HOROVOD_FUSION_THRESHOLD": "1", "NCCL_DEBUG": "INFO", "PHALANX_SHM": "0", "PYTHONPATH": "/x",
            "HOME": "/root", "SECRET_TOKEN": "s"}

@@ -81,7 +81,7 @@ def _driver_modules() -> tuple[dict[str, bytes], tuple[str, ...]]:
     """The driver-local modules and the driver's ``sys.path``, as a ``phalanx.spark`` job ships them: the
     model's classes may live next to the driver's script (or in a test or notebook directory)."""
     from phalanx.job.payload import driver_sys_path
-    from phalanx.spark.shipping import collect_modules, driver_root
+    from phalanx.job.shipping import collect_modules, driver_root
 
     return collect_modules(driver_root()), tuple(driver_sys_path())
 

@@ -1,23 +1,27 @@
-"""Ship the modules that sit next to the driver's script (or notebook) to the executors.
+"""Ship the modules that sit next to the driver's script (or notebook) to the machines that run the ranks.
 
 HorovodRunner documents that a function importing a module from the driver's directory fails when
 ``np > 1``: the executors do not have the file. phalanx sends the source of those modules with the
-payload; on the worker they are written to a private directory put first on ``sys.path`` *before* the
-user's call is unpickled, so both ``import helper`` inside the function and references to ``helper``'s
-functions in its globals work.
+payload (``phalanx.spark``, and ``phalanx.run`` across hosts); on the worker they are written to a private
+directory put first on ``sys.path`` *before* the user's call is unpickled, so both ``import helper`` inside
+the function and references to ``helper``'s functions in its globals work. A hosts job running a script
+ships the script's directory the same way (:func:`script_of`, :func:`write_modules`: the host agent writes
+them and puts the directory on the ranks' ``PYTHONPATH``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.job.payload import driver_sys_path, load_call, serialize_call
 
 log = logging.getLogger(__name__)
@@ -55,10 +59,10 @@ def _under(path: Path, root: Path) -> bool:
     return True
 
 
-def _candidates(root: Path) -> set[Path]:
+def _candidates(root: Path, imported: bool) -> set[Path]:
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     found = {p.resolve() for p in root.glob("*.py")}
-    for module in list(sys.modules.values()):
+    for module in list(sys.modules.values()) if imported else []:
         file = getattr(module, "__file__", None)
         if file and file.endswith(".py") and _under(Path(file).resolve(), root):
             found.add(Path(file).resolve())
@@ -67,15 +71,15 @@ def _candidates(root: Path) -> set[Path]:
     return {p for p in found if "site-packages" not in p.parts and p.is_file()}
 
 
-def collect_modules(root: Path | None) -> dict[str, bytes]:
+def collect_modules(root: Path | None, imported: bool = True) -> dict[str, bytes]:
     """The driver-local module files to ship: ``relative path -> source bytes``.
 
-    Every ``*.py`` directly in ``root`` and every imported module under it (packages included), except
-    the driver script itself. Over :data:`MAX_FILES` / :data:`MAX_BYTES` nothing is shipped.
+    Every ``*.py`` directly in ``root`` and, with ``imported``, every imported module under it (packages
+    included), except the driver script itself. Over :data:`MAX_FILES` / :data:`MAX_BYTES` nothing is shipped.
     """
     if root is None:
         return {}
-    files = sorted(_candidates(root))
+    files = sorted(_candidates(root, imported))
     total = sum(p.stat().st_size for p in files)
     if len(files) > MAX_FILES or total > MAX_BYTES:
         log.warning("phalanx: not shipping the %d module files (%d bytes) under %s to the executors: over "
@@ -83,6 +87,31 @@ def collect_modules(root: Path | None) -> dict[str, bytes]:
                     len(files), total, root, MAX_FILES, MAX_BYTES)
         return {}
     return {str(p.relative_to(root)): p.read_bytes() for p in files}
+
+
+def script_of(command: Sequence[str]) -> str | None:
+    """The Python script a command runs (``python x.py ...`` or ``x.py ...``), or None."""
+    if not command:
+        return None
+    exe = command[0]
+    is_python = os.path.basename(exe).startswith("python")
+    script = command[1] if is_python and len(command) > 1 else (exe if exe.endswith(".py") else None)
+    return script if script and not script.startswith("-") and script.endswith(".py") else None
+
+
+def write_modules(files: dict[str, bytes], directory: str) -> None:
+    """Write shipped modules (relative path -> source) under ``directory``.
+
+    Raises:
+        InvalidArgumentError: a path that is absolute or leaves ``directory``.
+    """
+    root = Path(directory).resolve()
+    for rel, data in files.items():
+        target = (root / rel).resolve()
+        if Path(rel).is_absolute() or not _under(target, root) or target == root:
+            raise InvalidArgumentError(f"shipped module path {rel!r} leaves the modules' directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
 
 
 def run_with_modules(files: dict[str, bytes], inner: bytes) -> Any:
@@ -97,10 +126,7 @@ def run_with_modules(files: dict[str, bytes], inner: bytes) -> Any:
     """
     directory = tempfile.mkdtemp(prefix="phalanx-modules-")
     try:
-        for rel, data in files.items():
-            target = Path(directory, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        write_modules(files, directory)
         sys.path.insert(0, directory)
         call = load_call(inner)
         return call.fn(*call.args, **call.kwargs)
@@ -108,11 +134,11 @@ def run_with_modules(files: dict[str, bytes], inner: bytes) -> Any:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def spark_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """Serialize a call for Spark workers, shipping the driver-local modules with it.
+def shipped_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """Serialize a call for workers on other machines, shipping the driver-local modules with it.
 
-    The driver's ``sys.path`` travels too (entries on the executors' machines that exist are useful),
-    minus the driver's own directory: its modules travel by value instead, so a remote executor and
+    The driver's ``sys.path`` travels too (entries on the workers' machines that exist are useful),
+    minus the driver's own directory: its modules travel by value instead, so a remote worker and
     a local one behave the same.
 
     Raises:

@@ -1,0 +1,186 @@
+"""The driver's side of the host agents: start one (over ssh, or as a child here), read it, judge its end.
+
+Shared by the hosts launcher (one agent per host) and the elastic hosts launcher (one agent per worker, so
+a worker can be added or retired on its own). Each agent runs its ranks with
+:class:`~phalanx.launch.supervisor.RankSupervisor`; their exits arrive as the supervisors' EVENT frames
+(:class:`~phalanx.launch.supervisor.ExitReports`). An agent that ends before its ranks reported (ssh
+refused or dropped, the interpreter missing) is reported here, with its host and its last lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from phalanx.env import names as env_names
+from phalanx.job.channel import Custom, DriverChannel
+from phalanx.job.records import ErrorRecord
+from phalanx.job.shipping import collect_modules, script_of
+from phalanx.launch.agent import AgentPlan
+from phalanx.launch.core import DRAIN_WAIT_S
+from phalanx.launch.ssh import SshOptions, agent_command, interface_address, route_address, ssh_argv
+from phalanx.launch.supervisor import ExitReports
+
+log = logging.getLogger(__name__)
+
+#: Prefixes of the driver's variables every rank gets (horovodrun forwards these too).
+FORWARDED_PREFIXES = ("HOROVOD_", "NCCL_", "PHALANX_")
+#: Variables forwarded by name.
+FORWARDED_NAMES = (env_names.PYTHONPATH,)
+#: Seconds an agent that ended cleanly may take for its ranks' exit reports to be read.
+REPORT_WAIT_S = 30.0
+#: ssh's exit code when it could not connect or lost the connection.
+SSH_LOST = 255
+_AGENT_TAIL_LINES = 20
+
+
+def forwarded_env(environ: dict[str, str] | os._Environ[str], extra: dict[str, str]) -> dict[str, str]:
+    """The variables every rank gets from the driver: ``HOROVOD_*``, ``NCCL_*``, ``PHALANX_*``,
+    ``PYTHONPATH``, then the user's ``extra`` (which wins)."""
+    env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+    return {**env, **extra}
+
+
+def script_modules(command: tuple[str, ...] | None) -> dict[str, str]:
+    """A script job's shipped modules for the agents of other hosts: every ``*.py`` beside the script (the
+    script included), relative path -> base64 source; empty for a function job or a missing script."""
+    script = script_of(command or ())
+    if script is None or not os.path.isfile(script):
+        return {}
+    files = collect_modules(Path(script).resolve().parent, imported=False)
+    return {rel: base64.b64encode(data).decode("ascii") for rel, data in files.items()}
+
+
+def driver_address(interfaces: tuple[str, ...], remote: list[str]) -> str:
+    """Where the channel and the store listen: the first ``--network-interfaces`` NIC's address, else this
+    machine's address on the route to the first remote host, else loopback."""
+    if interfaces:
+        return interface_address(interfaces[0])
+    return route_address(remote[0]) if remote else "127.0.0.1"
+
+
+class AgentGroup:
+    """The agents of one job.
+
+    Args:
+        python: the agents' (and ranks') interpreter.
+        ssh: how to reach the remote hosts.
+        local: the hosts that are this machine (their agents are children, no ssh).
+        exits: the job's exit reports (the agents' ranks end there).
+        on_lost: called with the host (in a watcher thread, before the missing exits are posted) when an
+            agent's ssh could not connect or lost the connection.
+    """
+
+    def __init__(self, python: str, ssh: SshOptions, local: set[str], exits: ExitReports,
+                 on_lost: Callable[[str], None] | None = None) -> None:
+        self.python = python
+        self.ssh = ssh
+        self.local = local
+        self.exits = exits
+        self.on_lost = on_lost
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.threads: list[threading.Thread] = []
+        self._tails: dict[int, deque[str]] = {}
+        self._quiet: set[int] = set()
+        self._channel: DriverChannel | None = None
+        self._stopping = threading.Event()
+
+    def attach(self, channel: DriverChannel) -> None:
+        """The job's channel (aborted on stop; agents' failures are posted on its queue)."""
+        self._channel = channel
+        self.exits.attach(channel)
+
+    def argv(self, host: str) -> list[str]:
+        """The agent's command line for ``host``."""
+        if host in self.local:
+            return [self.python, "-m", "phalanx.launch.agent"]
+        return ssh_argv(host, self.ssh, agent_command(self.python, os.getcwd()))
+
+    def start(self, host: str, plan: AgentPlan) -> subprocess.Popen[bytes]:
+        """Start an agent on ``host`` and write ``plan`` (with the secret) to its stdin; watch it."""
+        assert self._channel is not None
+        proc = subprocess.Popen(self.argv(host), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+        assert proc.stdin is not None
+        self.procs.append(proc)
+        self._tails[proc.pid] = deque(maxlen=_AGENT_TAIL_LINES)
+        try:
+            proc.stdin.write(plan.encode())
+            proc.stdin.flush()
+        except OSError:
+            pass  # the agent is gone already: its watcher reports why
+        reader = threading.Thread(target=self._read, args=(host, proc), daemon=True)
+        waiter = threading.Thread(target=self._await, args=(host, proc, plan.ranks, reader), daemon=True)
+        reader.start()
+        waiter.start()
+        self.threads.extend((reader, waiter))
+        return proc
+
+    def retire(self, proc: subprocess.Popen[bytes]) -> None:
+        """Stop one agent's ranks (its stdin ends); their ends are reported as usual, without an error."""
+        self._quiet.add(proc.pid)
+        _close_stdin(proc)
+
+    def on_custom(self, event: Custom, ranks: int) -> None:
+        """Route a supervisor's EVENT frame (an exit report) of a rank below ``ranks``."""
+        if event.rank < ranks:
+            self.exits.on_event(event)
+
+    def _read(self, host: str, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self._tails[proc.pid].append(line)
+            log.warning("host %s: %s", host, line)
+
+    def _await(self, host: str, proc: subprocess.Popen[bytes], ranks: tuple[int, ...],
+               reader: threading.Thread) -> None:
+        returncode = proc.wait()
+        reader.join(DRAIN_WAIT_S)
+        quiet = proc.pid in self._quiet or self._stopping.is_set()
+        if returncode == SSH_LOST and host not in self.local and not quiet and self.on_lost is not None:
+            self.on_lost(host)
+        deadline = time.monotonic() + (REPORT_WAIT_S if returncode == 0 else DRAIN_WAIT_S)
+        while time.monotonic() < deadline and not self.exits.reported(ranks) and not self._stopping.is_set():
+            time.sleep(0.05)
+        missing = [r for r in ranks if not self.exits.reported([r])]
+        if missing and not quiet and not self._stopping.is_set():
+            assert self._channel is not None
+            tail = "\n".join(self._tails[proc.pid]) or "(no output)"
+            how = "ssh could not connect or lost the connection" if returncode == SSH_LOST else "it ended"
+            self._channel.events.put(ErrorRecord(
+                rank=missing[0], exc_type="phalanx.errors.PhalanxError",
+                message=f"the agent on host {host} ended (exit code {returncode}; {how}) before rank(s) "
+                        f"{missing} reported their end:\n{tail}", traceback=""))
+        for rank in missing:
+            self.exits.post(rank, returncode or 1)
+
+    def stop(self, grace_s: float) -> None:
+        """Stop every agent's ranks: ABORT on the channel, every stdin closed; wait for the agents up to
+        ``grace_s`` plus the drain wait (the launcher's teardown kills what is left)."""
+        self._stopping.set()
+        if self._channel is not None:
+            self._channel.abort_all()
+        for proc in list(self.procs):
+            _close_stdin(proc)
+        deadline = time.monotonic() + grace_s + DRAIN_WAIT_S
+        for proc in list(self.procs):
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None and not proc.stdin.closed:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
