@@ -10,6 +10,11 @@ Run: ``.venv/bin/python bench/hosts.py [--rounds 3] [--calls 10]``.
 * allreduce fp32 64 MB across the 4 ranks in one phalanxrun job: ``hvd.allreduce_`` (hierarchical: shared
   memory inside a host, host leaders over gloo) vs ``dist.all_reduce`` on the flat gloo default group,
   interleaved call by call; medians. Target: >= 1.5x.
+* its floor on this machine (``--floor``): in the same job, the two halves of the hierarchical path timed
+  alone — the in-host step (``hvd.allreduce_`` on each host's pair, both hosts at once: shared memory) and
+  the cross-host step (``hvd.allreduce_`` on ranks {0, 2}, one per host, the others idle: gloo). Their sum is
+  what a hierarchical allreduce that runs the steps one after the other costs at best when the two "hosts"
+  share the machine's cores, so flat gloo / that sum is the best ratio reachable here.
 """
 
 from __future__ import annotations
@@ -69,6 +74,38 @@ def rank_allreduce(calls: int) -> None:
     hvd.shutdown()
 
 
+def rank_floor(calls: int) -> None:
+    """A rank of ``--floor``: flat gloo, hierarchical, and the hierarchical path's two steps alone."""
+    import torch
+    import torch.distributed as dist
+
+    import phalanx.torch as hvd
+
+    pairs, cross = [hvd.ProcessSet([0, 1]), hvd.ProcessSet([2, 3])], hvd.ProcessSet([0, 2])
+    hvd.init(process_sets=[*pairs, cross])
+    mine = pairs[hvd.rank() // 2]
+    t = torch.ones(ELEMENTS_64MB)
+    kinds = ("flat", "hier", "local", "cross")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for i in range(calls + 1):
+        for kind in kinds[i % 4:] + kinds[:i % 4]:
+            dist.barrier()
+            begin = time.perf_counter()
+            if kind == "flat":
+                dist.all_reduce(t)
+            elif kind == "hier":
+                hvd.allreduce_(t, op=hvd.Sum)
+            elif kind == "local":
+                hvd.allreduce_(t, op=hvd.Sum, process_set=mine)
+            elif hvd.rank() in (0, 2):
+                hvd.allreduce_(t, op=hvd.Sum, process_set=cross)
+            times[kind].append(time.perf_counter() - begin)
+            t.fill_(1.0)
+    if hvd.rank() == 0:
+        print("TIMES " + json.dumps({k: v[1:] for k, v in times.items()}), flush=True)
+    hvd.shutdown()
+
+
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _CONTRACT and not k.startswith(("SLURM_", "TORCHELASTIC"))}
 
@@ -107,9 +144,9 @@ def _torchrun_launch(cluster: Cluster, round_no: int) -> float:
     return _firsts(out)
 
 
-def _allreduce(cluster: Cluster, calls: int) -> dict[str, list[float]]:
+def _allreduce(cluster: Cluster, calls: int, kind: str = "allreduce") -> dict[str, list[float]]:
     argv = [sys.executable, "-m", "phalanx.cli.main", "-np", "4", "-H", "hosta:2,hostb:2", "-i", str(cluster.key),
-            sys.executable, __file__, "--rank", "allreduce", str(calls)]
+            sys.executable, __file__, "--rank", kind, str(calls)]
     done = cluster.run_on("hosta", argv, timeout=600, env=_env())
     if done.returncode != 0:
         raise RuntimeError(f"phalanxrun failed: {done.stderr[-2000:]}")
@@ -118,16 +155,28 @@ def _allreduce(cluster: Cluster, calls: int) -> dict[str, list[float]]:
     return times
 
 
+def _floor(cluster: Cluster, calls: int) -> None:
+    med = {k: statistics.median(v) for k, v in _allreduce(cluster, calls, "floor").items()}
+    floor = med["local"] + med["cross"]
+    print(f"allreduce 64 MB, 4 ranks on 2 hosts sharing 2 cores: flat gloo {med['flat'] * 1e3:.1f} ms, hierarchical "
+          f"{med['hier'] * 1e3:.1f} ms ({med['flat'] / med['hier']:.2f}x); its steps alone: in-host (shm, both hosts "
+          f"at once) {med['local'] * 1e3:.1f} ms + cross-host (gloo, 1 rank per host) {med['cross'] * 1e3:.1f} ms = "
+          f"floor {floor * 1e3:.1f} ms -> at best {med['flat'] / floor:.2f}x of flat gloo here")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--floor", action="store_true", help="only the 64 MB allreduce and its floor on this machine")
     p.add_argument("--rank", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank is not None:
         kind, value = args.rank
         if kind == "first":
             rank_first(float(value))
+        elif kind == "floor":
+            rank_floor(int(value))
         else:
             rank_allreduce(int(value))
         return 0
@@ -136,6 +185,9 @@ def main() -> int:
         print(f"bench/hosts.py: skipped: {why}")
         return 0
     with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
+        if args.floor:
+            _floor(cluster, args.calls)
+            return 0
         ph: list[float] = []
         tr: list[float] = []
         for r in range(args.rounds):
