@@ -92,3 +92,11 @@ def test_no_module_outside_env_parses_a_phalanx_or_horovod_variable() -> None:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found += [f"{path.relative_to(SRC)}:{n.lineno}" for n in ast.walk(tree) if _reads_environ(n)]
     assert not found, f"read through phalanx.env.settings instead: {found}"
+
+
+def test_the_contract_rank_variables_follow_the_same_rule() -> None:
+    env = {names.HOROVOD_RANK: " ", names.RANK: "3"}
+    assert settings.first_int(env, names.HOROVOD_RANK, names.RANK, default=0) == 3
+    assert settings.first_int({}, names.HOROVOD_RANK, names.RANK, default=7) == 7
+    with pytest.raises(SettingError, match="RANK='x' is not an integer"):
+        settings.first_int({names.RANK: "x"}, names.RANK, default=0)

@@ -140,6 +140,24 @@ class Setting(Generic[T]):
             raise SettingError(f"{self.name}={raw!r} {e}; fix or unset it") from e
 
 
+def first_int(environ: Mapping[str, str], *variables: str, default: int) -> int:
+    """The first of ``variables`` that has a value, as an integer (the worker contract's rank variables, read
+    under several launchers' names: ``RANK`` or ``HOROVOD_RANK``...), else ``default``. Same truth rule:
+    empty or blank is unset.
+
+    Raises:
+        SettingError: that variable is not an integer.
+    """
+    for name in variables:
+        raw = environ.get(name, "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError as e:
+                raise SettingError(f"{name}={raw!r} is not an integer; fix the launcher's environment") from e
+    return default
+
+
 def _bool(name: str, default: bool, read_by: str, effect: str) -> Setting[bool]:
     return Setting(name, default, boolean, "bool", "`1`" if default else "`0`", read_by, effect)
 

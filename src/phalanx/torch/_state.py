@@ -20,7 +20,7 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.env.foreign import contract_from_foreign
-from phalanx.errors import InvalidArgumentError, NotInitializedError
+from phalanx.errors import NotInitializedError
 from phalanx.torch import _generations
 from phalanx.transport import api as transport
 
@@ -63,17 +63,6 @@ class _State:
 STATE = _State()
 
 
-def _env_int(env: Mapping[str, str], *names: str, default: int) -> int:
-    for name in names:
-        raw = env.get(name)
-        if raw not in (None, ""):
-            try:
-                return int(raw)
-            except ValueError as e:
-                raise InvalidArgumentError(f"{name}={raw!r} is not an integer; fix the launcher's environment") from e
-    return default
-
-
 def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
     """Derive the local/cross topology of ``rank`` from launcher variables.
 
@@ -85,11 +74,12 @@ def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
     Returns:
         The topology; a single host is assumed when nothing says otherwise.
     """
-    local_size = _env_int(env, env_names.HOROVOD_LOCAL_SIZE, env_names.LOCAL_WORLD_SIZE, default=size)
-    local_rank = _env_int(env, env_names.HOROVOD_LOCAL_RANK, env_names.LOCAL_RANK, default=rank % max(local_size, 1))
-    cross_size = _env_int(env, env_names.HOROVOD_CROSS_SIZE, env_names.GROUP_WORLD_SIZE,
-                          default=max(size // local_size, 1))
-    cross_rank = _env_int(env, env_names.HOROVOD_CROSS_RANK, env_names.GROUP_RANK, default=rank // max(local_size, 1))
+    first_int = settings.first_int
+    local_size = first_int(env, env_names.HOROVOD_LOCAL_SIZE, env_names.LOCAL_WORLD_SIZE, default=size)
+    local_rank = first_int(env, env_names.HOROVOD_LOCAL_RANK, env_names.LOCAL_RANK, default=rank % max(local_size, 1))
+    cross_size = first_int(env, env_names.HOROVOD_CROSS_SIZE, env_names.GROUP_WORLD_SIZE,
+                           default=max(size // local_size, 1))
+    cross_rank = first_int(env, env_names.HOROVOD_CROSS_RANK, env_names.GROUP_RANK, default=rank // max(local_size, 1))
     return Topology(rank, size, local_rank, local_size, cross_rank, cross_size)
 
 
@@ -100,8 +90,8 @@ def _backend() -> str:
 
 
 def _rank_and_size(env: Mapping[str, str]) -> tuple[int, int]:
-    rank = _env_int(env, env_names.RANK, env_names.HOROVOD_RANK, default=0)
-    size = _env_int(env, env_names.WORLD_SIZE, env_names.HOROVOD_SIZE, default=1)
+    rank = settings.first_int(env, env_names.RANK, env_names.HOROVOD_RANK, default=0)
+    size = settings.first_int(env, env_names.WORLD_SIZE, env_names.HOROVOD_SIZE, default=1)
     return rank, size
 
 
