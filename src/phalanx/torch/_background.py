@@ -2,7 +2,9 @@
 
 ``hvd.allreduce_async(t)`` and its kin queue the whole collective (negotiation and payload) as a *job* and
 return a handle at once; one daemon thread runs the jobs in issue order, so the engine still sees the
-collectives in the order this rank issued them, and ``poll`` is False until the job has moved the data.
+collectives in the order this rank issued them, and ``poll`` is False until the job has moved the data. A
+job whose collective waits for peers that have not issued its name yet ends early with the engine's handle
+(``_engine.Parked``), so that this rank's later collectives are not held up behind it.
 
 The synchronous calls (``hvd.allreduce``...) do not hand over to the thread: they run on the caller's thread
 (no thread switch on the fast path). Before any collective reaches the engine from outside a job,
@@ -44,7 +46,11 @@ class _Runner:
         self.busy = 0  # jobs queued or running
         self.next_handle = FIRST_HANDLE
         self.thread: threading.Thread | None = None
+        # Names of the jobs queued, running, or finished since the caller's thread last entered the engine
+        # (``drain``): a name stays taken until the caller could have seen its job end, so a second call
+        # right after the first raises whether or not the thread was quick. ``finished``: those that ended.
         self.inflight: set[str] = set()
+        self.finished: set[str] = set()
 
     def _loop(self) -> None:
         while True:
@@ -57,6 +63,8 @@ class _Runner:
             except BaseException as e:  # handed to synchronize(); the thread goes on with the next job
                 job.error = e
             with self.cond:
+                if job.name:  # from now on the engine holds the name while its collective is pending
+                    self.finished.add(job.name)
                 self.busy -= 1
                 job.done.set()
                 self.cond.notify_all()
@@ -83,15 +91,20 @@ def in_worker() -> bool:
     return threading.current_thread() is RUNNER.thread
 
 
-def start(run: Callable[[], Any], name: str) -> int:
+def start(run: Callable[[], Any], name: str, busy: Callable[[str], bool]) -> int:
     """Queue ``run`` (a whole collective); returns its handle.
 
+    Args:
+        run: the job.
+        name: the collective's name ('' when unnamed).
+        busy: whether the engine holds a collective of that name that has not finished.
+
     Raises:
-        ValueError: another queued or unsynchronized job has the same (non-empty) name.
+        ValueError: a queued or running job, or an unfinished collective, has the same (non-empty) name.
     """
     runner = RUNNER
     with runner.cond:
-        if name and name in runner.inflight:
+        if name and (name in runner.inflight or busy(name)):
             raise InvalidArgumentError(
                 f"a collective named {name!r} is already in flight; synchronize() it first or give the new "
                 "one a different name="
@@ -115,13 +128,20 @@ def is_handle(handle: int) -> bool:
     return handle >= FIRST_HANDLE
 
 
-def poll(handle: int) -> bool:
-    """Whether the job has finished (never blocks).
+def poll(handle: int) -> tuple[bool, Any]:
+    """Whether the job has finished, and then its result (never blocks).
 
     Raises:
         ValueError: the handle is unknown or was already synchronized.
     """
-    return _job(handle).done.is_set()
+    job = _job(handle)
+    done = job.done.is_set()
+    return done, job.result if done else None
+
+
+def idle() -> bool:
+    """Whether no job is queued or running (the caller's thread may then use the engine)."""
+    return not RUNNER.busy
 
 
 def wait(handle: int) -> Any:
@@ -131,6 +151,7 @@ def wait(handle: int) -> Any:
     with RUNNER.cond:
         RUNNER.jobs.pop(handle, None)
         RUNNER.inflight.discard(job.name)
+        RUNNER.finished.discard(job.name)
     if job.error is not None:
         raise job.error
     return job.result
@@ -144,13 +165,19 @@ def _job(handle: int) -> Job:
 
 
 def drain() -> None:
-    """Wait until every queued job has run (a no-op on the background thread and when nothing is queued)."""
+    """Wait until every queued job has run (a no-op on the background thread and when nothing is queued);
+    the names of the jobs that have ended are free again."""
     runner = RUNNER
-    if not runner.busy or in_worker():
+    if not (runner.busy or runner.finished) or in_worker():
         return
-    with runner.cond:
-        while runner.busy:
-            runner.cond.wait()
+    if runner.busy:
+        with runner.cond:
+            while runner.busy:
+                runner.cond.wait()
+    if runner.finished:
+        with runner.cond:
+            runner.inflight -= runner.finished
+            runner.finished.clear()
 
 
 def abandon(reason: str) -> None:
@@ -167,3 +194,4 @@ def abandon(reason: str) -> None:
     with runner.cond:
         runner.jobs.clear()
         runner.inflight.clear()
+        runner.finished.clear()

@@ -35,7 +35,8 @@ F_NAMELEN = 22
 F_NAME = 23  # .. 23 + NAME_WORDS
 
 KINDS = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall", 5: "reducescatter", 6: "barrier", 7: "join",
-         8: "optimizer step"}
+         8: "optimizer step", 9: "wait"}
+WAIT = 9  # the kind code of a rank that only waits for pending named collectives (``_names``)
 DTYPES = [
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
     torch.float64, torch.bfloat16, torch.bool, torch.complex64, torch.complex128,
@@ -52,6 +53,7 @@ _COMPARE: dict[str, tuple[str, ...]] = {
     "barrier": (),
     "join": (),
     "optimizer step": ("optimizer",),  # root: the DistributedOptimizer's layout id (see _join)
+    "wait": (),
 }
 
 

@@ -1,9 +1,10 @@
 """Asynchronous and in-place collectives (Horovod's ``*_async``, ``*_`` names), ``poll`` and ``synchronize``.
 
 Every function returns a handle at once; the collective runs on the background thread (``_background``)
-and ``synchronize(handle)`` returns the result. Collectives run in the order each rank issues them (as in
-``torch.distributed``); ranks that disagree about a collective get a ``CollectiveMismatchError`` (a
-``RuntimeError``) from ``synchronize`` on every rank.
+and ``synchronize(handle)`` returns the result. Collectives match across ranks by name, unnamed ones by
+their order of issue (``_names``, as Horovod); ranks that disagree about a collective get a
+``CollectiveMismatchError`` (a ``RuntimeError``) from ``synchronize`` on every rank. A name is in flight
+from the call until its collective has finished: a second one raises ``ValueError`` at the call.
 
 Inside :func:`runs_inline` (the synchronous API: ``hvd.allreduce``, the autograd Functions, the helpers) the
 same functions hand the collective to the engine on the caller's thread instead: no thread switch.
@@ -61,7 +62,7 @@ def _start(coll: Any, ps: ProcessSet) -> int:
     if _MODE.inline or _background.in_worker():
         return _engine.submit(coll, ps)
     groups_of(ps)  # a rank outside the set fails here, at the call, not in synchronize()
-    return _background.start(lambda: _engine.run(coll, ps), coll.sig.name)
+    return _background.start(lambda: _engine.run_job(coll, ps), coll.sig.name, _engine.busy)
 
 
 def _sig(kind: str, name: str | None, tensor: torch.Tensor | None, ps: ProcessSet, **kw: Any) -> header.Signature:
@@ -102,7 +103,8 @@ def allreduce_async(
     Args:
         tensor: the tensor to reduce (same shape and dtype on every rank of the set).
         average: deprecated; use ``op``. True means Average, False Sum.
-        name: an optional name (shown in errors; two in-flight ops may not share one).
+        name: an optional name: ranks match collectives by it (unnamed ones by their order of issue); two
+            in-flight ops of one rank may not share one.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply the input by this before the reduction.
         postscale_factor: multiply the result by this after the reduction.
@@ -253,7 +255,10 @@ def poll(handle: int) -> bool:
     if subs is not None:
         return all(poll(h) for h in subs)
     if _background.is_handle(handle):
-        return _background.poll(handle)
+        done, result = _background.poll(handle)
+        if not isinstance(result, _engine.Parked):
+            return done
+        return _background.idle() and _engine.poll(result.handle)  # the engine is the thread's while busy
     return _engine.poll(handle)
 
 
@@ -268,7 +273,8 @@ def synchronize(handle: int) -> Any:
     if subs is not None:
         return [synchronize(h) for h in subs]
     if _background.is_handle(handle):
-        return _background.wait(handle)
+        result = _background.wait(handle)
+        return _engine.synchronize(result.handle) if isinstance(result, _engine.Parked) else result
     return _engine.synchronize(handle)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.torch import _buckets, _header, _reduce
+from phalanx.torch import _buckets, _header, _names, _reduce
+from phalanx.torch._collective import Entry
+from phalanx.torch._collectives import Barrier
 
 
 def _sig(**kw: object) -> _header.Signature:
@@ -180,3 +182,55 @@ def test_default_fusion_threshold_splits_only_when_buckets_can_overlap(monkeypat
     monkeypatch.setenv(env_names.HOROVOD_FUSION_THRESHOLD, "lots")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='lots'"):
         fusion_threshold_bytes()
+
+
+def _named_round(table: _names.Table, sigs: list[_header.Signature], me: int = 0) -> tuple[Entry, _names.Outcome]:
+    """One negotiation round as rank ``me`` of a 2-rank set sees it."""
+    coll = _names.Wait(sigs[me], True) if sigs[me].kind == "wait" else Barrier(sigs[me])
+    entry = Entry(coll=coll, groups=None)
+    rows = [torch.full((4,), float(i)) for i in range(len(sigs))]
+    return entry, _names.add_round(table, entry, me, rows, sigs, [0, 1])
+
+
+def _wait(blocked: bool = True) -> _header.Signature:
+    return _names.Wait(_sig(), blocked).sig
+
+
+def test_named_collectives_issued_in_different_orders_run_when_every_rank_has_issued_them() -> None:
+    table = _names.Table(2)
+    a, out = _named_round(table, [_sig(name="a"), _sig(name="b")])
+    assert a.state == "parked" and not out.ready and set(table.pending) == {("name", "a"), ("name", "b")}
+    b, out = _named_round(table, [_sig(name="b"), _sig(name="a")])
+    assert [entry for entry, _, _ in out.ready] == [a, b]  # in the order the names entered the table
+    rows, sigs = out.ready[0][1], out.ready[0][2]
+    assert [float(r[0]) for r in rows] == [0.0, 1.0] and [s.name for s in sigs] == ["a", "a"]
+    assert not table.pending and not table.mine
+
+
+def test_unnamed_collectives_match_by_their_order_of_issue() -> None:
+    table = _names.Table(2)
+    _, out = _named_round(table, [_sig(name="a"), _sig(kind="barrier", name="")])
+    assert set(table.pending) == {("name", "a"), ("unnamed", 0)}
+    barrier, out = _named_round(table, [_sig(kind="barrier", name=""), _wait()])
+    assert [entry for entry, _, _ in out.ready] == [barrier] and set(table.pending) == {("name", "a")}
+
+
+def test_a_round_of_blocked_waits_fails_every_pending_collective_naming_them() -> None:
+    table = _names.Table(2)
+    a, _ = _named_round(table, [_sig(name="a"), _sig(name="b")])
+    _, out = _named_round(table, [_wait(blocked=False), _wait()])  # rank 0 only polls: it may issue more
+    assert not out.failed and not out.error
+    _, out = _named_round(table, [_wait(), _wait()])
+    assert out.failed == [a] and not table.pending and not table.mine
+    assert "name: rank 0=a, rank 1=b" in out.error and "ranks [0, 1]" in out.error
+    assert "allreduce 'b' issued by rank(s) [1], not by [0]" in out.error
+
+
+def test_steps_and_joins_match_by_position_and_errors_show_what_a_waiting_rank_has_pending() -> None:
+    table = _names.Table(2)
+    _named_round(table, [_sig(name="a"), _sig(name="b")])
+    step = _sig(kind="optimizer step", name="", root=0)
+    assert _names.ordered([step, _wait()]) and not _names.ordered([_sig(), _wait()])
+    shown = _names.shown(table, [step, _wait()])
+    assert shown[0] is step and shown[1].name == "b"
+    assert _header.find_mismatch(shown, [0, 1]) == "kind: rank 0=optimizer step, rank 1=allreduce"
