@@ -44,6 +44,9 @@ def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
     assert all(o["shm"].get("allreduce") == 1 for o in out), [o["shm"] for o in out]
     assert {o["python"] for o in out} == {sys.executable}, "executors must run the driver's interpreter"
     assert {o["USER_VAR"] for o in out} == {"v"}
+    # run() does not ask for GPUs, but Spark still assigns each task one: the contract passes it on only
+    # with use_gpu=True.
+    assert {o["CUDA_VISIBLE_DEVICES"] for o in out} == {None}
     by_host: dict[str, list[dict[str, Any]]] = {}
     for o in out:
         by_host.setdefault(o["HOROVOD_HOSTNAME"], []).append(o)
@@ -60,21 +63,12 @@ def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
 
 @pytest.mark.timeout(180)
 def test_use_gpu_gives_each_rank_its_tasks_gpu() -> None:
-    def visible() -> tuple[str | None, str | None]:
-        return os.environ.get("HOROVOD_HOSTNAME"), os.environ.get("CUDA_VISIBLE_DEVICES")
-
-    dist = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True)
-    rank0 = dist.run(visible)
-    assert rank0[1] == "0,1"  # both GPUs of its host, in local-rank order
-    out = run(lambda: (os.environ.get("HOROVOD_HOSTNAME"), os.environ.get("CUDA_VISIBLE_DEVICES")), num_proc=4)
-    # run() does not ask for GPUs, but Spark still assigns each task one: the contract passes it on
-    # only with use_gpu=True.
-    assert all(gpu is None for _, gpu in out)
-    gpus = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True).run(_all_gpus)
+    visible, gpus = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True).run(_all_gpus)
+    assert visible == "0,1"  # rank 0 sees both GPUs of its host, in local-rank order
     assert sorted(gpus) == [("127.0.0.1", "0"), ("127.0.0.1", "1"), ("127.0.0.2", "0"), ("127.0.0.2", "1")]
 
 
-def _all_gpus() -> list[tuple[str, str]]:
+def _all_gpus() -> tuple[str, list[tuple[str, str]]]:
     import torch
     import torch.distributed as dist
 
@@ -85,7 +79,7 @@ def _all_gpus() -> list[tuple[str, str]]:
     dist.all_gather_object(gathered, mine)
     dist.destroy_process_group()
     del torch
-    return [tuple(g.split("|")) for g in gathered]  # type: ignore[misc]
+    return os.environ["CUDA_VISIBLE_DEVICES"], [tuple(g.split("|")) for g in gathered]  # type: ignore[misc]
 
 
 def _fail_on_rank_3(pid_dir: str) -> None:

@@ -82,6 +82,7 @@ class DriverChannel:
         self._peers: dict[tuple[int, Role], FrameWriter] = {}
         self._closed = {r: threading.Event() for r in range(world_size)}
         self._closed_at: dict[tuple[int, Role], float] = {}
+        self._hosts: dict[int, str] = {}
         self._stopping = False
         self._server = AuthServer(self.secret, bind_host, self._admits, self._serve, name="phalanx-channel",
                                   backlog=max(128, 2 * world_size), handshake_timeout_s=AUTH_TIMEOUT_S)
@@ -154,6 +155,11 @@ class DriverChannel:
         with self._lock:
             return self._closed_at.get((rank, role))
 
+    def host_of(self, rank: int) -> str | None:
+        """The host a rank's worker said it runs on (its hello), or None before that."""
+        with self._lock:
+            return self._hosts.get(rank)
+
     def _unregister(self, who: tuple[int, Role]) -> None:
         with self._lock:
             self._peers.pop(who, None)
@@ -173,6 +179,9 @@ class DriverChannel:
                 event = Result(rank=rank, value=Spooled.receive(conn, length))
             else:
                 event = _decode(rank, kind, read_body(conn, length))
+            if isinstance(event, Hello):
+                with self._lock:
+                    self._hosts[rank] = event.host
             if event is not None:
                 self.events.put(event)
 

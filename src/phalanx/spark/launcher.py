@@ -254,13 +254,14 @@ class SparkLauncher:
             return
         lines = str(error).strip().splitlines()
         message = "\n".join(lines[:_SPARK_ERROR_LINES]) + ("\n..." if len(lines) > _SPARK_ERROR_LINES else "")
-        self.spark_error = SparkJobError(
-            f"Spark failed the barrier stage of job {self.run_id} before rank(s) {missing} finished (a task "
-            f"or its executor died, or Spark refused the stage): {message}"
-        )
         channel = self._channel
         assert channel is not None
         lost = sorted(missing, key=lambda r: channel.closed_at(r, Role.SUPERVISOR) or float("inf"))
+        where = ", ".join(f"rank {r} on host {channel.host_of(r) or '(not known: it never started)'}" for r in lost)
+        self.spark_error = SparkJobError(
+            f"Spark failed the barrier stage of job {self.run_id} before rank(s) {missing} finished (a task "
+            f"or its executor died, or Spark refused the stage; first to go: {where}): {message}"
+        )
         channel.events.put(ErrorRecord.from_exception(lost[0], self.spark_error))
         for rank in lost:
             self._exits.post(rank, 1, ended_at=channel.closed_at(rank, Role.SUPERVISOR))
