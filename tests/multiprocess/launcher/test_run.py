@@ -28,7 +28,9 @@ def _contract_and_allreduce() -> dict[str, Any]:
     dist.destroy_process_group()
     keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "HOROVOD_RANK", "HOROVOD_SIZE",
             "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "TORCHELASTIC_RUN_ID", "USER_VAR"]
-    return {"sum": t.item(), "pid": os.getpid(), **{k: os.environ.get(k) for k in keys}}
+    # rank 1's result is over the spool size: the driver gets it through a file (job/spool.py)
+    big = bytes(range(256)) * (12 << 10) if os.environ["RANK"] == "1" else b""
+    return {"sum": t.item(), "pid": os.getpid(), "big": big, **{k: os.environ.get(k) for k in keys}}
 
 
 @pytest.mark.timeout(120)
@@ -36,6 +38,7 @@ def test_results_in_rank_order_with_the_full_contract() -> None:
     out = phalanx.run(_contract_and_allreduce, np=3, env={"USER_VAR": "x"})
     assert [o["RANK"] for o in out] == ["0", "1", "2"]
     assert {o["sum"] for o in out} == {6.0}
+    assert [o["big"] for o in out] == [b"", bytes(range(256)) * (12 << 10), b""]
     assert len({o["pid"] for o in out} | {os.getpid()}) == 4
     for r, o in enumerate(out):
         assert o["LOCAL_RANK"] == o["HOROVOD_RANK"] == o["HOROVOD_LOCAL_RANK"] == str(r)
