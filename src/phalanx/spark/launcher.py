@@ -244,8 +244,9 @@ class SparkLauncher:
 
         The ranks that had not reported are failed with a :class:`SparkJobError` carrying Spark's own
         words (the lost executor, its host and exit code), even when phalanx was already stopping the job
-        because a survivor noticed the loss first; each one failed when its supervisor's connection
-        closed (its task died), so the lost rank, not the survivor, is the root cause.
+        because a survivor noticed the loss first; each one failed when its first connection closed (its
+        process or its task died; a lost executor's task may outlive its rank's process by seconds), so
+        the lost rank, not the survivor, is the root cause.
         """
         if self._stopping.is_set() and "cancel" in str(error).lower():
             return
@@ -256,7 +257,7 @@ class SparkLauncher:
         message = "\n".join(lines[:_SPARK_ERROR_LINES]) + ("\n..." if len(lines) > _SPARK_ERROR_LINES else "")
         channel = self._channel
         assert channel is not None
-        lost = sorted(missing, key=lambda r: channel.closed_at(r, Role.SUPERVISOR) or float("inf"))
+        lost = sorted(missing, key=lambda r: _gone_at(channel, r) or float("inf"))
         where = ", ".join(f"rank {r} on host {channel.host_of(r) or '(not known: it never started)'}" for r in lost)
         self.spark_error = SparkJobError(
             f"Spark failed the barrier stage of job {self.run_id} before rank(s) {missing} finished (a task "
@@ -264,7 +265,7 @@ class SparkLauncher:
         )
         channel.events.put(ErrorRecord.from_exception(lost[0], self.spark_error))
         for rank in lost:
-            self._exits.post(rank, 1, ended_at=channel.closed_at(rank, Role.SUPERVISOR))
+            self._exits.post(rank, 1, ended_at=_gone_at(channel, rank))
 
     def _on_custom(self, event: Custom) -> None:
         try:
@@ -307,3 +308,9 @@ class SparkLauncher:
         if thread.is_alive():
             log.warning("phalanx: the barrier stage of job %s did not end within %.0f s of its cancellation",
                         self.run_id, STAGE_END_WAIT_S)
+
+
+def _gone_at(channel: DriverChannel, rank: int) -> float | None:
+    """When the first of a rank's connections, its process's or its task's, closed (None: both open)."""
+    times = [t for role in (Role.WORKER, Role.SUPERVISOR) if (t := channel.closed_at(rank, role)) is not None]
+    return min(times, default=None)
