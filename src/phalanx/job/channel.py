@@ -83,6 +83,7 @@ class DriverChannel:
         self._closed = {r: threading.Event() for r in range(world_size)}
         self._closed_at: dict[tuple[int, Role], float] = {}
         self._hosts: dict[int, str] = {}
+        self._conns: dict[tuple[int, Role], socket.socket] = {}
         self._stopping = False
         self._server = AuthServer(self.secret, bind_host, self._admits, self._serve, name="phalanx-channel",
                                   backlog=max(128, 2 * world_size), handshake_timeout_s=AUTH_TIMEOUT_S)
@@ -148,6 +149,8 @@ class DriverChannel:
             if who in self._peers or self._stopping:
                 return False
             self._peers[who] = FrameWriter(conn)
+            self._conns[who] = conn
+            self._closed_at.pop(who, None)
             return True
 
     def closed_at(self, rank: int, role: Role) -> float | None:
@@ -163,10 +166,32 @@ class DriverChannel:
     def _unregister(self, who: tuple[int, Role]) -> None:
         with self._lock:
             self._peers.pop(who, None)
-            self._closed_at[who] = time.monotonic()
+            self._conns.pop(who, None)
+            self._closed_at.setdefault(who, time.monotonic())  # _note_closed may have seen it end first
         self.events.put(Closed(rank=who[0], role=who[1]))
         if who[1] is Role.WORKER:
             self._closed[who[0]].set()
+
+    def _note_closed(self) -> None:
+        """Stamp every connection its peer has already closed (its end waits unread) with now.
+
+        Called before an error is queued: a rank whose process died before a survivor's error arrived is
+        then known to have died first, however late the scheduler wakes the thread that reads its end
+        (a survivor's error about a lost peer used to win that race on a loaded driver).
+        """
+        now = time.monotonic()
+        with self._lock:
+            conns = list(self._conns.items())
+        for who, conn in conns:
+            try:
+                ended = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                continue
+            except OSError:  # reset by the peer, or closed here meanwhile
+                ended = True
+            if ended:
+                with self._lock:
+                    self._closed_at.setdefault(who, now)
 
     def _pump(self, conn: socket.socket, rank: int) -> None:
         while True:
@@ -182,6 +207,8 @@ class DriverChannel:
             if isinstance(event, Hello):
                 with self._lock:
                     self._hosts[rank] = event.host
+            elif isinstance(event, ErrorRecord):
+                self._note_closed()
             if event is not None:
                 self.events.put(event)
 

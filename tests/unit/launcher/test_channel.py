@@ -264,3 +264,31 @@ def test_a_large_result_is_spooled_as_it_arrives_and_loaded_once(channel: Driver
     assert receiving < SPOOL_BYTES + (1 << 20), receiving  # one piece at a time, never the whole body
     assert loading < len(value) + (1 << 20), loading
     assert result.value.file.closed
+
+
+def test_a_peer_that_ended_before_an_error_arrived_is_stamped_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's process ends, then rank 1's error arrives; the thread that reads rank 0's end has not run
+    yet (held here, as a loaded scheduler may hold it). Rank 0 still ended before the error was queued."""
+    hold = threading.Event()
+    pump = DriverChannel._pump
+
+    def held_pump(self: DriverChannel, conn: socket.socket, rank: int) -> None:
+        if rank == 0:
+            hold.wait(10)
+        pump(self, conn, rank)
+
+    monkeypatch.setattr(DriverChannel, "_pump", held_pump)
+    ch = DriverChannel(world_size=2, payload=b"p")
+    try:
+        lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
+        survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
+        lost.close()
+        time.sleep(0.2)  # its end reaches the driver's socket
+        survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
+                                              traceback="").encode())
+        assert isinstance(ch.events.get(timeout=5), ErrorRecord)
+        assert ch.closed_at(0, Role.WORKER) is not None  # stamped before the error was queued
+        survivor.close()
+    finally:
+        hold.set()
+        ch.close()
