@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
+from _source_tree import parsed
 
 from phalanx.env import names, settings
 from phalanx.errors import InvalidArgumentError, SettingError
 from phalanx.transport import _setup
 from phalanx.worker import dist_backend
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "phalanx"
 ONE_HOST = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}
 
 
@@ -86,11 +85,10 @@ def _reads_environ(node: ast.AST) -> bool:
 
 def test_no_module_outside_env_parses_a_phalanx_or_horovod_variable() -> None:
     found = []
-    for path in SRC.rglob("*.py"):
+    for path, tree in parsed():
         if path.parent.name == "env":
             continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        found += [f"{path.relative_to(SRC)}:{n.lineno}" for n in ast.walk(tree) if _reads_environ(n)]
+        found += [f"{path.name}:{n.lineno}" for n in ast.walk(tree) if _reads_environ(n)]
     assert not found, f"read through phalanx.env.settings instead: {found}"
 
 

@@ -7,14 +7,14 @@ import ast
 import pickle
 from pathlib import Path
 
+from _source_tree import SRC, parsed
+
 from phalanx import errors
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 BARE = frozenset({"ValueError", "RuntimeError", "TypeError"})
 
 
-def _bare_raises(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+def _bare_raises(path: Path, tree: ast.Module) -> list[str]:
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Raise) or node.exc is None:
@@ -26,7 +26,7 @@ def _bare_raises(path: Path) -> list[str]:
 
 
 def test_no_bare_builtin_raise_in_the_package() -> None:
-    found = [hit for path in sorted(SRC.rglob("*.py")) for hit in _bare_raises(path)]
+    found = [hit for path, tree in parsed() for hit in _bare_raises(path, tree)]
     assert not found, f"raise a typed error from phalanx/errors.py instead: {found}"
 
 
