@@ -70,7 +70,10 @@ def _early_job() -> list[str]:
             before = dict(_early.STATS)
             got = _train(factory, avg, me, lag, True)
             steps, done = _early.STATS["steps"] - before["steps"], _early.STATS["bytes"] - before["bytes"]
-            if me == 0 and (steps != 3 or not (done == 3 * total if lag == "after" else 0 < done < 3 * total)):
+            # The lag makes rank 0 reduce early in every step on a quiet host; a loaded one may deschedule
+            # rank 0 for longer than the lag, so a step may go the plain way: at least one must go early.
+            if me == 0 and not (1 <= steps <= 3 and (done == steps * total if lag == "after"
+                                                     else 0 < done < steps * total)):
                 fail.append(f"{factory.__name__} lag {lag}: rank 0 reduced {done} bytes early in {steps} steps")
             if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
                 fail.append(f"{factory.__name__} lag {lag}: max diff {float((got - want).abs().max())}")
