@@ -20,7 +20,7 @@ from typing import Any
 from pyspark.ml import Estimator
 
 from phalanx.env import names as env_names
-from phalanx.errors import InvalidArgumentError
+from phalanx.errors import InvalidArgumentError, PayloadError
 from phalanx.spark.api import launch_spark, run_spec
 from phalanx.spark.estimator.job import TrainSpec
 from phalanx.spark.estimator.params import PARAMS, EstimatorParams
@@ -61,6 +61,20 @@ def check_common(values: dict[str, Any]) -> None:
         raise InvalidArgumentError(f"store={store!r}: give a phalanx Store (LocalStore(path) or Store.create(url))")
     if values.get("run_id") is not None:
         check_run_id(values["run_id"])
+
+
+def pickled(obj: Any, what: str) -> bytes:
+    """``obj`` by cloudpickle, to carry it to the ranks.
+
+    Raises:
+        PayloadError: ``obj`` cannot be pickled (``what`` names it in the message).
+    """
+    import cloudpickle
+
+    try:
+        return bytes(cloudpickle.dumps(obj))
+    except Exception as e:
+        raise PayloadError(f"{what} cannot be pickled: {type(e).__name__}: {e}") from e
 
 
 def default_store(sc: Any) -> Store:

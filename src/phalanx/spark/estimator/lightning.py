@@ -9,18 +9,13 @@ number of ranks, as Horovod's strategy does).
 
 from __future__ import annotations
 
-import copy
-import io
 from typing import Any
 
-import cloudpickle
-
-from phalanx.errors import InvalidArgumentError, PayloadError
-from phalanx.spark.estimator.base import PhalanxEstimator
+from phalanx.errors import InvalidArgumentError
+from phalanx.spark.estimator.base import PhalanxEstimator, pickled
 from phalanx.spark.estimator.job import TrainSpec
 from phalanx.spark.estimator.params import add_params
-from phalanx.spark.estimator.schema import VECTOR
-from phalanx.spark.estimator.torch import TorchModel, _output_sizes
+from phalanx.spark.estimator.torch import TorchModel, trained_model
 
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
@@ -54,10 +49,7 @@ class TorchEstimator(PhalanxEstimator):
 
     def model_blob(self, values: dict[str, Any]) -> bytes:
         """The module, pickled."""
-        try:
-            return bytes(cloudpickle.dumps(values["model"]))
-        except Exception as e:
-            raise PayloadError(f"the LightningModule cannot be pickled: {type(e).__name__}: {e}") from e
+        return pickled(values["model"], "the LightningModule")
 
     def remote(self) -> Any:
         """``lightning_remote.train``."""
@@ -67,18 +59,7 @@ class TorchEstimator(PhalanxEstimator):
 
     def make_model(self, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
         """A :class:`TorchModel` holding a copy of the module with the trained weights."""
-        import torch
-
-        module = copy.deepcopy(self.getOrDefault("model"))
-        module.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
-        module.eval()
-        features = list(spec.data.features)
-        shapes = spec.params.get("input_shapes")
-        sizes = _output_sizes(module, features, shapes)
-        vectors = [label.kind == VECTOR for label in spec.data.labels] + [False] * len(sizes)
-        return TorchModel(history=result["history"], model=module, feature_columns=[c.name for c in features],
-                          label_columns=[c.name for c in spec.data.labels], run_id=spec.run_id, input_shapes=shapes,
-                          feature_specs=features, output_sizes=sizes, vector_outputs=vectors[:len(sizes)])
+        return trained_model(self.getOrDefault("model"), result, spec)
 
 
 add_params(TorchEstimator, LIGHTNING_PARAMS)

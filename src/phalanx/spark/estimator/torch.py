@@ -8,8 +8,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from phalanx.errors import InvalidArgumentError, PayloadError
-from phalanx.spark.estimator.base import PhalanxEstimator
+from phalanx.errors import InvalidArgumentError
+from phalanx.spark.estimator.base import PhalanxEstimator, pickled
 from phalanx.spark.estimator.job import TrainSpec
 from phalanx.spark.estimator.model import PhalanxModel
 from phalanx.spark.estimator.params import add_params
@@ -67,10 +67,7 @@ class TorchEstimator(PhalanxEstimator):
 
     def model_blob(self, values: dict[str, Any]) -> bytes:
         """The model and its optimizer, pickled together (the optimizer keeps pointing at the model)."""
-        try:
-            return bytes(cloudpickle.dumps((values["model"], values["optimizer"])))
-        except Exception as e:
-            raise PayloadError(f"the model or optimizer cannot be pickled: {type(e).__name__}: {e}") from e
+        return pickled((values["model"], values["optimizer"]), "the model or optimizer")
 
     def remote(self) -> Any:
         """``torch_remote.train``."""
@@ -80,25 +77,29 @@ class TorchEstimator(PhalanxEstimator):
 
     def make_model(self, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
         """A :class:`TorchModel` holding a copy of ``model`` with the trained weights."""
-        import copy
-
-        import torch
-
-        model = copy.deepcopy(self.getOrDefault("model"))
-        model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
-        model.eval()
-        feature_specs = list(spec.data.features)
-        shapes = spec.params.get("input_shapes")
-        sizes = _output_sizes(model, feature_specs, shapes)
-        vectors = [label.kind == VECTOR for label in spec.data.labels]
-        labels = [c.name for c in spec.data.labels]
-        return TorchModel(history=result["history"], model=model, feature_columns=[c.name for c in feature_specs],
-                          label_columns=labels, run_id=spec.run_id, input_shapes=shapes,
-                          feature_specs=feature_specs, output_sizes=sizes, vector_outputs=vectors[:len(sizes)]
-                          + [False] * (len(sizes) - len(vectors)))
+        return trained_model(self.getOrDefault("model"), result, spec)
 
 
 add_params(TorchEstimator, TORCH_PARAMS)
+
+
+def trained_model(module: Any, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
+    """A :class:`TorchModel` holding a copy of ``module`` (a ``torch.nn.Module``, a ``LightningModule`` too)
+    with rank 0's trained weights from ``result``, in eval mode."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(module)
+    model.load_state_dict(torch.load(io.BytesIO(result["state"]), weights_only=True))
+    model.eval()
+    features = list(spec.data.features)
+    shapes = spec.params.get("input_shapes")
+    sizes = _output_sizes(model, features, shapes)
+    vectors = [label.kind == VECTOR for label in spec.data.labels] + [False] * len(sizes)
+    return TorchModel(history=result["history"], model=model, feature_columns=[c.name for c in features],
+                      label_columns=[c.name for c in spec.data.labels], run_id=spec.run_id, input_shapes=shapes,
+                      feature_specs=features, output_sizes=sizes, vector_outputs=vectors[:len(sizes)])
 
 
 def _output_sizes(model: Any, specs: list[ColumnSpec], shapes: Any) -> list[int]:

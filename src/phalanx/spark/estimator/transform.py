@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from phalanx.spark.estimator.schema import SCALAR, VECTOR, ColumnSpec
+from phalanx.spark.estimator.reader import to_numpy
+from phalanx.spark.estimator.schema import VECTOR, ColumnSpec
 
 Predictor = Callable[[list[np.ndarray]], list[np.ndarray]]
 
@@ -44,12 +45,7 @@ def column_to_numpy(column: Any, spec: ColumnSpec) -> np.ndarray:
     """A feature column of an Arrow batch as NumPy ``(rows,)`` or ``(rows, size)``."""
     if spec.kind == VECTOR:
         return vectors_to_numpy(column, spec.size)
-    if hasattr(column, "combine_chunks"):
-        column = column.combine_chunks()
-    if spec.kind == SCALAR:
-        return np.asarray(column.to_numpy(zero_copy_only=False), dtype=spec.dtype)
-    flat = column.flatten().to_numpy(zero_copy_only=False)
-    return np.asarray(flat, dtype=spec.dtype).reshape(len(column), spec.size)
+    return to_numpy(column, spec)
 
 
 def output_type(size: int, vector: bool) -> Any:
