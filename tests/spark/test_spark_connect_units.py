@@ -74,7 +74,6 @@ def test_errors_travel_pickled_with_their_root_cause() -> None:
     ({"spark_master": "local[2]"}, 2),
     ({"spark_master": "local"}, 1),
     ({"spark_master": "local[4, 3]", "spark_task_cpus": "2"}, 2),
-    ({"spark_master": "local[*]"}, None),
     ({"spark_master": "local-cluster[2, 3, 1024]"}, 6),
     ({"spark_master": "spark://m:7077", "spark_executor_instances": "3", "spark_executor_cores": "4"}, 12),
     ({"spark_master": "yarn", "spark_executor_instances": "3", "spark_executor_cores": "4",
@@ -85,12 +84,39 @@ def test_task_slots_come_from_the_sessions_settings(values: dict[str, str], slot
     assert connect_session.task_slots(_session(**values)) == slots
 
 
-def test_slot_shortage_and_unknown_slots_are_clear_errors() -> None:
+def test_local_star_counts_the_server_hosts_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connect_session, "server_cores", lambda session: 8)  # a query on a real server
+    assert connect_session.task_slots(_session(spark_master="local[*]", spark_task_cpus="2")) == 4
+    assert connect_session.task_slots(_session(spark_master="local[*, 3]")) == 8
+
+
+def test_slot_shortage_dynamic_allocation_and_unknown_slots_are_clear_errors() -> None:
     with pytest.raises(SlotsUnavailableError, match=r"3 ranks were asked for .* only 2 task\(s\)"):
         connect_session.check_slots(_session(spark_master="local[2]"), 3)
-    connect_session.check_slots(_session(spark_master="k8s://x"), 64)  # unknown: Spark's own barrier check decides
+    connect_session.check_slots(_session(spark_master="k8s://x"), 64)  # unknown: the client's start watch decides
     with pytest.raises(InvalidArgumentError, match="pass the number of ranks"):
-        connect_session.every_slot(_session(spark_master="local[*]"))
+        connect_session.every_slot(_session(spark_master="k8s://x"))
+    dynamic = _session(spark_master="yarn", spark_dynamicAllocation_enabled="true")
+    with pytest.raises(SlotsUnavailableError, match=r"spark\.dynamicAllocation\.enabled=false"):
+        connect_session.check_slots(dynamic, 1)
+    connect_session.check_slots(_session(spark_master="local[2]", spark_dynamicAllocation_enabled="true"), 2)
+
+
+def test_stage_watch_counts_only_its_querys_thread_and_a_spark_4_server() -> None:
+    spark4 = SimpleNamespace(version="4.3.0", conf=_Conf({}))
+    watch = connect_session.StageWatch(spark4)
+    assert watch.armed
+    stage = [SimpleNamespace(num_tasks=2)]
+    watch(stages=stage, inflight_tasks=2, operation_id="other", done=False)  # another thread's query
+    assert not watch.started.is_set()
+    watch.thread_id = threading.get_ident()
+    watch(stages=[], inflight_tasks=0, operation_id="ours", done=True)  # the end of a query with no stage
+    assert not watch.started.is_set()
+    watch(stages=stage, inflight_tasks=2, operation_id="ours", done=False)
+    assert watch.started.is_set()
+    off = SimpleNamespace(version="4.3.0", conf=_Conf({connect_session.PROGRESS_INTERVAL_KEY: "-1"}))
+    assert not connect_session.StageWatch(off).armed
+    assert not connect_session.StageWatch(SimpleNamespace(version="3.5.1", conf=_Conf({}))).armed
 
 
 def test_client_host_is_the_override_or_the_route_to_the_server() -> None:

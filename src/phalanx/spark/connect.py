@@ -16,19 +16,20 @@ import pickle
 import queue
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import cloudpickle
 
-from phalanx.errors import PayloadError, SparkJobError
+from phalanx.errors import PayloadError, SlotsUnavailableError, SparkJobError
 from phalanx.job.channel import Closed, Custom, DriverChannel
 from phalanx.job.logs import FileSink, LogSink
 from phalanx.job.records import LogLine, Stream
 from phalanx.launch.core import DRAIN_WAIT_S, new_run_id
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.spark import connect_wire
-from phalanx.spark.connect_session import check_slots, client_host
+from phalanx.spark.connect_session import StageWatch, check_slots, client_host
 from phalanx.spark.connect_task import ConnectTaskSpec, connect_task
 from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
 
@@ -87,6 +88,7 @@ class ConnectLauncher:
         self._collected: connect_wire.Collected | None = None
         self._failure: BaseException | None = None
         self._live = False
+        self._link_closed = False
         self._secret = ""
 
     def run(self) -> list[Any]:
@@ -107,12 +109,14 @@ class ConnectLauncher:
             log.info("phalanx: Spark Connect session: job %s runs its rendezvous in rank 0's task; its logs stream "
                      "live if the executors reach this client at %s within %g s, else they return with the "
                      "result", self.run_id, link.address, LINK_PROBE_S)
-            thread = threading.Thread(target=self._collect, args=(query, tag), name="phalanx-connect", daemon=True)
-            thread.start()
-            self._pump(link, sinks, thread, tag)
+            with StageWatch(self.session) as watch:
+                thread = threading.Thread(target=self._collect, args=(query, tag, watch), name="phalanx-connect",
+                                          daemon=True)
+                thread.start()
+                self._pump(link, sinks, thread, tag, watch)
             outcome = self._outcome()
             if not outcome.link:  # streamed to the end: the task closed the link before returning; read it out
-                while self._read_link(link, sinks, DRAIN_WAIT_S):
+                while not self._link_closed and self._read_link(link, sinks, DRAIN_WAIT_S):
                     pass
             return self._finish(outcome, sinks)
         finally:
@@ -134,7 +138,8 @@ class ConnectLauncher:
         np = self.spec.np
         return self.session.range(0, np, 1, np).mapInArrow(connect_task(spec), connect_wire.SCHEMA, barrier=True)
 
-    def _collect(self, query: Any, tag: str) -> None:
+    def _collect(self, query: Any, tag: str, watch: StageWatch) -> None:
+        watch.thread_id = threading.get_ident()
         self.session.addTag(tag)  # tags are the thread's: this query only
         try:
             self._collected = connect_wire.assemble(query.collect())
@@ -143,11 +148,20 @@ class ConnectLauncher:
         finally:
             self.session.removeTag(tag)
 
-    def _pump(self, link: DriverChannel, sinks: _Sinks, thread: threading.Thread, tag: str) -> None:
-        """Write live log records until the query ended and the link (if any) is read out."""
+    def _pump(self, link: DriverChannel, sinks: _Sinks, thread: threading.Thread, tag: str, watch: StageWatch) -> None:
+        """Write live log records until the query ended and the link (if any) is read out; give up on a stage
+        that has not started within the start timeout (too few free slots: Spark retries its check for minutes).
+
+        Raises:
+            SlotsUnavailableError: the stage did not start in time (the query is interrupted).
+        """
+        deadline = time.monotonic() + self.spec.start_timeout_s
         try:
             while thread.is_alive():
                 self._read_link(link, sinks, 0.1)
+                waiting = watch.armed and not watch.started.is_set() and not self._live
+                if waiting and time.monotonic() > deadline and thread.is_alive():
+                    raise self._not_started()
         except BaseException:
             self.session.interruptTag(tag)  # Ctrl-C: Spark kills the tasks, their workers die with them
             thread.join(DRAIN_WAIT_S)
@@ -159,7 +173,8 @@ class ConnectLauncher:
             event = link.events.get(timeout=timeout)
         except queue.Empty:
             return False
-        if isinstance(event, Closed):
+        if isinstance(event, Closed):  # the link's records all came before it
+            self._link_closed = True
             return False
         if isinstance(event, Custom):
             if not self._live:
@@ -169,6 +184,15 @@ class ConnectLauncher:
                 sinks.write(tuple(record))
             sinks.flush()
         return True
+
+    def _not_started(self) -> SlotsUnavailableError:
+        np, timeout = self.spec.np, self.spec.start_timeout_s
+        return SlotsUnavailableError(
+            f"the barrier stage of job {self.run_id} ({np} tasks) did not start within {timeout:g} s: Spark starts "
+            f"it only when all {np} tasks get a task slot at once, and it keeps retrying that check "
+            "(spark.scheduler.barrier.maxConcurrentTasksCheck.*), so the cluster has fewer free task slots than "
+            f"np={np}. Lower np/num_processes/num_proc, give the cluster more executors or cores, or raise "
+            f"{self.spec.start_timeout_hint}")
 
     def _outcome(self) -> connect_wire.Outcome:
         """Rank 0's outcome, checked; or the error of Spark failing the query."""

@@ -4,21 +4,27 @@ the address its executors would reach this client at.
 A Connect client has no SparkContext: no ``maxNumConcurrentTasks``, no executor list, no driver-side
 ``pythonExec``. The task slots are counted from the server's settings instead (``spark.master``,
 ``spark.executor.instances``, ``spark.executor.cores``, ``spark.task.cpus``), which is exact for
-``local[N]`` and ``local-cluster`` masters and for a static cluster once its executors joined; when the
-settings do not say (``local[*]``, dynamic allocation), the stage is submitted and Spark's own barrier
-check applies (docs/spark.md, "Spark Connect").
+``local[N]`` and ``local-cluster`` masters and for a static cluster once its executors joined. For
+``local[*]`` a one-task query asks the server's host for its cores (a local master's executors are the
+server's own JVM). Spark refuses barrier stages under dynamic allocation, so that is an error before any
+query. When the settings do not say (a cluster without ``spark.executor.instances``), the stage is
+submitted and the client's start watch (:class:`StageWatch`) turns a stage that never starts into a
+``SlotsUnavailableError`` after ``start_timeout`` (docs/spark.md, "Spark Connect").
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 
-_LOCAL = re.compile(r"local(?:\[(\d+)(?:,\s*\d+)?\])?$")
+_LOCAL = re.compile(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?$")
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]$")
 
 
@@ -59,8 +65,9 @@ def task_slots(session: Any) -> int | None:
     master = conf(session, "spark.master") or ""
     per_task = int(float(conf(session, "spark.task.cpus") or 1))
     local, cluster = _LOCAL.match(master), _LOCAL_CLUSTER.match(master)
+    cores: int | None
     if local is not None:
-        cores = 1 if master == "local" else int(local.group(1)) if local.group(1) else None
+        cores = 1 if master == "local" else server_cores(session) if local.group(1) == "*" else int(local.group(1))
     elif cluster is not None:
         cores = int(cluster.group(1)) * int(cluster.group(2))
     else:
@@ -68,8 +75,40 @@ def task_slots(session: Any) -> int | None:
     return None if cores is None else cores // max(per_task, 1)
 
 
+def _host_cores(batches: Iterator[Any]) -> Iterator[Any]:
+    import pyarrow as pa
+
+    for _ in batches:
+        pass
+    # The CPUs this process may run on: what the JVM's availableProcessors counts for local[*] (its cgroup
+    # CPU quota aside).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    yield pa.RecordBatch.from_pydict({"cores": [cores]})
+
+
+_server_cores: dict[str, int] = {}
+_server_cores_lock = threading.Lock()
+
+
+def server_cores(session: Any) -> int:
+    """The cores of the Connect server's host (one small query per session; for ``local[*]``, whose
+    executors are the server's JVM)."""
+    key = str(getattr(session, "session_id", id(session)))
+    with _server_cores_lock:
+        if key not in _server_cores:
+            rows = session.range(0, 1, 1, 1).mapInArrow(_host_cores, "cores long").collect()
+            _server_cores[key] = int(rows[0]["cores"])
+        return _server_cores[key]
+
+
+def _dynamic_allocation(session: Any) -> bool:
+    master = conf(session, "spark.master") or ""
+    on = (conf(session, "spark.dynamicAllocation.enabled") or "false").lower() == "true"
+    return on and not master.startswith("local")
+
+
 def _static_cluster_cores(session: Any) -> int | None:
-    if (conf(session, "spark.dynamicAllocation.enabled") or "false").lower() == "true":
+    if _dynamic_allocation(session):
         return None
     instances, cores = conf(session, "spark.executor.instances"), conf(session, "spark.executor.cores")
     if instances is None or cores is None:
@@ -81,8 +120,15 @@ def check_slots(session: Any, np: int) -> None:
     """Refuse a job the session's cluster cannot run at once, when its settings say so.
 
     Raises:
-        SlotsUnavailableError: fewer slots than ``np`` (the message has the values and what to change).
+        SlotsUnavailableError: fewer slots than ``np``, or dynamic allocation (Spark refuses barrier
+            stages under it); the message has the values and what to change.
     """
+    if _dynamic_allocation(session):
+        raise SlotsUnavailableError(
+            f"the Spark Connect session's cluster ({conf(session, 'spark.master')}) runs with "
+            "spark.dynamicAllocation.enabled=true, and Spark refuses barrier stages under dynamic allocation "
+            "(BarrierJobRunWithDynamicAllocationException): start the Connect server with "
+            "spark.dynamicAllocation.enabled=false and a fixed spark.executor.instances")
     slots = task_slots(session)
     if slots is None or slots >= np:
         return
@@ -130,3 +176,48 @@ def _server_host(session: Any) -> str:
     client = getattr(session, "client", None)
     host = getattr(client, "host", None) or getattr(getattr(client, "_builder", None), "host", None)
     return str(host or "localhost")
+
+
+#: The Connect server's setting that makes it report query progress to the client (negative: off).
+PROGRESS_INTERVAL_KEY = "spark.connect.progress.reportInterval"
+
+
+def reports_progress(session: Any) -> bool:
+    """True when the server reports query progress: Spark 4 servers do unless their setting is negative."""
+    try:
+        major = int(str(session.version).split(".")[0])
+    except Exception:  # an unparsable version, or Connect's own error classes: tell nothing
+        return False
+    value = conf(session, PROGRESS_INTERVAL_KEY) or ""
+    return major >= 4 and not value.strip().startswith("-")
+
+
+class StageWatch:
+    """Whether a query's stage started, told by Spark Connect's progress reports; a progress handler.
+
+    Spark submits a barrier stage only once its slot check passes (else it retries the check for
+    minutes), and the server reports a stage only once submitted, so a report with tasks means the
+    stage got its slots. Reports of other queries are ignored: the client calls handlers on the thread
+    that reads the query's results, so only reports on :attr:`thread_id` count. ``armed`` is False when
+    the server does not report progress: then nothing can be told.
+    """
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.armed = reports_progress(session)
+        self.started = threading.Event()
+        self.thread_id: int | None = None
+
+    def __call__(self, stages: Any, inflight_tasks: int, operation_id: Any, done: bool) -> None:
+        """A progress report (pyspark's ``ProgressHandler`` interface)."""
+        if threading.get_ident() == self.thread_id and any(stage.num_tasks > 0 for stage in stages):
+            self.started.set()
+
+    def __enter__(self) -> StageWatch:
+        if self.armed:
+            self.session.registerProgressHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.armed:
+            self.session.removeProgressHandler(self)
