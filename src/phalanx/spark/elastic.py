@@ -108,15 +108,19 @@ def launch_elastic(spec: SparkJobSpec, sc: Any, options: ElasticOptions) -> AnyL
         SparkJobError: Spark failed the stage and no re-submission was allowed.
     """
     options.check_np(spec.np)
+    connect = is_connect(sc)
     if options.checkpoint_dir is not None:
-        os.makedirs(options.checkpoint_dir, exist_ok=True)
+        if connect:  # the client may not share the executors' filesystem: rank 0 makes the directory
+            _check_executor_path(options.checkpoint_dir)
+        else:
+            os.makedirs(options.checkpoint_dir, exist_ok=True)
     spec = replace(spec, env=options.env(spec.env))
     remaining = options.reset_limit
     while True:
         elastic = elastic_spec(spec.np, options.min_np, options.max_np, remaining, spec.env)
         assert elastic is not None
         launcher: ElasticSparkLauncher | ConnectLauncher = (
-            ConnectLauncher(spec, sc, elastic) if is_connect(sc) else ElasticSparkLauncher(spec, sc, elastic))
+            ConnectLauncher(spec, sc, elastic) if connect else ElasticSparkLauncher(spec, sc, elastic))
         started = time.monotonic()
         try:
             return launch_spark(spec, sc, launcher)
@@ -127,6 +131,19 @@ def launch_elastic(spec: SparkJobSpec, sc: Any, options: ElasticOptions) -> AnyL
             log.warning("elastic Spark job: Spark failed the stage after %.1f s (%s); re-submitting from the "
                         "last commit in %s (%d reset(s) left)", time.monotonic() - started,
                         str(e).splitlines()[0], options.checkpoint_dir, remaining)
+
+
+def _check_executor_path(path: str) -> None:
+    """On Spark Connect ``checkpoint_dir`` is a path as the executors see it: the client's working directory
+    means nothing there.
+
+    Raises:
+        InvalidArgumentError: ``path`` is relative.
+    """
+    if not os.path.isabs(path):
+        raise InvalidArgumentError(
+            f"checkpoint_dir={path!r} is relative: on a Spark Connect session give an absolute path that every "
+            "executor can read and write (the client's working directory means nothing to them)")
 
 
 def run_elastic(
