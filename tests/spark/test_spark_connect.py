@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ def _contract(tag: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    print(f"plain output {tag} from rank {os.environ['RANK']}", flush=True)
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
@@ -39,98 +41,93 @@ def _contract(tag: str) -> dict[str, Any]:
     return {"tag": tag, "sum": t.item(), "python": sys.executable, **{k: os.environ.get(k) for k in keys}}
 
 
-def _rank_value() -> int:
-    rank = int(os.environ["RANK"])
-    if rank == 0:
-        time.sleep(1.0)  # rank 0 finishes last: its value must still be the one returned
-    return rank * 10
-
-
 @pytest.mark.timeout(300)  # the module's Connect server starts in this test's setup
-def test_run_runner_and_distributor_return_what_a_classic_session_returns() -> None:
-    out = run(_contract, args=("x",), num_proc=2, env={"USER_VAR": "u"})
-    assert [o["RANK"] for o in out] == ["0", "1"]
+def test_run_returns_every_rank_on_every_slot_and_streams_its_logs_live(
+        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="phalanx")
+    out = run(_contract, args=("x",), env={"USER_VAR": "u"})  # num_proc=None: every slot of local[2]
+    assert [o["RANK"] for o in out] == ["0", "1"] and {o["WORLD_SIZE"] for o in out} == {"2"}
     assert {o["sum"] for o in out} == {3.0}  # real allreduce, rendezvous through rank 0's task's store
     assert [(o["LOCAL_RANK"], o["HOROVOD_CROSS_SIZE"]) for o in out] == [("0", "1"), ("1", "1")]
     assert {o["tag"] for o in out} == {"x"} and {o["USER_VAR"] for o in out} == {"u"}
-    assert HorovodRunner(np=2).run(_rank_value) == 0
-    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_rank_value) == 0
+    printed = capsys.readouterr().out
+    assert "[0]<stdout>:plain output x from rank 0" in printed and "[1]<stdout>:plain output x from rank 1" in printed
+    assert "logs stream live: rank 0's task reached this client" in caplog.text
+
+
+def _rank_work(value: int) -> dict[str, Any]:
+    import connect_helper_mod  # only in the driver's project directory, on no executor path
+
+    rank = int(os.environ["RANK"])
+    print(f"plain output from rank {rank}", flush=True)
+    log_to_driver(f"callback from rank {rank}")
+    if rank == 0:
+        time.sleep(1.0)  # rank 0 finishes last: its value must still be the one returned
+    return {"rank": rank, "value": connect_helper_mod.scale(value),
+            "shipped": "project" not in os.path.dirname(connect_helper_mod.__file__)}
+
+
+@pytest.mark.timeout(180)
+def test_horovod_runner_returns_rank_0s_value_shows_callback_lines_and_ships_modules(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "connect_helper_mod.py").write_text("def scale(x):\n    return x * 3\n")
+    from phalanx.job import shipping
+
+    monkeypatch.setattr(shipping, "driver_root", lambda: project)  # as if the driver's script were there
+    assert HorovodRunner(np=2).run(_rank_work, value=7) == {"rank": 0, "value": 21, "shipped": True}
+    printed = capsys.readouterr().out
+    assert "[0]<stdout>:callback from rank 0" in printed and "[1]<stdout>:callback from rank 1" in printed
+    assert "plain output" not in printed  # log_callback_only: the full output is in the files
 
 
 def _chatty(tag: str) -> str:
     print(f"plain output {tag} from rank {os.environ['RANK']}", flush=True)
     log_to_driver(f"callback {tag} from rank {os.environ['RANK']}")
-    return tag
-
-
-@pytest.mark.timeout(180)
-def test_logs_stream_live_when_the_client_is_reachable(capsys: pytest.CaptureFixture[str],
-                                                       caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="phalanx")
-    assert HorovodRunner(np=2).run(_chatty, tag="cb") == "cb"
-    out = capsys.readouterr().out
-    assert "[0]<stdout>:callback cb from rank 0" in out and "[1]<stdout>:callback cb from rank 1" in out
-    assert "plain output" not in out  # log_callback_only: the full output is in the files
-    assert "logs stream live: rank 0's task reached this client" in caplog.text
-    HorovodRunner(np=2, driver_log_verbosity="all").run(_chatty, tag="all")
-    out = capsys.readouterr().out
-    for rank in (0, 1):
-        assert f"[{rank}]<stdout>:plain output all from rank {rank}" in out
-        assert f"[{rank}]<stdout>:callback all from rank {rank}" in out
-
-
-def _fail_after_output(marker: str) -> None:
-    print(f"rank {os.environ['RANK']} was here", flush=True)
-    if os.environ["RANK"] == "1":
-        deadline = time.monotonic() + 60  # fail once rank 0 has written its line
-        while not Path(marker).exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        raise ValueError("bad learning rate 42")
-    Path(marker).write_text("")
-    time.sleep(120)  # rank 0 would hang: phalanx must tear it down
-
-
-@pytest.mark.timeout(180)
-def test_unreachable_client_still_gets_the_result_the_error_and_the_logs(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
-        caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv(env_names.PHALANX_CONNECT_CLIENT_HOST, UNREACHABLE)
-    caplog.set_level(logging.INFO, logger="phalanx")
-    assert HorovodRunner(np=2, driver_log_verbosity="all").run(_chatty, tag="late") == "late"
-    out = capsys.readouterr().out
-    for rank in (0, 1):
-        assert f"[{rank}]<stdout>:plain output late from rank {rank}" in out
-        assert f"[{rank}]<stdout>:callback late from rank {rank}" in out
-    assert "logs returned with the result" in caplog.text and UNREACHABLE in caplog.text
-    assert "logs stream live:" not in caplog.text
-    with pytest.raises(WorkerFailedError) as info:
-        run(_fail_after_output, args=(str(tmp_path / "rank0-wrote"),), num_proc=2)
-    root = info.value.root_cause
-    assert root.rank == 1 and "ValueError: bad learning rate 42" in root.summary
-    assert 'raise ValueError("bad learning rate 42")' in root.traceback
-    assert "rank 1 was here" in "\n".join(root.log_tail)
-    assert "[0]<stdout>:rank 0 was here" in capsys.readouterr().out
+    if os.environ["RANK"] == "0":
+        time.sleep(1.0)  # rank 0 finishes last: its value must still be the one returned
+    return f"{tag}-{os.environ['RANK']}"
 
 
 def _fail_once_per_attempt(marker: str) -> None:
     rank = int(os.environ["RANK"])
+    print(f"rank {rank} was here", flush=True)
     Path(f"{marker}.{rank}.{os.getpid()}").write_text(str(os.getpid()))
     if rank == 1:
         deadline = time.monotonic() + 60  # fail once rank 0 runs too (it may start later)
         while not list(Path(marker).parent.glob("attempt.0.*")) and time.monotonic() < deadline:
             time.sleep(0.05)
         raise ValueError("bad learning rate 42")
-    time.sleep(120)
+    time.sleep(120)  # rank 0 would hang: phalanx must tear it down
 
 
-@pytest.mark.timeout(180)
-def test_failure_reports_root_cause_once_and_tears_every_rank_down(tmp_path: Path) -> None:
+@pytest.mark.timeout(240)
+def test_unreachable_client_still_gets_the_result_the_error_and_every_log(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(env_names.PHALANX_CONNECT_CLIENT_HOST, UNREACHABLE)
+    caplog.set_level(logging.INFO, logger="phalanx")
+    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_chatty, "late") == "late-0"
+    printed = capsys.readouterr().out
+    for rank in (0, 1):
+        assert f"[{rank}]<stdout>:plain output late from rank {rank}" in printed
+        assert f"[{rank}]<stdout>:callback late from rank {rank}" in printed
+    assert "logs returned with the result" in caplog.text and UNREACHABLE in caplog.text
+    assert "logs stream live:" not in caplog.text
+
     marker = str(tmp_path / "attempt")
     with pytest.raises(WorkerFailedError) as info:
         HorovodRunner(np=2).run(_fail_once_per_attempt, marker=marker)
-    err = info.value
-    assert err.root_cause.rank == 1 and "ValueError: bad learning rate 42" in err.root_cause.summary
-    assert "Full output of every rank" in "".join(getattr(err, "__notes__", []))
+    root = info.value.root_cause
+    assert root.rank == 1 and "ValueError: bad learning rate 42" in root.summary
+    assert 'raise ValueError("bad learning rate 42")' in root.traceback
+    assert "rank 1 was here" in "\n".join(root.log_tail)
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "Full output of every rank" in notes
+    found = re.search(r"Full output of every rank: (\S+)/rank\.N/", notes)
+    assert found is not None, notes
+    assert "rank 0 was here" in (Path(found.group(1)) / "rank.0" / "stdout").read_text()  # returned at the end
     attempts = sorted(p.name.split(".")[1] for p in tmp_path.glob("attempt.*"))
     assert attempts == ["0", "1"], "a deterministic error must run once, not be retried by Spark"
     pids = [int(p.read_text()) for p in tmp_path.glob("attempt.*")]
@@ -152,52 +149,51 @@ def test_script_returns_rank_0s_stdout_and_a_failing_rank_raises_its_exit_code(t
     assert info.value.root_cause.rank == 1 and info.value.exit_code == 3
 
 
-@pytest.mark.timeout(60)
-def test_slot_shortage_and_missing_gpus_fail_before_any_job() -> None:
+@pytest.mark.timeout(180)
+def test_slot_shortage_is_an_error_before_the_job_or_when_its_stage_cannot_start(
+        connect_spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.spark import connect_session
+
     with pytest.raises(SlotsUnavailableError) as info:
         run(lambda: None, num_proc=3)
     assert "3 ranks were asked for" in str(info.value) and "only 2 task(s)" in str(info.value)
     assert "local[2]" in str(info.value)
     with pytest.raises(InvalidArgumentError, match=r"spark.task.resource.gpu.amount"):
         TorchDistributor(num_processes=2, local_mode=False, use_gpu=True).run(lambda: None)
-    assert run(lambda: int(os.environ["WORLD_SIZE"])) == [2, 2]  # num_proc=None: every slot (local[2])
+    settings = connect_session.conf  # local[*]: the server's host is asked for its cores (this host here)
+    monkeypatch.setattr(connect_session, "conf", lambda s, k: "local[*]" if k == "spark.master" else settings(s, k))
+    assert connect_session.task_slots(connect_spark) == len(os.sched_getaffinity(0))
+    # Settings that do not give the slots (a cluster without spark.executor.instances): Spark would retry its
+    # barrier check for 10 minutes; the client's start watch gives up after start_timeout.
+    monkeypatch.setattr(connect_session, "task_slots", lambda session: None)
+    with pytest.raises(SlotsUnavailableError, match=r"\(3 tasks\) did not start within 3 s.*raise start_timeout"):
+        run(lambda: None, num_proc=3, start_timeout=3)
 
 
-@pytest.mark.timeout(180)
-def test_modules_next_to_the_driver_script_travel_with_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "connect_helper_mod.py").write_text("def scale(x):\n    return x * 3\n")
-    from phalanx.job import shipping
-
-    monkeypatch.setattr(shipping, "driver_root", lambda: project)  # as if the driver's script were there
-    assert HorovodRunner(np=2).run(_uses_helper, value=7) == {"value": 21, "shipped": True}
-
-
-def _uses_helper(value: int) -> dict[str, Any]:
-    import connect_helper_mod  # only in the driver's project directory, on no executor path
-
-    return {"value": connect_helper_mod.scale(value),
-            "shipped": "project" not in os.path.dirname(connect_helper_mod.__file__)}
-
-
-@pytest.mark.timeout(180)
-def test_elastic_worker_killed_is_replaced_and_the_survivor_keeps_its_work(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_elastic_replaces_a_lost_worker_then_resubmits_a_failed_stage_from_its_checkpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from phalanx.spark import run_elastic
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multiprocess" / "elastic"))
     import _digits_job as job
 
-    steps, commit_every, kill_at = 20, 5, 12
-    kwargs: dict[str, Any] = {"steps": steps, "commit_every": commit_every, "kill_at": kill_at, "victim": 1,
-                              "marker": str(tmp_path / "killed")}
-    out = run_elastic(job.train, (job.load_data(),), kwargs, num_proc=2, reset_limit=1,
-                      env={env_names.PHALANX_ELASTIC_TIMEOUT_S: "30"})
+    caplog.set_level(logging.WARNING, logger="phalanx")
+    # Rank 1's worker dies at step 8 (replaced in its slot), then its replacement kills its task at step 17
+    # (as a lost executor would): Spark fails the stage, and the client submits it again.
+    kwargs: dict[str, Any] = {"steps": 25, "commit_every": 5, "kill_at": 8, "victim": 1,
+                              "marker": str(tmp_path / "killed"), "kill_task_at": 17}
+    with pytest.raises(InvalidArgumentError, match="checkpoint_dir='ckpt' is relative"):
+        run_elastic(job.train, (None,), kwargs, num_proc=2, checkpoint_dir="ckpt")
+    # Cold starts: the worker's parent is then its task (a warm-started worker's is the template).
+    out = run_elastic(job.train, (job.load_data(),), kwargs, num_proc=2, checkpoint_dir=str(tmp_path / "ckpt"),
+                      reset_limit=2, env={env_names.PHALANX_ELASTIC_TIMEOUT_S: "30", env_names.PHALANX_WARM_START: "0"})
     assert (tmp_path / "killed").exists(), "the victim never died"
+    # The task's killer started from the commit before step 8: the replacement, got from rank 0 via sync().
+    assert (tmp_path / "killed.task").read_text() == "5"
+    assert caplog.text.count("re-submitting from the last commit") == 1  # the lost worker failed no stage
     assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)
-    survivor = next(r for r in out if r["resumed_from"] == 0)
-    replacement = next(r for r in out if r is not survivor)
-    assert replacement["resumed_from"] == 10  # the last commit before step 12, from rank 0 via sync()
+    assert [(r["resumed_from"], r["executed"]) for r in out] == [(15, 10), (15, 10)]  # the durable commit
 
 
 @pytest.mark.timeout(240)

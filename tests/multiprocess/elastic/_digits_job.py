@@ -30,26 +30,29 @@ def _split(data: tuple[Any, Any]) -> tuple[Any, Any, Any, Any]:
     return xt[:N_TRAIN], yt[:N_TRAIN], xt[N_TRAIN:], yt[N_TRAIN:]
 
 
-def _maybe_die(step: int, kill_at: int | None, victim: int, marker: str | None, kill_task: bool = False) -> None:
+def _maybe_die(step: int, kill_at: int | None, victim: int, marker: str | None, kill_task: bool = False,
+               note: str | None = None) -> None:
     import phalanx.torch as hvd
 
     if kill_at is None or step != kill_at or hvd.rank() != victim or marker is None:
         return
     if Path(marker).exists():
         return
-    Path(marker).write_text(str(os.getpid()))
+    Path(marker).write_text(note or str(os.getpid()))
     # kill_task: the Spark task supervising this worker dies (as with a lost executor); the worker follows.
     os.kill(int(os.environ["PHALANX_PARENT_PID"]) if kill_task else os.getpid(), signal.SIGKILL)
 
 
 def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at: int | None = None, victim: int = 1,
           marker: str | None = None, seed: int = 0, kill_task: bool = False,
-          distributed_optimizer: bool = False) -> dict[str, Any]:
+          distributed_optimizer: bool = False, kill_task_at: int | None = None) -> dict[str, Any]:
     """Train a tiny MLP on ``data`` (:func:`load_data`), committing every ``commit_every`` steps.
 
     Rank ``victim`` SIGKILLs itself (``kill_task``: its Spark task) at the start of step ``kill_at`` unless
-    ``marker`` exists (once). Gradients are averaged with ``hvd.grouped_allreduce``, or by
-    ``hvd.DistributedOptimizer`` with ``distributed_optimizer``.
+    ``marker`` exists (once). With ``kill_task_at`` too, rank ``victim`` then kills its Spark task at the start
+    of that step unless ``<marker>.task`` exists, writing there the step its process started at. Gradients
+    are averaged with ``hvd.grouped_allreduce``, or by ``hvd.DistributedOptimizer`` with
+    ``distributed_optimizer``.
 
     Returns:
         ``acc`` (test accuracy, %), ``executed`` (steps this process ran, replays included), ``commits``,
@@ -75,6 +78,8 @@ def train(data: tuple[Any, Any], steps: int = 60, commit_every: int = 5, kill_at
         resumed_from.append(state.step)
         while state.step < steps:
             _maybe_die(state.step, kill_at, victim, marker, kill_task)
+            if kill_task_at is not None and marker is not None:
+                _maybe_die(state.step, kill_task_at, victim, f"{marker}.task", True, str(resumed_from[0]))
             gen = torch.Generator().manual_seed(seed * 100003 + state.step)
             idx = torch.randint(0, N_TRAIN, (BATCH_PER_RANK * hvd.size(),), generator=gen)[hvd.rank()::hvd.size()]
             opt.zero_grad()
