@@ -41,7 +41,7 @@ def _contract(tag: str) -> dict[str, Any]:
     return {"tag": tag, "sum": t.item(), "python": sys.executable, **{k: os.environ.get(k) for k in keys}}
 
 
-@pytest.mark.timeout(300)  # the module's Connect server starts in this test's setup
+@pytest.mark.timeout(600)  # the module's Connect server and its first python workers start here
 def test_run_returns_every_rank_on_every_slot_and_streams_its_logs_live(
         capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="phalanx")
