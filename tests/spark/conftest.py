@@ -28,7 +28,8 @@ from phalanx.launch.proctree import cmdline, parent_of, terminate_tree
 pytestmark = [pytest.mark.spark]
 
 SPARK_START_TIMEOUT_S = 120.0
-_SPARK_OWNED = ("pyspark.daemon", "pyspark/daemon.py")
+# PySpark's daemons, and an executor JVM a standalone worker started again after one was killed on purpose
+_SPARK_OWNED = ("pyspark.daemon", "pyspark/daemon.py", "org.apache.spark.executor.CoarseGrainedExecutorBackend")
 
 
 def _spark_owned(pid: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.errors import SlotsUnavailableError, WorkerFailedError
+from phalanx.errors import SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.launch.proctree import is_alive
 from phalanx.spark import TorchDistributor, run
 
@@ -141,3 +142,68 @@ def test_torch_estimator_on_the_cluster(standalone_spark: Any, tmp_path: Path) -
     assert trained.getHistory()[0]["steps_per_rank"] == [5, 5, 5, 5]
     out = trained.transform(df.limit(6)).collect()
     assert len(out) == 6 and all(isinstance(r["y__output"], float) for r in out)
+
+
+def _executor_jvm() -> int:
+    """The pid of the Spark executor JVM this rank runs under (its nearest ``java`` ancestor)."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"CoarseGrainedExecutorBackend" in f.read():
+                return pid
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    raise RuntimeError("no executor JVM above this rank")
+
+
+def _lose_my_executor(pid_dir: str) -> None:
+    mine = Path(pid_dir, f".{os.environ['RANK']}")
+    mine.write_text(f"{os.getpid()} {os.environ['HOROVOD_HOSTNAME']}")
+    mine.rename(Path(pid_dir, os.environ["RANK"]))  # whole, for the peers that read it
+    deadline = time.monotonic() + 60  # once every rank runs (some may start later)
+    while len(written := [p for p in Path(pid_dir).iterdir() if p.name.isdigit()]) < 4 and (
+            time.monotonic() < deadline):
+        time.sleep(0.05)
+    if os.environ["RANK"] == "0":
+        os.kill(_executor_jvm(), signal.SIGKILL)  # a lost executor: Spark sees "exited with code 137"
+    peers = [int(p.read_text().split()[0]) for p in written]
+    while all(_exists(p) for p in peers) and time.monotonic() < deadline + 60:
+        time.sleep(0.01)
+    # a survivor notices its lost peers, as its collective would ("Connection closed by peer")
+    raise ConnectionError("a peer is gone")
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is still there, a zombie included. A killed process's leader thread may be a zombie
+    while its other threads, and so its sockets, live on for a few ms: a survivor's collective cannot
+    see a peer gone before its sockets close, so neither may this test's survivor."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_executor_is_a_spark_job_error_naming_it(tmp_path: Path) -> None:
+    """SIGKILL of the executor JVM holding rank 0: a SparkJobError naming the lost executor's host and exit
+    code, with a rank of that executor (they died first), not a survivor that raised as soon as it saw a
+    peer gone, as the root cause.
+
+    Last in the module: the cluster has one executor fewer until its worker has started another."""
+    with pytest.raises(SparkJobError) as info:
+        run(_lose_my_executor, args=(str(tmp_path),), num_proc=4)
+    ranks = {int(p.name): p.read_text().split() for p in tmp_path.iterdir() if p.name.isdigit()}
+    host = ranks[0][1]
+    lost = [r for r, (_pid, h) in ranks.items() if h == host]  # rank 0 and its executor's other rank
+    message = str(info.value)
+    assert "exited with code 137" in message, message
+    assert any(f"first to go: rank {r} on host {host}" in message for r in lost), message
+    cause = info.value.__cause__
+    assert isinstance(cause, WorkerFailedError) and cause.root_cause.rank in lost, cause
+    assert cause.root_cause.exc_type == "phalanx.errors.SparkJobError", cause
+    pids = [int(pid) for pid, _host in ranks.values()]
+    deadline = time.monotonic() + 20
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if is_alive(p)], "ranks survived their executor or the teardown"
