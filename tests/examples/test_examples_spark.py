@@ -4,7 +4,7 @@ fixture: one JVM), with small settings; each asserts a test accuracy floor on sc
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -32,7 +32,13 @@ def _spark_fixtures() -> ModuleType:
 
 
 _fixtures = _spark_fixtures()
-local_spark = _fixtures.local_spark
+
+
+@pytest.fixture(scope="module")
+def local_spark() -> Iterator[Any]:
+    """tests/spark's ``local[2]`` session, stopped when this module ends (the tiers after it need no Spark)."""
+    yield _fixtures.shared_local_spark()
+    _fixtures.stop_active_spark()
 
 
 @pytest.fixture

@@ -1,9 +1,13 @@
-"""Spark fixtures: one SparkContext per test module (a JVM starts slowly), and a real standalone cluster.
+"""Spark fixtures: a SparkContext shared by the modules that use the same kind (a JVM starts slowly), and a
+real standalone cluster.
 
-A pytest process holds one SparkContext at a time, so each fixture is module-scoped and stops its
-session when its module ends. The standalone cluster is a master and two workers started from
-pyspark's bundled ``spark-class`` on loopback addresses 127.0.0.1 and 127.0.0.2 (two "hosts", so local
-and cross ranks mean something), each with 2 cores and 2 fake GPUs from a discovery script.
+A pytest process holds one SparkContext at a time. ``local_spark`` keeps its ``local[2]`` session for the
+next module that wants one; a module wanting another kind (the standalone cluster, a Connect server) stops
+it first, and the session's end stops whatever is left. The standalone cluster is a master and two workers
+started from pyspark's bundled ``spark-class`` on loopback addresses 127.0.0.1 and 127.0.0.2 (two "hosts",
+so local and cross ranks mean something), each with 2 cores and 2 fake GPUs from a discovery script; it
+lives for the whole test session, its modules run one after the other (``pytest_collection_modifyitems``),
+and each of them gets a session of its own (fresh executors).
 
 PySpark's python worker daemons are long-lived children of the JVM that Spark reuses between jobs; the
 leftover-process check ignores them (and only them): every phalanx process must still be gone.
@@ -90,13 +94,74 @@ def stop_spark(spark: Any) -> None:
             proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def local_spark() -> Iterator[Any]:
-    """A ``local[2]`` SparkSession for one test module."""
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move this directory's tests that use the standalone cluster after its other tests, keeping their
+    order: one cluster (and one session on it) serves them all."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if item.path.parent == here]
+    ours = sorted((items[i] for i in slots), key=lambda item: "standalone_spark" in item.fixturenames)
+    for i, item in zip(slots, ours):
+        items[i] = item
+
+
+def stop_active_spark() -> None:
+    """Stop the classic SparkContext that is running, if any (and its JVM)."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        return
+    try:
+        stop_spark(SparkSession(sc))
+    except Exception:  # a broken gateway: its JVM must still go
+        proc = getattr(SparkContext._gateway, "proc", None)
+        if proc is not None:
+            terminate_tree([proc.pid], 5.0)
+        SparkContext._active_spark_context = SparkContext._gateway = SparkContext._jvm = None
+
+
+def _active_master() -> str | None:
+    """The master of the running SparkContext; None when there is none, or when it no longer answers (a test
+    that timed out in the middle of a py4j call leaves it so): then it is stopped, for a fresh one."""
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is None:
+        return None
+    try:
+        if not sc._jsc.sc().isStopped():
+            return str(sc.master)
+    except Exception:  # py4j's errors: the gateway is broken
+        pass
+    stop_active_spark()
+    return None
+
+
+@pytest.fixture(scope="session")
+def spark_at_session_end() -> Iterator[None]:
+    """Stops the SparkContext the modules left running when the test session ends."""
+    yield
+    stop_active_spark()
+
+
+def shared_local_spark() -> Any:
+    """The ``local[2]`` test session: the running one when there is one, else a new one (after stopping a
+    SparkContext of another kind)."""
+    from pyspark.sql import SparkSession
+
+    if _active_master() == "local[2]":
+        return SparkSession.builder.getOrCreate()
+    stop_active_spark()
     spark = _session("local[2]", {})
     _warm_up(spark, 2)
-    yield spark
-    stop_spark(spark)
+    return spark
+
+
+@pytest.fixture(scope="module")
+def local_spark(spark_at_session_end: None) -> Iterator[Any]:
+    """A ``local[2]`` SparkSession, shared with the next modules that use this fixture."""
+    yield shared_local_spark()
 
 
 GPU_SCRIPT = """#!/bin/sh
@@ -174,25 +239,36 @@ class Cluster:
             p.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def standalone_spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A SparkSession on a real standalone cluster: 2 workers x 2 cores x 2 fake GPUs (4 task slots)."""
+@pytest.fixture(scope="session")
+def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A running standalone cluster, for the whole test session; its session is stopped before it."""
     cluster = Cluster(tmp_path_factory.mktemp("standalone"))
     try:
         cluster.start()
-        spark = _session(cluster.url, {
-            "spark.executor.cores": "2", "spark.executor.memory": "1g", "spark.cores.max": "4",
-            "spark.executor.resource.gpu.amount": "2", "spark.task.resource.gpu.amount": "1",
-            "spark.executor.resource.gpu.discoveryScript": str(cluster.gpu_script),
-            "spark.scheduler.minRegisteredResourcesRatio": "1.0",
-            "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
-        })
-        _wait_for_slots(spark, 4)
-        _warm_up(spark, 4)
-        yield spark
-        stop_spark(spark)
+        yield cluster
+        if _active_master() == cluster.url:
+            stop_active_spark()
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def standalone_spark(standalone_cluster: Cluster, spark_at_session_end: None) -> Iterator[Any]:
+    """A SparkSession on the standalone cluster: 2 workers x 2 cores x 2 fake GPUs (4 task slots). Each module
+    gets fresh executors (a module's killed tasks and warm-start templates stay with it); the cluster's
+    master and workers are shared."""
+    stop_active_spark()
+    spark = _session(standalone_cluster.url, {
+        "spark.executor.cores": "2", "spark.executor.memory": "1g", "spark.cores.max": "4",
+        "spark.executor.resource.gpu.amount": "2", "spark.task.resource.gpu.amount": "1",
+        "spark.executor.resource.gpu.discoveryScript": str(standalone_cluster.gpu_script),
+        "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+        "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
+    })
+    _wait_for_slots(spark, 4)
+    _warm_up(spark, 4)
+    yield spark
+    stop_active_spark()
 
 
 def _wait_for_slots(spark: Any, slots: int) -> None:
@@ -239,6 +315,7 @@ def connect_spark() -> Iterator[Any]:
     from pyspark.sql.connect.session import SparkSession as RemoteSession
 
     saved = os.environ.get("PYSPARK_PYTHON")
+    stop_active_spark()  # the Connect server makes its own SparkContext in this process
     port = start_connect_server("local[2]")
     os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # what remote() sets: pyspark's is_remote()
     spark = RemoteSession.builder.remote(f"sc://localhost:{port}").getOrCreate()
