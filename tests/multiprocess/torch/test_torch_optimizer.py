@@ -266,7 +266,7 @@ def _in_place_job(pack_on: int) -> list[str]:
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
-    route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad))
+    route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad.group))
     expect_pack = me == pack_on or route is None or not route[0].channels["grad"].cma  # no CMA: every rank packs
     if me == pack_on:
         _buckets.DIRECT_DTYPES = ()  # type: ignore[misc]  # this rank packs: its table has one segment
@@ -324,7 +324,7 @@ def _huge_pages_job() -> tuple[list[str], bool, int]:
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
-    route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad))
+    route = _dispatch._ROUTES.get(id(groups_of(global_process_set).grad.group))
     cma = route is not None and route[0].channels["grad"].cma
     want = _reference(_sgd, n, width=HUGE)
     got = _train(_sgd, lambda o, m: hvd.DistributedOptimizer(o, named_parameters=m.named_parameters()), n, me,
