@@ -1,7 +1,10 @@
-"""A worker of the elastic multi-host test: ``STEPS`` committed steps, each one allreduce of ones.
+"""The elastic multi-host job: ``STEPS`` committed steps, each one allreduce of ones.
 
-Rank 0 prints ``STEP n size s`` after each commit (the test kills a host once it saw enough steps); every
-rank of the final world prints one ``RESULT`` JSON line: its rank, size, host and the committed sums.
+``python job_elastic.py STEPS`` is a worker (run by ``phalanxrun``); ``python job_elastic.py STEPS KEY DISCOVERY``
+is a driver running the same loop as a function, ``phalanx.run(train, hosts="hosta:2,hostb:1", min_np=2,
+max_np=3, host_discovery_script=DISCOVERY)``. Rank 0 prints ``STEP n size s`` after each commit (the test
+changes the hosts once it saw enough steps); every rank of the final world prints one ``RESULT`` JSON line (a
+worker) or the driver prints the list ``phalanx.run`` returned.
 """
 
 from __future__ import annotations
@@ -10,21 +13,21 @@ import json
 import socket
 import sys
 import time
-
-import torch
-
-import phalanx.torch as hvd
-
-STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+from typing import Any
 
 
-def main() -> None:
+def train(steps: int) -> dict[str, Any]:
+    """The elastic loop; this rank's record in the final world: rank, size, host and the committed sums."""
+    import torch
+
+    import phalanx.torch as hvd
+
     hvd.init()
     state = hvd.elastic.ObjectState(step=0, total=0.0)
 
     @hvd.elastic.run
     def loop(state: hvd.elastic.ObjectState) -> None:
-        while state.step < STEPS:
+        while state.step < steps:
             # The sum over the world is its size: the total counts every (step, member) once, committed.
             state.total += float(hvd.allreduce(torch.ones(1), op=hvd.Sum).item())
             state.step += 1
@@ -34,10 +37,24 @@ def main() -> None:
             time.sleep(0.1)
 
     loop(state)
-    print("RESULT " + json.dumps({"rank": hvd.rank(), "size": hvd.size(), "host": socket.gethostname(),
-                                  "step": state.step, "total": state.total}), flush=True)
+    record = {"rank": hvd.rank(), "size": hvd.size(), "host": socket.gethostname(), "step": state.step,
+              "total": state.total}
     hvd.shutdown()
+    return record
+
+
+def drive(steps: int, key: str, discovery: str) -> None:
+    """Run :func:`train` as an elastic function job across the simulated hosts; print what it returned."""
+    import phalanx
+
+    out = phalanx.run(train, args=(steps,), np=3, hosts="hosta:2,hostb:1", min_np=2, max_np=3,
+                      host_discovery_script=discovery, ssh_identity_file=key, start_timeout=60,
+                      env={"PHALANX_ELASTIC_TIMEOUT_S": "30"})
+    print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4:
+        drive(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    else:
+        print("RESULT " + json.dumps(train(int(sys.argv[1]))), flush=True)

@@ -1,13 +1,23 @@
-"""An elastic phalanxrun job across two simulated hosts (3 workers: 2 on host a, 1 on host b): host b dies
-mid-training (every process on it is SIGKILLed, as when the machine goes down), the world re-forms on host a
-and the job finishes there."""
+"""Elastic jobs across two simulated hosts (3 workers: 2 on host a, 1 on host b), in both forms.
+
+- ``phalanxrun``: host b dies mid-training (every process on it is SIGKILLed, as when the machine goes
+  down); host discovery also lists ``hostc``, a host that does not resolve: it is checked before use and left
+  out with one warning, never given a worker. The world re-forms on host a and the job finishes there.
+- ``phalanx.run(fn, hosts=..., min_np=...)``: host discovery stops listing host b mid-training; its worker is
+  stopped (nothing is left on host b while the job goes on), the world re-forms on host a and ``phalanx.run``
+  returns the final world's values.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.hosts.simhosts import Cluster
@@ -17,20 +27,46 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts, pytest.mark.timeout(1
 
 JOB = "tests/hosts/job_elastic.py"
 STEPS = 16
-KILL_AFTER = 3
+CHANGE_AFTER = 3
 
 
-def test_elastic_job_loses_host_b_and_finishes_on_host_a(cluster: Cluster) -> None:
-    argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "3", "-H", "hosta:2,hostb:1", "--min-np", "2",
-                                               "--max-np", "3", "-x", "PHALANX_ELASTIC_TIMEOUT_S=30",
-                                               sys.executable, JOB, str(STEPS)))
-    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def discovery(tmp_path: Path, hosts: str) -> tuple[Path, Path]:
+    """A host discovery script printing the ``host:slots`` lines of a file; (script, file)."""
+    listing, script = tmp_path / "hosts.txt", tmp_path / "discover.sh"
+    listing.write_text(hosts)
+    script.write_text(f"#!/bin/sh\ncat {listing}\n")
+    script.chmod(0o755)
+    return script, listing
+
+
+def until(driver: subprocess.Popen[str], marker: str) -> list[str]:
+    """The driver's output lines up to the first holding ``marker``."""
     assert driver.stdout is not None
     seen = []
     for line in driver.stdout:
         seen.append(line)
-        if f"STEP {KILL_AFTER} size 3" in line:
+        if marker in line:
             break
+    return seen
+
+
+def check_finished_on_host_a(got: dict[int, dict[str, Any]], stdout: str) -> None:
+    """Ranks 0 and 1 finished on host a; every committed step counted its world once (3 before the loss, 2
+    after, nothing committed twice)."""
+    assert sorted(got) == [0, 1], stdout[-3000:]
+    assert all(r["size"] == 2 and r["host"] == "hosta" and r["step"] == STEPS for r in got.values()), got
+    at_three = got[0]["total"] - 2 * STEPS
+    assert at_three == int(at_three) and CHANGE_AFTER <= at_three < STEPS, got
+
+
+def test_script_job_loses_host_b_and_skips_a_bad_joining_host(cluster: Cluster, tmp_path: Path) -> None:
+    script, _ = discovery(tmp_path, "hosta:2\nhostb:1\nhostc:1\n")
+    argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "3", "-H", "hosta:2,hostb:1", "--min-np", "2",
+                                               "--max-np", "4", "--host-discovery-script", str(script),
+                                               "-x", "PHALANX_ELASTIC_TIMEOUT_S=30", sys.executable, JOB,
+                                               str(STEPS)))
+    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = until(driver, f"STEP {CHANGE_AFTER} size 3")
     victims = cluster.hosts["hostb"].leftovers()
     assert victims, "".join(seen)[-3000:]
     for pid in victims:
@@ -41,11 +77,37 @@ def test_elastic_job_loses_host_b_and_finishes_on_host_a(cluster: Cluster) -> No
     rest, stderr = driver.communicate(timeout=150)
     stdout = "".join(seen) + rest
     assert driver.returncode == 0, stderr[-3000:] + stdout[-2000:]
-    got = results(stdout)
-    assert sorted(got) == [0, 1], stdout[-3000:]
-    assert all(r["size"] == 2 and r["host"] == "hosta" and r["step"] == STEPS for r in got.values()), got
-    # Every committed step counted its world once: 3 before the loss, 2 after, nothing committed twice.
-    at_three = got[0]["total"] - 2 * STEPS
-    assert at_three == int(at_three) and KILL_AFTER <= at_three < STEPS, got
+    check_finished_on_host_a(results(stdout), stdout)
     assert "size 2" in stdout and "ssh to host hostb failed or dropped" in stderr, stderr[-3000:]
+    # hostc was checked and left out with one line naming it and the cause; no worker ever went there.
+    left_out = [line for line in stderr.splitlines() if "left out a host that host discovery added" in line]
+    assert len(left_out) == 1 and "host 'hostc': ssh could not connect" in left_out[0], stderr[-3000:]
+    assert "resolve hostname hostc" in left_out[0], left_out
+    assert "size 4" not in stdout and "host hostc failed" not in stderr and "on host hostc" not in stderr
+    assert cluster.wait_clean(10.0) == {}
+
+
+def test_function_job_stops_the_ranks_of_a_host_that_leaves_discovery(cluster: Cluster, tmp_path: Path) -> None:
+    script, listing = discovery(tmp_path, "hosta:2\nhostb:1\n")
+    argv = cluster.argv_on("hosta", [sys.executable, JOB, str(STEPS), str(cluster.key), str(script)])
+    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = until(driver, f"STEP {CHANGE_AFTER} size 3")
+    assert cluster.hosts["hostb"].leftovers(), "".join(seen)[-3000:]
+    (tmp_path / "next.txt").write_text("hosta:2\n")
+    (tmp_path / "next.txt").rename(listing)
+    seen += until(driver, "size 2")
+    # Host b's rank, its agent and its ssh session end once the world re-formed without it.
+    deadline = time.monotonic() + 10.0
+    while cluster.hosts["hostb"].leftovers() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert cluster.hosts["hostb"].leftovers() == set(), "".join(seen)[-3000:]
+    rest, stderr = driver.communicate(timeout=150)
+    stdout = "".join(seen) + rest
+    assert driver.returncode == 0, stderr[-3000:] + stdout[-2000:]
+    returned = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(returned) == 1, stdout[-3000:]
+    values = json.loads(returned[0].removeprefix("RESULT "))
+    assert [v["rank"] for v in values] == [0, 1], values  # the final world's values, in rank order
+    check_finished_on_host_a({v["rank"]: v for v in values}, stdout)
+    assert "stopping worker 2 on host hostb" in stderr, stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}

@@ -67,7 +67,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--elastic-timeout",), "elastic_timeout", "int",
          doc="seconds a worker waits for a new round (PHALANX_ELASTIC_TIMEOUT_S)"),
     Flag(("--blacklist-cooldown-range",), "cooldown_range", "pair",
-         "phalanx does not blacklist hosts: a lost worker is replaced on a free slot at once"),
+         "no blacklist cooldown: a host whose ssh failed, or that failed its check when discovery added it, "
+         "stays out for the rest of the job"),
     Flag(("--no-timeline-mark-cycles",), "timeline_mark_cycles", "off", doc="no CYCLE_START marks (the default)"),
     Flag(("--no-stall-check",), "no_stall_check", "on", doc="turn the stall check off (HOROVOD_STALL_CHECK_DISABLE=1)"),
     Flag(("--stall-check",), "no_stall_check", "off", doc="keep the stall check on (the default)"),

@@ -28,7 +28,8 @@ _NOOP = {
     "disable_cache": "phalanx keeps no cache of start-up checks",
     "use_mpi": "phalanx runs on gloo (CPU) and NCCL (CUDA), never MPI; the job runs on gloo",
     "mpi_args": "phalanx runs on gloo (CPU) and NCCL (CUDA), never MPI",
-    "cooldown_range": "phalanx does not blacklist hosts: a lost worker is replaced on a free slot at once",
+    "cooldown_range": ("phalanx has no blacklist cooldown: a host whose ssh failed, or that failed its check "
+                       "when discovery added it, stays out for the rest of the job"),
 }
 #: ssh-side parameters: nothing to do when every host is this machine; phalanx.run cannot pass them on.
 _SSH = ("ssh_port", "ssh_identity_file", "network_interfaces")

@@ -129,7 +129,7 @@ class ElasticMonitor(JobMonitor):
             WorkerFailedError: the policy gave up, or a worker of the final world failed.
             StartTimeoutError: a worker did not start within the start timeout.
         """
-        while not all(r.exited for r in self._ranks):
+        while not all(r.exited or self._retired(w) for w, r in enumerate(self._ranks)):
             self._drain(timeout=0.05)
             self._check_start(0.0)
             if self._stopped_at is not None and time.monotonic() - self._stopped_at > self.config.stop_wait_s:
@@ -144,7 +144,8 @@ class ElasticMonitor(JobMonitor):
 
     def _handle(self, event: Event | RankExit | HostsUpdated) -> None:
         if isinstance(event, HostsUpdated):
-            self._grow(event.slots)
+            if not self._drop_leaving():
+                self._grow(event.slots)
             return
         if isinstance(event, ErrorRecord):
             self._ranks[event.rank].error = event  # judged when the process ends
@@ -169,18 +170,42 @@ class ElasticMonitor(JobMonitor):
         leaving = self.leaving()
         return [w for w, s in enumerate(self._ranks) if not s.exited and w not in leaving]
 
-    def _on_loss(self, state: _RankState) -> None:
+    def _retired(self, wid: int) -> bool:
+        # Being stopped, and the current world was formed without it: the launcher's teardown ends it.
+        return wid in self.leaving() and wid not in self.world
+
+    def _finished(self) -> bool:
+        return any(s.result is not None for s in self._ranks)
+
+    def _decide(self) -> tuple[list[int], Decision]:
         alive = self._alive()
-        finished = any(s.result is not None for s in self._ranks)
         holding = sum(1 for w in alive if self.holds_state(w))
-        decision = self.policy.decide(len(alive), self.free_slots(alive), self.resets, holding)
+        return alive, self.policy.decide(len(alive), self.free_slots(alive), self.resets, holding)
+
+    def _on_loss(self, state: _RankState) -> None:
+        alive, decision = self._decide()
         forced = self.give_up()
-        if forced or finished or not decision.reform:
+        if forced or self._finished() or not decision.reform:
             self._gave_up = forced or decision.reason or "a worker was lost after others had finished"
             self._fail(state)
             return
+        self._reform_to(alive, decision.size)
+
+    def _drop_leaving(self) -> bool:
+        """Re-form at once without the world's workers the launcher is stopping (their host left the job),
+        as Horovod resets when a host goes; False when none is in the world or the policy says no (their
+        ends are then judged as any loss)."""
+        if self._stopped_at is not None or self._finished() or not self.leaving() & set(self.world):
+            return False
+        alive, decision = self._decide()
+        if self.give_up() or not decision.reform:
+            return False
+        self._reform_to(alive, decision.size)
+        return True
+
+    def _reform_to(self, alive: list[int], size: int) -> None:
         self.resets += 1
-        self.world = self.reform(alive, decision.size)
+        self.world = self.reform(alive, size)
         while len(self._ranks) <= max(self.world):
             self.add_worker()
 
@@ -188,15 +213,11 @@ class ElasticMonitor(JobMonitor):
         """More slots were discovered: add workers up to ``max_np`` (a re-formation: it counts as a reset)."""
         alive = self._alive()
         size = min(self.policy.max_np, slots)
-        finished = any(s.result is not None for s in self._ranks)
-        if self._stopped_at is not None or finished or size <= len(alive):
+        if self._stopped_at is not None or self._finished() or size <= len(alive):
             return
         if self.policy.reset_limit is not None and self.resets >= self.policy.reset_limit:
             return  # growing is an opportunity, not a need: the job goes on at its size
-        self.resets += 1
-        self.world = self.reform(alive, size)
-        while len(self._ranks) <= max(self.world):
-            self.add_worker()
+        self._reform_to(alive, size)
 
     def _check_start(self, started: float) -> None:
         # ``started`` is unused: every worker is judged from its own start (replacements start late).

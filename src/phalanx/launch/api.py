@@ -163,7 +163,8 @@ def run(
         host_discovery_script: elastic job: an executable printing ``host:slots`` lines, polled every
             second; when the slots grow, workers are added up to ``max_np`` and running ranks get
             ``HostsUpdatedInterrupt`` at their next ``commit()``. Without ``hosts`` only this machine's
-            names count; with ``hosts`` every listed host does, and a host that leaves the list has its
+            names count; with ``hosts`` every listed host does: a host new to the job is checked over
+            ssh first (left out, with a warning, if it fails), and a host that leaves the list has its
             workers stopped (the world re-forms on the others).
         ssh_port: with ``hosts`` naming other machines: the ssh port (default: ssh's own).
         ssh_identity_file: with ``hosts`` naming other machines: the ssh private key.

@@ -6,7 +6,10 @@ retired without touching the others. Workers are placed as horovodrun places ran
 turn); a replacement goes to the first usable host with a free slot. A host leaves the job when host
 discovery no longer lists it (or lists fewer slots than it runs: its excess workers are retired) and when
 an agent's ssh connection to it fails or drops (the host is taken as dead, as Horovod blacklists a failed
-host). Its workers are retired: they count as lost at once, and the world re-forms on the other hosts.
+host). Its workers are retired: they count as lost at once, the world re-forms on the other hosts without
+waiting for their ends, and their agents stop them. A host that discovery adds (or lists again) gets the
+start-up check first (ssh, the interpreter, an importable phalanx; within the start timeout); one that fails
+is left out for the rest of the job, with one warning naming it and the cause.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.hosts import check_host_name, is_local, place
 from phalanx.launch.local import LocalJobSpec
 from phalanx.launch.remote import HostsSpec
-from phalanx.launch.ssh import check_hosts
+from phalanx.launch.ssh import check_hosts, host_problems
 from phalanx.launch.supervisor import ExitReports
 
 log = logging.getLogger(__name__)
@@ -133,14 +136,15 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
             return super()._reform(kept, len(kept) + extra)
 
     def _on_hosts(self, hosts: dict[str, int]) -> None:
-        # In the discovery thread: the discovered hosts replace the known ones (a host that fails its ssh
-        # stays out); workers beyond a host's new slots are retired, and the monitor may grow the world.
+        # In the discovery thread: the discovered hosts replace the known ones (a host that failed its check or
+        # its ssh stays out); workers beyond a host's new slots are retired, and the monitor may grow the world.
         valid = {}
         for host, slots in hosts.items():
             try:
                 valid[check_host_name(host, "host discovery")] = slots
             except InvalidArgumentError as e:
                 log.warning("%s; line ignored", e)
+        self._check_joined(valid)
         with self._lock:
             self._slots = valid
             self._retire_excess()
@@ -149,13 +153,29 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
         assert self._channel is not None
         self._channel.events.put(HostsUpdated(usable))
 
+    def _check_joined(self, hosts: dict[str, int]) -> None:
+        # A host that joins (or comes back) gets the start-up check before any worker goes there, within the
+        # start timeout; one that fails stays out of the job, as Horovod blacklists a host whose workers fail.
+        with self._lock:
+            known = set(self._slots) | self._down
+        joined = [h for h in hosts if h not in known and not is_local(h)]
+        problems = host_problems(joined, self.hosts.ssh, self._python, self.spec.start_timeout_s)
+        for problem in problems.values():
+            log.warning("elastic job: left out a host that host discovery added: %s",
+                        " ".join(line.strip() for line in problem.splitlines()))
+        with self._lock:
+            self._down.update(problems)
+
     def _host_lost(self, host: str) -> None:
         # In an agent's watcher thread, before that worker's end is posted: no replacement goes there.
         log.warning("elastic job: ssh to host %s failed or dropped; the host leaves the job", host)
         with self._lock:
             self._down.add(host)
             self._retire_excess()
-            self._target = max(1, min(self._target, sum(self._usable().values())))
+            usable = sum(self._usable().values())
+            self._target = max(1, min(self._target, usable))
+        assert self._channel is not None
+        self._channel.events.put(HostsUpdated(usable))  # the monitor re-forms without the host's workers now
 
     def _retire_excess(self) -> None:
         alive = [w for w in range(len(self._host_of)) if w not in self._leaving and not self._ended(w)]
@@ -165,7 +185,8 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
             host = self._host_of[wid]
             kept[host] = kept.get(host, 0) + 1
             if kept[host] > usable.get(host, 0):
-                log.info("elastic job: retiring worker %d on host %s", wid, host)
+                log.warning("elastic job: stopping worker %d on host %s (the host left the job or has fewer slots)",
+                            wid, host)
                 self._leaving.add(wid)
                 self._agents.retire(self._agent_of[wid])
 

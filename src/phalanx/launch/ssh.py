@@ -76,19 +76,29 @@ def _check_one(host: str, options: SshOptions, python: str, timeout_s: float) ->
     return f"host {host!r}: {cause} (exit code {done.returncode}):\n    {tail}"
 
 
+def host_problems(hosts: Sequence[str], options: SshOptions, python: str, timeout_s: float) -> dict[str, str]:
+    """Check, in parallel, that every host answers over ssh and imports phalanx with ``python``.
+
+    Returns:
+        host -> what failed there (the host named, the cause and ssh's last error lines), for the hosts that
+        failed; empty when all passed. Returns within ``timeout_s`` (plus ssh's start).
+    """
+    if not hosts:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        results = list(pool.map(lambda h: _check_one(h, options, python, timeout_s), hosts))
+    return {host: problem for host, problem in zip(hosts, results, strict=True) if problem is not None}
+
+
 def check_hosts(hosts: Sequence[str], options: SshOptions, python: str, timeout_s: float) -> None:
     """Check, in parallel, that every host answers over ssh and imports phalanx with ``python``.
 
     Raises:
         PhalanxError: one message naming every host that failed and why, within ``timeout_s``.
     """
-    if not hosts:
-        return
-    with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        results = list(pool.map(lambda h: _check_one(h, options, python, timeout_s), hosts))
-    problems = [r for r in results if r is not None]
+    problems = host_problems(hosts, options, python, timeout_s)
     if problems:
-        raise PhalanxError("host check failed:\n  " + "\n  ".join(problems))
+        raise PhalanxError("host check failed:\n  " + "\n  ".join(problems.values()))
 
 
 def interface_address(name: str) -> str:

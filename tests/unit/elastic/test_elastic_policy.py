@@ -10,7 +10,7 @@ import pytest
 from phalanx.env import elastic as elastic_keys
 from phalanx.errors import InvalidArgumentError, WorkerFailedError
 from phalanx.job.channel import Result
-from phalanx.job.elastic import ElasticMonitor, ElasticPolicy
+from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
 from phalanx.job.monitor import MonitorConfig, RankExit
 from phalanx.job.records import Hello
 from phalanx.launch.api import elastic_spec
@@ -88,6 +88,38 @@ def test_monitor_replaces_a_killed_worker_and_returns_the_final_world() -> None:
     mon, calls = _monitor(events, ElasticPolicy(1, 2, 2))
     assert mon.run() == ["zero", "new"]
     assert calls == [([0], 2)] and mon.resets == 1
+
+
+def _leaving_monitor(policy: ElasticPolicy) -> tuple[ElasticMonitor, list[tuple[list[int], int]]]:
+    # Workers 0 and 1 said hello; then the launcher retires worker 1 (its host left) and posts HostsUpdated.
+    q: queue.Queue[object] = queue.Queue()
+    calls: list[tuple[list[int], int]] = []
+
+    def reform(alive: list[int], size: int) -> list[int]:
+        calls.append((alive, size))
+        q.put(Result(0, cloudpickle.dumps("zero")))
+        q.put(RankExit(0, 0))
+        return alive[:size]
+
+    for e in (Hello(0, 1, "h"), Hello(1, 2, "h"), HostsUpdated(1)):
+        q.put(e)
+    cfg = MonitorConfig(world_size=2, expect_results=True, expect_hello=True, start_timeout_s=5,
+                        start_timeout_hint="start_timeout=", stop_wait_s=0.5)
+    mon = ElasticMonitor(cfg, q, [], stop_all=lambda: None, policy=policy, reform=reform,  # type: ignore[arg-type]
+                         free_slots=lambda alive: 0, leaving=lambda: {1})
+    return mon, calls
+
+
+def test_monitor_reforms_without_a_retired_worker_at_once_and_never_waits_for_its_end() -> None:
+    mon, calls = _leaving_monitor(ElasticPolicy(1, 2))
+    assert mon.run() == ["zero"]  # worker 1 never reported its end: the launcher's teardown stops it
+    assert calls == [([0], 1)] and mon.resets == 1 and mon.world == [0]
+    # Below min_np nothing re-forms early: the retired worker's end is judged as any loss, and fails the job.
+    mon, calls = _leaving_monitor(ElasticPolicy(2, 2))
+    mon.events.put(RankExit(1, -15))  # type: ignore[attr-defined]
+    with pytest.raises(WorkerFailedError, match="below min_np=2"):
+        mon.run()
+    assert calls == [] and mon.world == [0, 1]
 
 
 def test_monitor_gives_up_at_the_reset_limit_with_the_reason() -> None:

@@ -15,6 +15,7 @@ from phalanx.env import JobContract
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy, HostsUpdated
 from phalanx.job.shipping import script_of, write_modules
+from phalanx.launch import elastic_hosts
 from phalanx.launch.agent import Agent, AgentPlan
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
@@ -97,6 +98,36 @@ def test_a_host_whose_ssh_fails_leaves_the_job() -> None:
     launcher = _launcher(retired)
     launcher._host_lost("localhost")
     assert retired == [0, 1] and launcher._down == {"localhost"} and launcher._target == 1
+    assert launcher._channel.events.get_nowait() == HostsUpdated(1)  # type: ignore[union-attr]
     assert launcher._free_slots([2]) == 0
     launcher._leaving.add(2)
     assert launcher._free_host() == "127.0.0.1"
+
+
+def test_a_joining_host_is_checked_first_and_left_out_when_it_fails(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    launcher = _launcher([])
+    checked: list[tuple[list[str], float]] = []
+
+    def problems(hosts: list[str], ssh: object, python: str, timeout_s: float) -> dict[str, str]:
+        checked.append((list(hosts), timeout_s))
+        return {h: f"host {h!r}: ssh could not connect or log in (exit code 255):\n    ssh: no route to {h}"
+                for h in hosts if h.startswith("bad")}
+
+    monkeypatch.setattr(elastic_hosts, "host_problems", problems)
+    listed = {"localhost": 2, "127.0.0.1": 1, "badhost.invalid": 4, "goodhost.invalid": 1}
+    launcher._on_hosts(listed)
+    # Only the hosts new to the job are checked (this machine's names never), with the start timeout.
+    assert checked == [(["badhost.invalid", "goodhost.invalid"], launcher.spec.start_timeout_s)]
+    assert launcher._down == {"badhost.invalid"} and launcher._target == 3
+    assert launcher._usable() == {"localhost": 2, "127.0.0.1": 1, "goodhost.invalid": 1}
+    assert [r.getMessage() for r in caplog.records if "left out" in r.getMessage()] == [
+        "elastic job: left out a host that host discovery added: host 'badhost.invalid': ssh could not connect "
+        "or log in (exit code 255): ssh: no route to badhost.invalid"]
+    # Listed again: neither is checked again; the bad one stays out. A host that left and comes back is.
+    launcher._on_hosts({**listed, "goodhost.invalid": 2})
+    launcher._on_hosts({"localhost": 2, "127.0.0.1": 1, "badhost.invalid": 4})
+    launcher._on_hosts(listed)
+    timeout = launcher.spec.start_timeout_s
+    assert checked[1:] == [([], timeout), ([], timeout), (["goodhost.invalid"], timeout)]
+    assert launcher._down == {"badhost.invalid"}
