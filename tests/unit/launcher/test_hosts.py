@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from phalanx.env import assign_ranks
-from phalanx.errors import InvalidArgumentError
+from phalanx.errors import InvalidArgumentError, PhalanxError
 from phalanx.launch.hosts import HostSlots, is_local, parse_hostfile, parse_hosts, place
-from phalanx.launch.ssh import SshOptions, agent_command, route_address, ssh_argv
+from phalanx.launch.ssh import SshOptions, agent_command, check_hosts, host_problems, route_address, ssh_argv
 
 
 def test_parse_hosts_with_and_without_slots() -> None:
@@ -104,3 +104,23 @@ def test_forwarded_environment() -> None:
            "HOME": "/root", "SECRET_TOKEN": "s"}
     assert forwarded_env(env, {"A": "2", "NCCL_DEBUG": "WARN"}) == {
         "HOROVOD_FUSION_THRESHOLD": "1", "NCCL_DEBUG": "WARN", "PHALANX_SHM": "0", "PYTHONPATH": "/x", "A": "2"}
+
+
+def test_host_check_names_each_host_and_its_cause(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in ``ssh`` on PATH answers per host: refused (255), no such interpreter (127), or never.
+    fake = tmp_path / "ssh"
+    fake.write_text('#!/bin/sh\nfor a; do h="$p"; p="$a"; done\ncase "$h" in\n'
+                    '  refused) echo "ssh: connect to host refused port 22: Connection refused" >&2; exit 255;;\n'
+                    '  nopython) echo "sh: 1: exec: /no/python: not found" >&2; exit 127;;\n'
+                    '  silent) exec sleep 30;;\nesac\nexit 0\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    got = host_problems(["good", "refused", "nopython"], SshOptions(), "/no/python", 30.0)
+    got.update(host_problems(["silent"], SshOptions(), "/no/python", 0.3))
+    assert sorted(got) == ["nopython", "refused", "silent"]
+    assert got["refused"].startswith("host 'refused': ssh could not connect or log in (exit code 255)")
+    assert "Connection refused" in got["refused"]
+    assert "/no/python -m phalanx.launch.agent cannot run there" in got["nopython"] and "not found" in got["nopython"]
+    assert got["silent"] == "host 'silent' did not answer over ssh within 0.3 s (raise --start-timeout)"
+    with pytest.raises(PhalanxError, match="host check failed:\n  host 'refused'"):
+        check_hosts(["good", "refused"], SshOptions(), "/no/python", 30.0)
