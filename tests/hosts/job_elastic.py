@@ -1,9 +1,10 @@
 """The elastic multi-host job: ``STEPS`` committed steps, each one allreduce of ones.
 
-``python job_elastic.py STEPS`` is a worker (run by ``phalanxrun``); ``python job_elastic.py STEPS KEY DISCOVERY``
-is a driver running the same loop as a function, ``phalanx.run(train, hosts="hosta:2,hostb:1", min_np=2,
-max_np=3, host_discovery_script=DISCOVERY)``. Rank 0 prints ``STEP n size s`` after each commit (the test
-changes the hosts once it saw enough steps); every rank of the final world prints one ``RESULT`` JSON line (a
+``python job_elastic.py STEPS`` is a worker (run by ``phalanxrun``); ``python job_elastic.py STEPS KEY DISCOVERY
+HOLD`` is a driver running the same loop as a function, ``phalanx.run(train, hosts="hosta:2,hostb:1",
+min_np=2, max_np=3, host_discovery_script=DISCOVERY)``, whose 3 ranks wait after step HOLD until a new world is
+published (``check_host_updates()`` raises ``HostsUpdatedInterrupt``; the test changes the hosts then). Rank 0
+prints ``STEP n size s`` after each commit; every rank of the final world prints one ``RESULT`` JSON line (a
 worker) or the driver prints the list ``phalanx.run`` returned.
 """
 
@@ -15,8 +16,11 @@ import sys
 import time
 from typing import Any
 
+#: Seconds the ranks hold for a new world before they go on without one (the test then fails).
+HOLD_S = 60.0
 
-def train(steps: int) -> dict[str, Any]:
+
+def train(steps: int, hold_after: int = 0) -> dict[str, Any]:
     """The elastic loop; this rank's record in the final world: rank, size, host and the committed sums."""
     import torch
 
@@ -34,6 +38,11 @@ def train(steps: int) -> dict[str, Any]:
             state.commit()
             if hvd.rank() == 0:
                 print(f"STEP {state.step} size {hvd.size()}", flush=True)
+            if state.step == hold_after and hvd.size() == 3:
+                deadline = time.monotonic() + HOLD_S
+                while time.monotonic() < deadline:
+                    state.check_host_updates()
+                    time.sleep(0.05)
             time.sleep(0.1)
 
     loop(state)
@@ -43,18 +52,18 @@ def train(steps: int) -> dict[str, Any]:
     return record
 
 
-def drive(steps: int, key: str, discovery: str) -> None:
+def drive(steps: int, key: str, discovery: str, hold_after: int) -> None:
     """Run :func:`train` as an elastic function job across the simulated hosts; print what it returned."""
     import phalanx
 
-    out = phalanx.run(train, args=(steps,), np=3, hosts="hosta:2,hostb:1", min_np=2, max_np=3,
+    out = phalanx.run(train, args=(steps, hold_after), np=3, hosts="hosta:2,hostb:1", min_np=2, max_np=3,
                       host_discovery_script=discovery, ssh_identity_file=key, start_timeout=60,
                       env={"PHALANX_ELASTIC_TIMEOUT_S": "30"})
     print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4:
-        drive(int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5:
+        drive(int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
         print("RESULT " + json.dumps(train(int(sys.argv[1]))), flush=True)

@@ -3,9 +3,10 @@
 - ``phalanxrun``: host b dies mid-training (every process on it is SIGKILLed, as when the machine goes
   down); host discovery also lists ``hostc``, a host that does not resolve: it is checked before use and left
   out with one warning, never given a worker. The world re-forms on host a and the job finishes there.
-- ``phalanx.run(fn, hosts=..., min_np=...)``: host discovery stops listing host b mid-training; its worker is
-  stopped (nothing is left on host b while the job goes on), the world re-forms on host a and ``phalanx.run``
-  returns the final world's values.
+- ``phalanx.run(fn, hosts=..., min_np=...)``: host discovery stops listing host b while the ranks wait after
+  a commit; host b's worker is stopped (nothing is left there), the survivors meet the new world as
+  ``HostsUpdatedInterrupt`` (Horovod's way), the world re-forms on host a and ``phalanx.run`` returns the final
+  world's values.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def test_script_job_loses_host_b_and_skips_a_bad_joining_host(cluster: Cluster, 
 
 def test_function_job_stops_the_ranks_of_a_host_that_leaves_discovery(cluster: Cluster, tmp_path: Path) -> None:
     script, listing = discovery(tmp_path, "hosta:2\nhostb:1\n")
-    argv = cluster.argv_on("hosta", [sys.executable, JOB, str(STEPS), str(cluster.key), str(script)])
+    argv = cluster.argv_on("hosta", [sys.executable, JOB, str(STEPS), str(cluster.key), str(script),
+                                     str(CHANGE_AFTER)])
     driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = until(driver, f"STEP {CHANGE_AFTER} size 3")
     assert cluster.hosts["hostb"].leftovers(), "".join(seen)[-3000:]
@@ -110,4 +112,8 @@ def test_function_job_stops_the_ranks_of_a_host_that_leaves_discovery(cluster: C
     assert [v["rank"] for v in values] == [0, 1], values  # the final world's values, in rank order
     check_finished_on_host_a({v["rank"]: v for v in values}, stdout)
     assert "stopping worker 2 on host hostb" in stderr, stderr[-3000:]
+    # The survivors were waiting, not reducing: they met the new world at check_host_updates(), rolled nothing
+    # back, and no collective failed.
+    assert "collective failed" not in stdout + stderr and "HorovodInternalError" not in stdout + stderr, stderr[-3000:]
+    assert values[0]["total"] == 3 * CHANGE_AFTER + 2 * (STEPS - CHANGE_AFTER), values
     assert cluster.wait_clean(10.0) == {}
