@@ -1,4 +1,4 @@
-"""Collectives matched across ranks by name, as Horovod's coordinator matches them (``_engine``'s slow path).
+"""Collectives matched across ranks by name, as Horovod's coordinator matches them (``_rounds``' slow path).
 
 The engine negotiates one control block per rank and round. When every block of a round names the same
 collective (the same name, or unnamed on every rank) it runs at once: the fast path. When they differ
