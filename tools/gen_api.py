@@ -8,14 +8,13 @@ and its docstring. An object exported by several modules is described once and r
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
-import sys
-from pathlib import Path
 from typing import Any
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+import _gen
+
+DOC = _gen.REPO / "docs" / "api.md"
 MODULES = ("phalanx", "phalanx.torch", "phalanx.spark", "phalanx.spark.torch", "phalanx.spark.lightning",
            "phalanx.spark.keras", "phalanx.tensorflow.keras", "phalanx.lightning")
 HEADER = """# API reference
@@ -110,18 +109,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="fail if docs/api.md differs from the code")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if DOC.read_text(encoding="utf-8") != text:
-            print("docs/api.md is out of date: run .venv/bin/python tools/gen_api.py", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text, encoding="utf-8")
-    print(f"wrote {DOC}")
-    return 0
+    """Rewrite docs/api.md, or with ``--check`` exit 1 when it differs from :func:`render`."""
+    return _gen.main(__file__, DOC, render, __doc__, argv)
 
 
 if __name__ == "__main__":
