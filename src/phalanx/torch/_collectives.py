@@ -163,7 +163,19 @@ def _foldable(op: int, postscale: float, n: int, dtype: torch.dtype) -> float | 
     return factor if abs(mantissa) == 0.5 else None
 
 
-class Allgather(Collective):
+class _OneWork(Collective):
+    """A collective whose payload is one async work, ``self.work`` (None until issued or when inline)."""
+
+    work: Any
+
+    def is_done(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def pending(self) -> list[Any]:
+        return [] if self.work is None else [self.work]
+
+
+class Allgather(_OneWork):
     """Allgather along dim 0; ranks may contribute different first dimensions."""
 
     def __init__(self, tensor: torch.Tensor, sig: header.Signature) -> None:
@@ -192,12 +204,6 @@ class Allgather(Collective):
         self.buffer = torch.empty((len(self.dims) * width, *self.rest), dtype=mine.dtype, device=mine.device)
         self.work = shm.all_gather_single(as_bytes(self.buffer), as_bytes(mine), group=groups.data, async_op=True)
 
-    def is_done(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def pending(self) -> list[Any]:
-        return [] if self.work is None else [self.work]
-
     def finish(self) -> Any:
         if self.work is None:
             return self.result
@@ -209,7 +215,7 @@ class Allgather(Collective):
         return torch.cat([self.buffer[i * width : i * width + d] for i, d in enumerate(self.dims)])
 
 
-class Broadcast(Collective):
+class Broadcast(_OneWork):
     """Broadcast from ``root`` (a global rank) into ``output`` (the input itself for ``broadcast_``)."""
 
     def __init__(self, tensor: torch.Tensor, output: torch.Tensor, root: int, sig: header.Signature) -> None:
@@ -233,12 +239,6 @@ class Broadcast(Collective):
             self.wire.copy_(self.tensor)
         self.work = shm.broadcast(as_bytes(self.wire), src=self.root, group=groups.data, async_op=True)
 
-    def is_done(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def pending(self) -> list[Any]:
-        return [] if self.work is None else [self.work]
-
     def finish(self) -> Any:
         if self.work is not None:
             self.work.wait()
@@ -247,7 +247,7 @@ class Broadcast(Collective):
         return self.output
 
 
-class Alltoall(Collective):
+class Alltoall(_OneWork):
     """Alltoall along dim 0 with per-destination row counts ``splits``; returns (output, received)."""
 
     def __init__(self, tensor: torch.Tensor, splits: list[int], me: int, sig: header.Signature) -> None:
@@ -288,12 +288,6 @@ class Alltoall(Collective):
             input_split_sizes=[s * self.row_bytes for s in self.splits],
             group=groups.data, async_op=True,
         )
-
-    def is_done(self) -> bool:
-        return bool(self.work.is_completed())
-
-    def pending(self) -> list[Any]:
-        return [] if self.work is None else [self.work]
 
     def finish(self) -> Any:
         if self.work is not None:
