@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 from phalanx.lightning import registry
 from phalanx.lightning import strategy as hvd_strategy
@@ -110,12 +109,9 @@ def _python(code: str, **env: str) -> str:
 
 
 @pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def one_rank(no_launcher: None) -> Iterator[None]:
     import phalanx.torch as hvd
 
-    for name in (env_names.MASTER_ADDR, env_names.MASTER_PORT, env_names.RANK, env_names.WORLD_SIZE,
-                 env_names.LOCAL_RANK, env_names.HOROVOD_RANK):
-        monkeypatch.delenv(name, raising=False)
     yield
     hvd.shutdown()
 

@@ -10,8 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from phalanx.env import names as env_names
-
 pytest.importorskip("tensorflow")
 
 import keras
@@ -22,10 +20,7 @@ from phalanx.errors import InvalidArgumentError
 
 
 @pytest.fixture
-def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in (env_names.MASTER_ADDR, env_names.MASTER_PORT, env_names.RANK, env_names.WORLD_SIZE,
-                 env_names.LOCAL_RANK, env_names.HOROVOD_RANK):
-        monkeypatch.delenv(name, raising=False)
+def single(no_launcher: None) -> Iterator[None]:
     hvd.init()
     yield
     hvd.shutdown()

@@ -10,14 +10,10 @@ import torch
 import torch.distributed as dist
 
 import phalanx.torch as hvd
-from phalanx.env import names as env_names
 
 
 @pytest.fixture
-def single(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for name in (env_names.MASTER_ADDR, env_names.MASTER_PORT, env_names.RANK, env_names.WORLD_SIZE,
-                 env_names.LOCAL_RANK, env_names.HOROVOD_RANK):
-        monkeypatch.delenv(name, raising=False)
+def single(no_launcher: None) -> Iterator[None]:
     hvd.init()
     yield
     hvd.shutdown()
