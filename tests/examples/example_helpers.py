@@ -1,9 +1,11 @@
 """Helpers for running the examples: the ``examples/`` directory on ``sys.path`` (as when a user runs a
-script from it), and each example's module loaded by path."""
+script from it), each example's module loaded by path, and a script run under ``phalanxrun``."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -25,3 +27,14 @@ def load_example(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def phalanxrun(script: str, *args: str, cwd: Path, timeout: float,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``phalanxrun -np 2 python examples/<script> ARGS`` in ``cwd``, the venv's bin first on PATH (activated)
+    and ``env`` over this process's environment; asserts that it exits 0 and returns the finished process."""
+    full = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {}))
+    proc = subprocess.run([str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / script), *args],
+                          cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

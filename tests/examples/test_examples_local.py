@@ -3,13 +3,11 @@ accuracy floor on scikit-learn's digits (a 2-3 epoch run reaches 0.85-0.95; chan
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
-from example_helpers import EXAMPLES, VENV_BIN, load_example
+from example_helpers import load_example, phalanxrun
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -38,12 +36,7 @@ def test_horovod_runner_on_the_driver(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_unchanged_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     """`phalanxrun -np 2 python examples/horovod_train.py`, with the venv's bin first on PATH (activated)."""
-    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run(
-        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "horovod_train.py"), "--epochs", EPOCHS],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=80,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = phalanxrun("horovod_train.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=80)
     found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", proc.stdout)
     assert found is not None, proc.stdout[-3000:]
     assert float(found.group(1)) > FLOOR
@@ -80,12 +73,7 @@ LIGHTNING_SUMMARY = (r"\[0\]<stdout>:test accuracy: ([0-9.]+); synced validation
 def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     """Horovod's Lightning guide: ``Trainer(strategy="horovod")`` in a script that never imports phalanx."""
     pytest.importorskip("lightning")
-    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.run(
-        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "lightning_horovod_digits.py"),
-         "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=220)
     found = re.search(LIGHTNING_SUMMARY, proc.stdout)
     assert found is not None, proc.stdout[-3000:]
     assert float(found.group(1)) > FLOOR and float(found.group(2)) > FLOOR
@@ -114,12 +102,7 @@ KERAS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
     """Horovod's Keras example, unchanged (``experimental_run_tf_function=False`` included), 2 ranks."""
     pytest.importorskip("tensorflow")
-    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **KERAS_ENV)
-    proc = subprocess.run(
-        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "keras_horovod_train.py"),
-         "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = phalanxrun("keras_horovod_train.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=110, env=KERAS_ENV)
     found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+); weights identical on 2 ranks: True", proc.stdout)
     assert found is not None, proc.stdout[-3000:]
     assert float(found.group(1)) > FLOOR
@@ -131,12 +114,7 @@ def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
 def test_tf_gradient_tape_custom_loop_under_phalanxrun(tmp_path: Path) -> None:
     """A TF2 custom loop with DistributedGradientTape, as Horovod's guide shows it: 2 ranks, identical weights."""
     pytest.importorskip("tensorflow")
-    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}", **KERAS_ENV)
-    proc = subprocess.run(
-        [str(VENV_BIN / "phalanxrun"), "-np", "2", "python", str(EXAMPLES / "tf_gradient_tape_digits.py"),
-         "--epochs", EPOCHS], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=110,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = phalanxrun("tf_gradient_tape_digits.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=110, env=KERAS_ENV)
     found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+) \(2 ranks\); identical weights: True", proc.stdout)
     assert found is not None, proc.stdout[-3000:]
     assert float(found.group(1)) > FLOOR
