@@ -17,7 +17,8 @@ has not published, or waits for a rank that runs) keeps everyone waiting, up to 
 A deadlock is confirmed when two polls see the same records (each record has a version that changes with
 every new wait), then the confirming rank writes a verdict for every deadlocked rank, and every one of
 them raises the same ``CollectiveMismatchError``. The abandoned collectives leave their process sets out
-of step: the engine refuses further collectives on those memberships (``broken``).
+of step: the engine refuses further collectives on those memberships (``broken``). The analysis of the
+records (who is deadlocked, the error's text) is ``_deadlock``'s; this module publishes, polls and decides.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +36,7 @@ from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, HorovodInternalError
 from phalanx.torch import _generations
+from phalanx.torch._deadlock import Ranks, Record, deadlocked, describe
 from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)
@@ -45,107 +46,6 @@ POLL_S = 1.0  # between two reads of the records once a rank has published (at m
 POLL_MAX_S = 10.0  # the back-off's limit
 PREFIX = "phalanx.stall/"
 ACK_S = 3 * POLL_S  # how long the rank that confirms a deadlock waits for the others to read the verdict
-
-Ranks = tuple[int, ...]
-
-
-@dataclass
-class Record:
-    """What one rank published: its wait (None: running) and its per-membership counters.
-
-    Attributes:
-        rank: the global rank.
-        version: changes with every publication.
-        wait: ``{"ranks", "seq", "phase", "kind", "name", "psid"}`` or None.
-        issued: control blocks submitted per membership.
-        rounds: control blocks negotiated per membership (their payloads are issued).
-    """
-
-    rank: int
-    version: int = 0
-    wait: dict[str, Any] | None = None
-    issued: dict[Ranks, int] = field(default_factory=dict)
-    rounds: dict[Ranks, int] = field(default_factory=dict)
-
-    def dumps(self) -> str:
-        """The record as JSON."""
-        return json.dumps({"rank": self.rank, "v": self.version, "wait": self.wait,
-                           "issued": [[list(k), v] for k, v in self.issued.items()],
-                           "rounds": [[list(k), v] for k, v in self.rounds.items()]})
-
-    @classmethod
-    def loads(cls, text: str) -> Record:
-        """Parse :meth:`dumps` output."""
-        d = json.loads(text)
-        wait = d["wait"]
-        if wait is not None:
-            wait["ranks"] = tuple(wait["ranks"])
-        return cls(rank=d["rank"], version=d["v"], wait=wait,
-                   issued={tuple(k): v for k, v in d["issued"]},
-                   rounds={tuple(k): v for k, v in d["rounds"]})
-
-
-def awaited(rec: Record, records: dict[int, Record]) -> list[int]:
-    """The *blocked* peers ``rec``'s wait needs and that have not reached its collective yet.
-
-    A control block waits for peers that have not issued the collective; a payload for peers that have not
-    negotiated it (their payload is issued when they do). Running peers are not listed (they may arrive).
-    """
-    w = rec.wait
-    if w is None:
-        return []
-    out = []
-    for p in w["ranks"]:
-        peer = records.get(p)
-        if p == rec.rank or peer is None or peer.wait is None:
-            continue
-        count = (peer.issued if w["phase"] == "control" else peer.rounds).get(w["ranks"], 0)
-        if count < w["seq"]:
-            out.append(p)
-    return out
-
-
-def deadlocked(records: dict[int, Record]) -> set[int]:
-    """The largest set of blocked ranks in which each waits for at least one rank of the set."""
-    needs = {r: set(awaited(rec, records)) for r, rec in records.items() if rec.wait is not None}
-    stuck = set(needs)
-    changed = True
-    while changed:
-        free = {r for r in stuck if not needs[r] & stuck}
-        stuck -= free
-        changed = bool(free)
-    return stuck
-
-
-def describe(stuck: set[int], records: dict[int, Record]) -> str:
-    """The error text: every deadlocked rank's collective and whom it waits for."""
-    lines = []
-    for r in sorted(stuck):
-        rec = records[r]
-        w = rec.wait
-        assert w is not None
-        ranks = w["ranks"]
-        peers = sorted(set(awaited(rec, records)) & stuck)
-        counts = ", ".join(f"rank {p} issued {records[p].issued.get(ranks, 0)}" for p in peers)
-        name = w["name"] or "<unnamed>"
-        lines.append(
-            f"rank {r} waits in {w['kind']} of tensor {name!r} on process set {w['psid']} (ranks "
-            f"{list(ranks)}; its collective #{w['seq']} there) for {counts} there"
-        )
-    joined = [r for r in sorted(stuck) if (records[r].wait or {}).get("kind") == "join"]
-    hint = (
-        f" Rank(s) {joined} called hvd.join(), which serves only the global process set (as in Horovod): "
-        "while a rank is joined, the others may not run collectives or DistributedOptimizer steps on other "
-        "process sets that include it."
-        if joined
-        else ""
-    )
-    return (
-        "ranks are blocked on collectives of different process sets (a deadlock): " + "; ".join(lines) + ". "
-        "Every rank must issue the collectives of every process set it belongs to in the same order; the "
-        "collectives were abandoned and these process sets cannot be used any more (shut down and restart)." + hint
-    )
-
 
 class Inspector:
     """This rank's side: publish when stalled, poll, confirm, raise. One instance, ``INSPECTOR``."""
