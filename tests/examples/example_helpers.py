@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,11 @@ def phalanxrun(script: str, *args: str, cwd: Path, timeout: float,
                           cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def rank0_line(stdout: str, pattern: str) -> re.Match[str]:
+    """The match of ``pattern`` in rank 0's prefixed output (``[0]<stdout>:...``); fails with the output's
+    tail when rank 0 printed no such line."""
+    found = re.search(r"\[0\]<stdout>:" + pattern, stdout)
+    assert found is not None, stdout[-3000:]
+    return found

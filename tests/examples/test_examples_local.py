@@ -3,11 +3,10 @@ accuracy floor on scikit-learn's digits (a 2-3 epoch run reaches 0.85-0.95; chan
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
-from example_helpers import load_example, phalanxrun
+from example_helpers import load_example, phalanxrun, rank0_line
 
 pytestmark = [pytest.mark.multiprocess]
 
@@ -37,8 +36,7 @@ def test_horovod_runner_on_the_driver(tmp_path: Path) -> None:
 def test_unchanged_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     """`phalanxrun -np 2 python examples/horovod_train.py`, with the venv's bin first on PATH (activated)."""
     proc = phalanxrun("horovod_train.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=80)
-    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", proc.stdout)
-    assert found is not None, proc.stdout[-3000:]
+    found = rank0_line(proc.stdout, r"test accuracy: ([0-9.]+)")
     assert float(found.group(1)) > FLOOR
     assert (tmp_path / "digits_horovod.pt").is_file()
 
@@ -65,7 +63,7 @@ def test_lightning_under_torch_distributor() -> None:
     assert load_example("lightning_digits").main(["--epochs", EPOCHS]) > FLOOR
 
 
-LIGHTNING_SUMMARY = (r"\[0\]<stdout>:test accuracy: ([0-9.]+); synced validation accuracy: ([0-9.]+); "
+LIGHTNING_SUMMARY = (r"test accuracy: ([0-9.]+); synced validation accuracy: ([0-9.]+); "
                      r"weights identical on 2 ranks: True; checkpoint: (\S+)")
 
 
@@ -74,8 +72,7 @@ def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     """Horovod's Lightning guide: ``Trainer(strategy="horovod")`` in a script that never imports phalanx."""
     pytest.importorskip("lightning")
     proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=220)
-    found = re.search(LIGHTNING_SUMMARY, proc.stdout)
-    assert found is not None, proc.stdout[-3000:]
+    found = rank0_line(proc.stdout, LIGHTNING_SUMMARY)
     assert float(found.group(1)) > FLOOR and float(found.group(2)) > FLOOR
     assert found.group(3) == str(tmp_path / "lightning_horovod_ckpt" / "digits.ckpt") and Path(found.group(3)).is_file()
     assert "[1]<stdout>:test accuracy" not in proc.stdout  # rank 0 reports
@@ -103,8 +100,7 @@ def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
     """Horovod's Keras example, unchanged (``experimental_run_tf_function=False`` included), 2 ranks."""
     pytest.importorskip("tensorflow")
     proc = phalanxrun("keras_horovod_train.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=110, env=KERAS_ENV)
-    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+); weights identical on 2 ranks: True", proc.stdout)
-    assert found is not None, proc.stdout[-3000:]
+    found = rank0_line(proc.stdout, r"test accuracy: ([0-9.]+); weights identical on 2 ranks: True")
     assert float(found.group(1)) > FLOOR
     assert "experimental_run_tf_function" in proc.stdout + proc.stderr  # the warning that it was dropped
     assert (tmp_path / "digits_keras.keras").is_file()
@@ -115,8 +111,7 @@ def test_tf_gradient_tape_custom_loop_under_phalanxrun(tmp_path: Path) -> None:
     """A TF2 custom loop with DistributedGradientTape, as Horovod's guide shows it: 2 ranks, identical weights."""
     pytest.importorskip("tensorflow")
     proc = phalanxrun("tf_gradient_tape_digits.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=110, env=KERAS_ENV)
-    found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+) \(2 ranks\); identical weights: True", proc.stdout)
-    assert found is not None, proc.stdout[-3000:]
+    found = rank0_line(proc.stdout, r"test accuracy: ([0-9.]+) \(2 ranks\); identical weights: True")
     assert float(found.group(1)) > FLOOR
 
 
