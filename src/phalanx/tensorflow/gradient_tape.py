@@ -19,6 +19,7 @@ import tensorflow as tf
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow._groups import local_layer_variables
 from phalanx.tensorflow._reduce_grads import GradReducer, make_reducer
+from phalanx.tensorflow._subclass import mixed_in
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.torch import _reduce as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
@@ -42,17 +43,6 @@ class _DistributedGradientTapeMixin:
         flat_sources = tf.nest.flatten(sources)
         flat = self._hvd_reducer(tf.nest.flatten(grads), flat_sources)
         return tf.nest.pack_sequence_as(grads, flat)
-
-
-_CLASSES: dict[type, type] = {}
-
-
-def _distributed_class(base: type) -> type:
-    if issubclass(base, _DistributedGradientTapeMixin):
-        return base
-    if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (_DistributedGradientTapeMixin, base), {"__module__": base.__module__})
-    return _CLASSES[base]
 
 
 def DistributedGradientTape(
@@ -88,7 +78,7 @@ def DistributedGradientTape(
         raise InvalidArgumentError(f"DistributedGradientTape needs a tf.GradientTape; got {type(gradtape).__name__}")
     reducer = make_reducer("DistributedGradientTape", compression, sparse_as_dense, op, gradient_predivide_factor,
                            num_groups, groups, process_set, scale_local_gradients)
-    tape: Any = object.__new__(_distributed_class(type(gradtape)))
+    tape: Any = object.__new__(mixed_in(_DistributedGradientTapeMixin, type(gradtape)))
     tape.__dict__.update(gradtape.__dict__)  # the recording itself (``_tape``) is shared, not copied
     tape._hvd_reducer = reducer
     return tape

@@ -21,6 +21,7 @@ import torch
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import ops
 from phalanx.tensorflow._groups import check_groups, groups_option, local_layer_variables, partition
+from phalanx.tensorflow._subclass import mixed_in
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.torch import _reduce
 from phalanx.torch.process_sets import ProcessSet, global_process_set
@@ -137,16 +138,9 @@ class _DistributedMixin:
         return tf.cond(passes % n == 0, flush, lambda: tf.constant(False))
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def distributed_class(base: type) -> Any:
     """The distributed subclass of an optimizer class (cached; same name and module as ``base``)."""
-    if issubclass(base, _DistributedMixin):
-        return base
-    if base not in _CLASSES:
-        _CLASSES[base] = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
-    return _CLASSES[base]
+    return mixed_in(_DistributedMixin, base)
 
 
 def is_distributed(optimizer: Any) -> bool:
