@@ -24,71 +24,25 @@ peer writes a byte to after publishing a counter): the kernel wakes the waiter a
 publishes, which matters when more processes than cores compete (two cores shared by every rank). A
 missing wake-up costs at most ``CHECK_S`` (the counters are re-read after every wake-up or time-out),
 and every ``CHECK_S`` check the abort word, a deadline and whether the peers' processes still exist.
+
+The control area (its layout, the counters, the waits and failing alike) is ``_control.Control``, which
+``Channel`` extends with the steps over the slots.
 """
 
 from __future__ import annotations
 
 import os
-import select
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from phalanx.errors import ShmTransportError
 from phalanx.transport import _cma
+from phalanx.transport._control import SPIN, Control, layout
 from phalanx.transport._segment import Segment
 
-LINE = 64
-PAGE = 4096
-SPIN = 400  # pure spins before yielding: a peer one step behind usually arrives within them
-YIELD_S = 0.0  # sched_yield phase (off: under load a yield gives away a whole time slice), then block
-CHECK_S = 0.05
-# A blocked wait re-reads its counter at least this often even without a wake-up byte: with DDP's gloo
-# group stepping in the same process, waits were observed to sit out whole select time-outs (cause not
-# found yet; see BENCHMARKS.md), so the time-out bounds what a missed wake-up costs.
-SELECT_S = 0.002
-COUNTERS = 4  # chunk counters per rank for streamed steps (see ``_stream``)
 
-
-class _Hooks:
-    """The caller's wait callbacks (installed by ``api.set_wait_hooks``, see ``api.WaitHooks``; None: off).
-
-    ``paused`` > 0 skips them: deferred grad-channel work and an early-reduction wait run inside a wait the
-    caller did not start as one of its own collectives, so there is nothing for its callbacks to describe.
-    """
-
-    stalled: Callable[[float], Exception | None] | None = None
-    resumed: Callable[[], None] | None = None
-    verdict: Callable[[], Exception | None] | None = None  # a confirmed deadlock, raised instead of a failure
-    paused = 0
-
-
-HOOKS = _Hooks()
-
-
-def control_lines(n: int) -> int:
-    """The 64-byte lines of the control area that the channel uses (the rest of its last page is spare:
-    ``_early`` keeps its words there on the grad channel)."""
-    return 4 * n + 1 + COUNTERS * n
-
-
-def layout(n: int, slot_bytes: int) -> tuple[int, int]:
-    """(bytes of the control area rounded to a page, total bytes) of a channel of ``n`` ranks."""
-    ctl = -(-control_lines(n) * LINE // PAGE) * PAGE
-    return ctl, ctl + n * slot_bytes
-
-
-def _pid_dead(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state in (b"Z", b"X")
-
-
-class Channel:
+class Channel(Control):
     """Steps of a group's ranks on one host over one region of a shared-memory segment.
 
     Args:
@@ -104,156 +58,24 @@ class Channel:
 
     def __init__(self, seg: Segment, base: int, n: int, me: int, slot_bytes: int, timeout_s: float,
                  label: str, ranks: Sequence[int] = (), knob: str = "PHALANX_SHM_TIMEOUT_S") -> None:
-        self.seg, self.n, self.me, self.slot_bytes = seg, n, me, slot_bytes
-        self.timeout_s, self.label, self.knob = timeout_s, label, knob
-        self.ranks = tuple(ranks)
+        super().__init__(seg, base, n, me, timeout_s, label, ranks, knob)
+        self.slot_bytes = slot_bytes
         ctl, _total = layout(n, slot_bytes)
-        self.words = memoryview(seg.buf)[base : base + ctl].cast("q")
         self.slots = [
             torch.frombuffer(seg.buf, dtype=torch.uint8, count=slot_bytes, offset=base + ctl + i * slot_bytes)
             for i in range(n)
         ]
         self.gen = 0
-        self.words[self._pid(me)] = os.getpid()
-        self.broken: str | None = None
-        self.inspected = True  # consult the wait hooks (False: waits run on a worker thread, see _serial)
-        self.wake_r = -1  # this rank's wake-up FIFO (read end), and the peers' (write ends; -1 for self)
-        self.wake_w: list[int] = []
         self._view_cache: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.cma = False  # cross-memory attach agreed by every rank (see :meth:`enable_cma`)
         self.scratch: list[torch.Tensor] = []  # pre-faulted per-peer buffers of cross-memory steps
         self.streamed = 0  # chunks of streamed steps so far (the chunk counters' base)
         self.rings: dict[tuple[torch.dtype, int], object] = {}  # ``_stream``'s views of the slots
 
-    def set_wakeups(self, read_fd: int, write_fds: list[int]) -> None:
-        """Use wake-up FIFOs (shared by the channels of one segment; the transport owns and closes them)."""
-        self.wake_r, self.wake_w = read_fd, write_fds
-
-    def _post(self, k: int, g: int) -> None:
-        self.words[k] = g
-        for fd in self.wake_w:
-            if fd >= 0:
-                try:
-                    os.write(fd, b"\0")
-                except (BlockingIOError, BrokenPipeError):
-                    pass  # full, hence readable: the peer wakes anyway; or the peer has closed it (shut down)
-
-    def _arrive(self, i: int) -> int:
-        return (1 + i) * 8
-
-    def _done(self, i: int) -> int:
-        return (1 + self.n + i) * 8
-
-    def _pid(self, i: int) -> int:
-        return (1 + 2 * self.n + i) * 8
-
-    def _addr(self, i: int) -> int:
-        return (1 + 3 * self.n + i) * 8
-
-    def peer_pids(self) -> list[int]:
-        """The pids the ranks wrote (0 for one that has not attached yet)."""
-        return [self.words[self._pid(i)] for i in range(self.n)]
-
     def close(self) -> None:
         """Release the counters' view (the slots go with their tensors)."""
         self._view_cache.clear()
         self.words.release()
-
-    # --- waiting -------------------------------------------------------------------------------------
-
-    def _wait_all(self, index: Callable[[int], int], g: int, what: str) -> None:
-        words = self.words
-        for j in range(self.n):
-            k = index(j)
-            if words[k] >= g:
-                continue
-            spins = 0
-            while words[k] < g and spins < SPIN:
-                spins += 1
-            if words[k] < g:
-                self._wait_slow(k, g, j, what)
-
-    def _wait_slow(self, k: int, g: int, j: int, what: str, step: int = -1) -> None:
-        """Wait until word ``k`` (peer ``j``'s) reaches ``g``; errors name ``step`` (default: ``g``)."""
-        words, step = self.words, g if step < 0 else step
-        start = time.monotonic()
-        next_check, nap = start + CHECK_S, 0.00002
-        stalled = False
-        while words[k] < g:
-            now = time.monotonic()
-            if now - start < YIELD_S:
-                os.sched_yield()
-            elif self.wake_r >= 0:
-                self._block(words, k, g)
-            else:
-                time.sleep(nap)
-                nap = min(nap * 2, CHECK_S / 10)
-            if now >= next_check:
-                next_check = now + CHECK_S
-                self._check(j, step, what, now - start)
-                stalled = self._inspect(now - start, step, what) or stalled
-        if stalled and HOOKS.resumed is not None:
-            HOOKS.resumed()
-
-    def _inspect(self, waited: float, g: int, what: str) -> bool:
-        """Consult the wait hooks; True when they were consulted (raises their error, breaking the channel)."""
-        hook = HOOKS.stalled
-        if hook is None or HOOKS.paused or not self.inspected:
-            return False
-        error = hook(waited)
-        if error is not None:
-            self.broken = f"shared-memory {what} on {self.label} was abandoned at step {g}: {error}"
-            raise error
-        return True
-
-    def _block(self, words: memoryview, k: int, g: int) -> None:
-        if words[k] >= g:
-            return
-        ready, _w, _x = select.select([self.wake_r], [], [], SELECT_S)
-        if ready:
-            try:
-                os.read(self.wake_r, 65536)
-            except BlockingIOError:
-                pass
-
-    def _check(self, j: int, g: int, what: str, waited: float) -> None:
-        culprit = self.words[0]
-        if culprit:
-            self._fail(f"rank index {culprit - 1} of the channel gave up (see its error)", g, what, signal=False)
-        pid, peer = self.words[self._pid(j)], self._peer(j)
-        if pid and _pid_dead(pid):
-            self._fail(
-                f"{peer} (pid {pid}) has died or exited (a rank that leaves while others still run collectives: "
-                "give every rank the same number of steps, or call hvd.join() when done)", g, what,
-            )
-        if waited > self.timeout_s:
-            self._fail(
-                f"{peer} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
-                f"(raise {self.knob} if ranks legitimately run apart that long)", g, what,
-            )
-
-    def _peer(self, j: int) -> str:
-        return f"peer rank {self.ranks[j]}" if len(self.ranks) == self.n else f"peer index {j}"
-
-    def _fail(self, cause: str, g: int, what: str, signal: bool = True) -> None:
-        error = HOOKS.verdict() if HOOKS.verdict is not None and self.inspected else None
-        if error is not None:
-            self.broken = f"shared-memory {what} on {self.label} was abandoned at step {g}: {error}"
-            raise error
-        if signal and not self.words[0]:
-            self.words[0] = 1 + self.me
-        self.broken = f"shared-memory {what} on {self.label} failed at step {g}: {cause}"
-        raise ShmTransportError(
-            f"{self.broken}. Every rank of the group must issue the same collectives in the same order; "
-            "set PHALANX_SHM=0 to use gloo instead"
-        )
-
-    def abort(self, cause: str) -> None:
-        """Break the channel because this rank failed outside it (e.g. its leaders' gloo step): the peers
-        waiting on it fail at their next check instead of waiting out the time-out."""
-        if not self.words[0]:
-            self.words[0] = 1 + self.me
-        self.broken = f"shared-memory channel {self.label} was abandoned: {cause}"
 
     def _begin(self) -> int:
         if self.broken is not None:
@@ -314,14 +136,6 @@ class Channel:
             self._wait_one(root, g, what)
             out.copy_(self.slots[root][: out.numel()])
         self._post(self._done(self.me), g)
-
-    def _wait_one(self, j: int, g: int, what: str) -> None:
-        k = self._arrive(j)
-        spins = 0
-        while self.words[k] < g and spins < SPIN:
-            spins += 1
-        if self.words[k] < g:
-            self._wait_slow(k, g, j, what)
 
     def barrier(self) -> None:
         """Return once every rank of the channel reached this step."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.transport import _channel, _early, _many, _ops, _thp
+from phalanx.transport import _channel, _control, _early, _many, _ops, _thp
 from phalanx.transport._hier import Hierarchy
 from phalanx.transport._setup import Transport
 
@@ -55,7 +55,7 @@ class _Deferred:
 
     def wait(self, timeout: Any = None) -> bool:
         """Run the queued work up to this one; raise its error, also on a later wait (as torch's ``Work``)."""
-        _channel.HOOKS.paused += 1  # the caller's wait hooks describe its own collectives, not queued grad work
+        _control.HOOKS.paused += 1  # the caller's wait hooks describe its own collectives, not queued grad work
         try:
             while not self.done:
                 head = self.queue.popleft()
@@ -66,7 +66,7 @@ class _Deferred:
                     head.error = e
                     raise
         finally:
-            _channel.HOOKS.paused -= 1
+            _control.HOOKS.paused -= 1
         if self.error is not None:
             raise self.error
         return True

@@ -38,7 +38,8 @@ import torch
 
 from phalanx.env import settings
 from phalanx.transport import _cma, _thp
-from phalanx.transport._channel import HOOKS, LINE, SPIN, Channel, control_lines, layout
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import HOOKS, LINE, SPIN, control_lines, layout
 from phalanx.transport._many import _chunks, eligible, lerp_owner
 
 PIECE_BYTES = 256 * 1024  # bytes reduced before the worker looks again whether the peer has arrived

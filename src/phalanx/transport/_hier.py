@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from phalanx.errors import CollectiveMismatchError, ShmTransportError
 from phalanx.transport import _ops, _rs
-from phalanx.transport._channel import HOOKS, Channel
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import HOOKS
 
 ReduceOp = dist.ReduceOp
 # From this size on, allreduces cross hosts part by part (when ``cross`` is set): below it the leaders' one

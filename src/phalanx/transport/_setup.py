@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from phalanx.env import settings
 from phalanx.transport import _segment
-from phalanx.transport._channel import Channel, _pid_dead, layout
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import _pid_dead, layout
 from phalanx.transport._serial import Serial
 
 CTRL_SLOT_BYTES = 64 * 1024

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.transport import _dispatch, native
-from phalanx.transport._channel import HOOKS
+from phalanx.transport._control import HOOKS
 from phalanx.transport._dispatch import Done, all_gather_single, all_reduce, broadcast, clear, register
 from phalanx.transport._early import Area as EarlyArea
 from phalanx.transport._setup import Transport, build, enabled

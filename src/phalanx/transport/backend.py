@@ -27,7 +27,8 @@ from torch._C import _distributed_c10d as _c10d
 
 from phalanx.errors import ShmTransportError
 from phalanx.transport import _check, _ops, _segment, _setup, native
-from phalanx.transport._channel import Channel, _pid_dead, layout
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import _pid_dead, layout
 from phalanx.transport._hier import Hierarchy
 from phalanx.transport._serial import Serial
 

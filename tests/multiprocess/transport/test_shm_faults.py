@@ -17,7 +17,8 @@ import torch.distributed as dist
 import phalanx
 from phalanx.errors import ShmTransportError, WorkerFailedError
 from phalanx.transport import _ops, _segment
-from phalanx.transport._channel import Channel, layout
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import layout
 from phalanx.transport._serial import Serial
 
 pytestmark = [pytest.mark.multiprocess]
@@ -28,7 +29,8 @@ PEER = textwrap.dedent(
     """
     import os, signal, sys, time, torch, torch.distributed as dist
     from phalanx.transport import _ops, _segment
-    from phalanx.transport._channel import Channel, layout
+    from phalanx.transport._channel import Channel
+    from phalanx.transport._control import layout
     name, mode = sys.argv[1], sys.argv[2]
     seg = _segment.attach(name, layout(2, 4096)[1])
     ch = Channel(seg, 0, 2, 1, 4096, 60.0, "peer")

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.transport import _ops, _segment, _stream
-from phalanx.transport._channel import Channel, layout
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import layout
 
 R = dist.ReduceOp
 

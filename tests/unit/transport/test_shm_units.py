@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from phalanx.env import settings
 from phalanx.transport import _ops, _segment, _setup
-from phalanx.transport._channel import LINE, PAGE, Channel, layout
+from phalanx.transport._channel import Channel
+from phalanx.transport._control import LINE, PAGE, layout
 
 
 def test_segment_create_attach_unlink() -> None:
