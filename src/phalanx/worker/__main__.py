@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from phalanx.worker.runtime import main
+from phalanx.worker.runtime import leave, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

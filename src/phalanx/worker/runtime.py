@@ -7,11 +7,12 @@ job or disappears, so no worker outlives its driver.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from phalanx.env import read_contract
 from phalanx.errors import ChannelError, PhalanxError
@@ -110,3 +111,23 @@ def main() -> int:
         sys.stderr.flush()
         channel.close()
     return code
+
+
+def leave(code: int) -> NoReturn:
+    """End the worker process as an interpreter's exit does for the user's code, then stop at once.
+
+    Non-daemon threads are joined and atexit hooks run (the user's, a timeline's stop, TensorFlow's
+    temporary files), and the output is flushed, but the interpreter's teardown of every module is
+    skipped: with torch imported it is most of a rank's exit time, the driver waits for the exit, and
+    nothing of the job lives in it. A warm-started rank ends the same way (:mod:`phalanx.worker.template`).
+    """
+    shutdown = getattr(threading, "_shutdown", None)  # what the interpreter calls first at exit
+    if callable(shutdown):
+        shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):  # closed or replaced by the user's code
+            pass
+    os._exit(code)

@@ -107,11 +107,30 @@ def test_failures_are_reported_as_in_a_cold_start(how: str, message: str) -> Non
     assert phalanx.run(os.getppid, np=2) == [next(iter(warm.template_pids()))] * 2
 
 
+def _leave_work_for_the_exit(folder: str) -> int:
+    import atexit
+    import threading
+    import time
+
+    rank = int(os.environ["RANK"])
+
+    def late() -> None:
+        time.sleep(0.2)
+        open(os.path.join(folder, f"rank{rank}.thread"), "w").close()
+
+    threading.Thread(target=late).start()  # not a daemon: the interpreter's exit waits for it
+    atexit.register(lambda: open(os.path.join(folder, f"rank{rank}.exited"), "w").close())
+    return os.getppid()
+
+
 @pytest.mark.timeout(120)
-def test_opt_out_starts_cold(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_opt_out_starts_cold(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     _warm_up()
     monkeypatch.setenv("PHALANX_WARM_START", "0")
-    assert set(phalanx.run(os.getppid, np=2)) == {os.getpid()}
+    assert set(phalanx.run(_leave_work_for_the_exit, args=(str(tmp_path),), np=2)) == {os.getpid()}
+    # a cold rank ends as an interpreter does: its non-daemon threads joined, its atexit hooks run
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "rank0.exited", "rank0.thread", "rank1.exited", "rank1.thread"]
 
 
 @pytest.mark.timeout(120)
