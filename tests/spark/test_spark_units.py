@@ -137,6 +137,25 @@ def test_collect_modules_takes_the_scripts_neighbours_and_imported_packages(tmp_
     assert shipping.collect_modules(tmp_path.resolve()) == {}
 
 
+def test_collect_modules_judges_imported_files_by_where_their_links_lead(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    root, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    (root / "pkg").mkdir(parents=True)
+    elsewhere.mkdir()
+    (root / "pkg" / "inside.py").write_text("")
+    (elsewhere / "outside.py").write_text("")
+    (root / "linked_out.py").symlink_to(elsewhere / "outside.py")  # under root by name only
+    (elsewhere / "linked_in.py").symlink_to(root / "pkg" / "inside.py")  # a file of root's, by its link
+    (elsewhere / "via_dir").symlink_to(root / "pkg", target_is_directory=True)
+    for name, file in (("m_out", root / "linked_out.py"), ("m_in", elsewhere / "linked_in.py"),
+                       ("m_dir", elsewhere / "via_dir" / "inside.py"), ("m_far", elsewhere / "outside.py")):
+        module = type(sys)(name)
+        module.__file__ = str(file)
+        monkeypatch.setitem(sys.modules, name, module)
+    files = shipping._imported_under(root.resolve())
+    assert files == {(root / "pkg" / "inside.py").resolve()}
+
+
 def test_no_shipping_from_the_python_installation(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_main = type(sys)("__main__")
     fake_main.__file__ = str(Path(sys.prefix) / "bin" / "pytest")

@@ -59,13 +59,36 @@ def _under(path: Path, root: Path) -> bool:
     return True
 
 
+def _imported_under(root: Path) -> set[Path]:
+    """The resolved files of the imported modules that live under ``root`` (resolved itself).
+
+    Each directory is resolved once (most modules share a few), then only a file that is itself a
+    symbolic link is resolved on its own: ``realpath(dir/name)`` is ``realpath(dir)/name`` otherwise.
+    """
+    top = str(root)
+    prefix = top if top.endswith(os.sep) else top + os.sep
+    dirs: dict[str, str] = {}
+    found: set[Path] = set()
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or not file.endswith(".py"):
+            continue
+        head, name = os.path.split(file)
+        if head not in dirs:
+            dirs[head] = os.path.realpath(head)
+        path = os.path.join(dirs[head], name)
+        if os.path.islink(path):
+            path = os.path.realpath(path)
+        if path == top or path.startswith(prefix):
+            found.add(Path(path))
+    return found
+
+
 def _candidates(root: Path, imported: bool) -> set[Path]:
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     found = {p.resolve() for p in root.glob("*.py")}
-    for module in list(sys.modules.values()) if imported else []:
-        file = getattr(module, "__file__", None)
-        if file and file.endswith(".py") and _under(Path(file).resolve(), root):
-            found.add(Path(file).resolve())
+    if imported:
+        found |= _imported_under(root)
     if main_file:
         found.discard(Path(main_file).resolve())
     return {p for p in found if "site-packages" not in p.parts and p.is_file()}
