@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -36,10 +37,10 @@ def _identity() -> dict[str, Any]:
             **{k: os.environ.get(k) for k in KEYS}}
 
 
-@pytest.mark.timeout(180)
-def test_four_ranks_two_per_worker_with_local_and_cross_ranks() -> None:
-    out = run(_identity, num_proc=4, env={"USER_VAR": "v"})
-    assert {o["sum"] for o in out} == {4.0}
+def _check_identities(out: list[dict[str, Any]]) -> None:
+    """Four ranks, two per worker: the allreduce, the backend, the interpreter, the env and the local and
+    cross ranks."""
+    assert len(out) == 4 and {o["sum"] for o in out} == {4.0}
     # two hosts, two ranks each: the gloo request gets the hierarchical phalanx_shm group (shm within a host)
     assert {o["backend"] for o in out} == {"gloo cpu:phalanx_shm,cuda:gloo"}
     assert all(o["shm"].get("allreduce") == 1 for o in out), [o["shm"] for o in out]
@@ -83,23 +84,31 @@ def _all_gpus() -> tuple[str, list[tuple[str, str]]]:
     return os.environ["CUDA_VISIBLE_DEVICES"], [tuple(g.split("|")) for g in gathered]  # type: ignore[misc]
 
 
-def _fail_on_rank_3(pid_dir: str) -> None:
+def _identity_then_fail_on_rank_3(pid_dir: str) -> None:
+    """Every rank reports its identity (``_identity``, one allreduce over the 4 ranks) to a file; rank 3 then
+    fails once every rank has written it, while the others sleep."""
     Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
+    report = Path(pid_dir, f"identity-{os.environ['RANK']}.json")
+    report.with_suffix(".tmp").write_text(json.dumps(_identity()))
+    report.with_suffix(".tmp").rename(report)  # whole, for rank 3 and the test
     if os.environ["RANK"] == "3":
-        deadline = time.monotonic() + 60  # fail once every rank runs (some may start later)
-        while len(list(Path(pid_dir).iterdir())) < 4 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while len(list(Path(pid_dir).glob("identity-*.json"))) < 4 and time.monotonic() < deadline:
             time.sleep(0.05)
         raise RuntimeError("rank 3 ran out of patience")
     time.sleep(120)
 
 
 @pytest.mark.timeout(180)
-def test_failure_on_the_cluster_tears_down_every_rank(tmp_path: Path) -> None:
+def test_four_ranks_two_per_worker_then_a_failure_tears_down_every_rank(tmp_path: Path) -> None:
+    """One job of 4 ranks on the 2 workers: each checks its identity (local and cross ranks, backend, env),
+    then rank 3 fails and every rank is torn down."""
     with pytest.raises(WorkerFailedError) as info:
-        run(_fail_on_rank_3, args=(str(tmp_path),), num_proc=4)
+        run(_identity_then_fail_on_rank_3, args=(str(tmp_path),), num_proc=4, env={"USER_VAR": "v"})
     assert info.value.root_cause.rank == 3
     assert "RuntimeError: rank 3 ran out of patience" in str(info.value)
-    pids = [int(p.read_text()) for p in tmp_path.iterdir()]
+    _check_identities([json.loads(p.read_text()) for p in sorted(tmp_path.glob("identity-*.json"))])
+    pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.name.isdigit()]
     assert len(pids) == 4
     deadline = time.monotonic() + 20
     while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
