@@ -22,13 +22,14 @@ from phalanx.spark.torch import LocalStore, TorchEstimator  # or: from horovod.s
 
 def digits_frames(spark: Any, seed: int = 0) -> tuple[Any, Any]:
     """The digits as ``(train_df, test_df)``: ``features`` (a DenseVector of 64 values in [0, 1]) and
-    ``label`` (0..9), split 80/20 at random."""
+    ``label`` (0..9), split 80/20 at random. The 1797 rows are one partition: a task per partition would
+    only add tasks (and model loads in ``transform``) for data this small."""
     from _digits import load_digits_arrays
     from pyspark.ml.linalg import Vectors
 
     x, y = load_digits_arrays()
     rows = [(Vectors.dense(xi / 16.0), int(yi)) for xi, yi in zip(x, y)]
-    df = spark.createDataFrame(rows, ["features", "label"])
+    df = spark.createDataFrame(rows, ["features", "label"]).coalesce(1)
     train, test = df.randomSplit([0.8, 0.2], seed=seed)
     return train, test
 
