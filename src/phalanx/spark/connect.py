@@ -39,6 +39,8 @@ log = logging.getLogger("phalanx")
 LINK_PROBE_S = 3.0
 _SPARK_ERROR_LINES = 30
 _STREAMS = {"stdout": Stream.STDOUT, "stderr": Stream.STDERR}
+#: Put on the log link's queue when the query returned, so the pump stops waiting for records at once.
+_QUERY_ENDED = object()
 
 
 @dataclass
@@ -90,6 +92,7 @@ class ConnectLauncher:
         self._live = False
         self._link_closed = False
         self._secret = ""
+        self._query_ended = threading.Event()
 
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for a command job) in rank order.
@@ -110,8 +113,8 @@ class ConnectLauncher:
                      "live if the executors reach this client at %s within %g s, else they return with the "
                      "result", self.run_id, link.address, LINK_PROBE_S)
             with StageWatch(self.session) as watch:
-                thread = threading.Thread(target=self._collect, args=(query, tag, watch), name="phalanx-connect",
-                                          daemon=True)
+                thread = threading.Thread(target=self._collect, args=(query, tag, watch, link),
+                                          name="phalanx-connect", daemon=True)
                 thread.start()
                 self._pump(link, sinks, thread, tag, watch)
             outcome = self._outcome()
@@ -138,7 +141,7 @@ class ConnectLauncher:
         np = self.spec.np
         return self.session.range(0, np, 1, np).mapInArrow(connect_task(spec), connect_wire.SCHEMA, barrier=True)
 
-    def _collect(self, query: Any, tag: str, watch: StageWatch) -> None:
+    def _collect(self, query: Any, tag: str, watch: StageWatch, link: DriverChannel) -> None:
         watch.thread_id = threading.get_ident()
         self.session.addTag(tag)  # tags are the thread's: this query only
         try:
@@ -147,6 +150,11 @@ class ConnectLauncher:
             self._failure = e
         finally:
             self.session.removeTag(tag)
+            self._query_ended.set()
+            try:
+                link.events.put(_QUERY_ENDED, block=False)  # wakes the pump
+            except queue.Full:
+                pass  # the pump has records to read, and sees the end after them
 
     def _pump(self, link: DriverChannel, sinks: _Sinks, thread: threading.Thread, tag: str, watch: StageWatch) -> None:
         """Write live log records until the query ended and the link (if any) is read out; give up on a stage
@@ -157,7 +165,7 @@ class ConnectLauncher:
         """
         deadline = time.monotonic() + self.spec.start_timeout_s
         try:
-            while thread.is_alive():
+            while thread.is_alive() and not self._query_ended.is_set():
                 self._read_link(link, sinks, 0.1)
                 waiting = watch.armed and not watch.started.is_set() and not self._live
                 if waiting and time.monotonic() > deadline and thread.is_alive():
