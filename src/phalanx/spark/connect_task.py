@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from phalanx.env import JobContract
+from phalanx.env import JobContract, settings
+from phalanx.launch import warm
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.supervisor import EXIT_NOT_STARTED
 from phalanx.spark import connect_wire
@@ -80,11 +81,21 @@ def _run_rank(spec: ConnectTaskSpec, rank: int, gathered: list[dict[str, Any]]) 
     if "failed" in hosted:
         return connect_wire.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
     task = _launcher(spec).task_spec(_contract(spec, hosted))
+    # The template started with this task imports what a cold rank would: waiting for it beats starting over.
+    task = replace(task, warm_wait_s=max(warm.READY_WAIT_S, spec.job.start_timeout_s / 2))
     hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
     run = supervise_slot if spec.elastic is not None else supervise
     status = json.loads(run(task, rank, hosts, gpus))
     return connect_wire.status_body(int(status["rank"]), int(status["exit"]), bool(status["reported"]),
                                     status.get("error") or "")
+
+
+def _warm_early(job: SparkJobSpec) -> None:
+    """Start this executor's warm-start template now, when the job's ranks may fork from one and none runs:
+    its imports then overlap the barrier round, and the rank forks from it (it waits for its imports up to
+    ``warm.READY_WAIT_S``, else starts cold) instead of paying them after the round."""
+    if job.command is None and job.warm_preload is not None and settings.WARM_START.get(job.env):
+        warm.prepare(job.warm_preload)
 
 
 def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[Any]]:
@@ -95,6 +106,7 @@ def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[An
 
         for _ in batches:  # the input is one row per task; the rank is the partition id
             pass
+        _warm_early(spec.job)
         ctx = BarrierTaskContext.get()
         rank = ctx.partitionId()
         mine: dict[str, Any] = {"host": task_host(), "gpus": task_gpus(dict(ctx.resources()))}

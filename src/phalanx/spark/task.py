@@ -45,6 +45,7 @@ class TaskSpec:
         elastic_timeout_s: for an elastic job (survivors kept), ``PHALANX_ELASTIC_TIMEOUT_S`` of its workers;
             None for a plain job.
         worker_ids: for an elastic job, how many worker ids the driver's channel accepts.
+        warm_wait_s: seconds a rank waits for a warm-start template still importing before it starts cold.
     """
 
     job: JobContract
@@ -56,6 +57,7 @@ class TaskSpec:
     warm_preload: tuple[str, ...] | None = None
     elastic_timeout_s: float | None = None
     worker_ids: int = 0
+    warm_wait_s: float = warm.READY_WAIT_S
 
     def warm(self) -> bool:
         """True when this job's ranks may be forked from a warm-start template."""
@@ -133,7 +135,7 @@ def _run_rank(spec: TaskSpec, supervisor: RankSupervisor, env: dict[str, str]) -
     # Spark reuses its python workers between tasks, so a template started after an earlier job of this
     # driver is still here: fork the rank from it (imports already paid). Started from the task's main
     # thread: the worker's PR_SET_PDEATHSIG follows this thread.
-    template = warm.ready_template() if spec.warm() else None
+    template = warm.ready_template(spec.warm_wait_s) if spec.warm() else None
     return supervisor.run(_argv(spec), env, template)
 
 
