@@ -36,6 +36,20 @@ def describe(pid: int) -> str:
     return f"pid {pid} ({state}): {cmdline(pid)[:200] or '?'}"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A Spark test's timeout bounds the test itself, not its fixtures. The first test of a module starts a
+    JVM (a session, the standalone cluster, a Connect server) and its python workers in its setup; on a loaded
+    host that takes minutes, and it must not eat into the test's own time. The cluster's start has its own
+    bound (SPARK_START_TIMEOUT_S); make test's runner bounds each tier as a whole (tools/test_tiers.py)."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        if item.get_closest_marker("spark") is None:
+            continue
+        marker = item.get_closest_marker("timeout")
+        seconds = marker.kwargs.get("timeout", marker.args[0] if marker.args else default) if marker else default
+        item.add_marker(pytest.mark.timeout(seconds, func_only=True), append=False)
+
+
 @pytest.fixture
 def process_is_expected() -> Callable[[int], bool]:
     """Processes a tier's own infrastructure keeps alive between tests (none by default)."""
