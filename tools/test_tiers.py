@@ -47,6 +47,7 @@ class Tier:
 HOSTS = Tier("hosts", ("tests/hosts",))
 # The examples first, as in one pytest over tests/: their module stops its Spark session when it ends.
 SPARK = Tier("spark", ("tests/examples/test_examples_spark.py", "tests/spark"), private_shm=True)
+EXAMPLES = Tier("examples", ("tests/examples/test_examples_local.py",), private_shm=True)
 
 
 def names_tests(args: list[str]) -> bool:
@@ -110,9 +111,10 @@ def finish(tier: Tier, proc: subprocess.Popen[bytes], held: IO[bytes]) -> int:
 
 def run_side_by_side(args: list[str]) -> int:
     """The background tiers started, the rest in the foreground, then each tier's output; the first failure."""
-    background = [HOSTS, SPARK] if can_make_private_shm() else [HOSTS]
-    later = [] if SPARK in background else [SPARK]
-    ignored = [flag for t in (HOSTS, SPARK) for p in t.paths for flag in ("--ignore", p)]
+    private = [SPARK, EXAMPLES]
+    background = [HOSTS, *private] if can_make_private_shm() else [HOSTS]
+    later = [] if can_make_private_shm() else private
+    ignored = [flag for t in (HOSTS, *private) for p in t.paths for flag in ("--ignore", p)]
     files = [tempfile.TemporaryFile() for _ in background]
     procs = [start(t, args, f) for t, f in zip(background, files)]
     try:
