@@ -1,7 +1,7 @@
-"""``make test``'s pytest: the test tiers in three pytest processes side by side.
+"""``make test``'s pytest: the test tiers in four pytest processes side by side.
 
 Most tests wait (for Spark's JVMs, for ssh, for a timeout under test) more than they compute, so on 2 cores
-three processes finish well before one. They can share the machine because nothing one checks globally is
+several processes finish well before one. They can share the machine because nothing one checks globally is
 touched by another:
 
 - **hosts** (tests/hosts): its ranks run in network, UTS and mount namespaces of their own, with a private
@@ -10,7 +10,9 @@ touched by another:
   mounted with the machine's /dev/shm options), because the transport tiers assert that /dev/shm holds no
   phalanx file after their jobs, and Spark's ranks make such files. It alone starts Spark (fixed ports such
   as Connect's). Without the privilege to make that namespace (not root), it runs after the others instead.
-- **the rest** (unit, multiprocess, local examples), in the foreground, its output live.
+- **examples** (the local examples: training jobs under phalanxrun, torchrun-style launchers and
+  HorovodRunner on the driver): a private /dev/shm too, for the same reason, and after the others without it.
+- **the rest** (unit, multiprocess, the docs' checks), in the foreground, its output live.
 
 Every process's leftover-process check looks only at its own descendants. Arguments are pytest's, given to
 every process (``make test PYTEST_ARGS="--durations=40"``); when they name tests (a path or node id), one
