@@ -1,5 +1,5 @@
 """Elastic jobs across hosts: the elastic driver of :mod:`phalanx.launch.elastic`, its workers started by host
-agents (:mod:`phalanx.launch.agents`) as a hosts job starts its ranks.
+agents (:mod:`phalanx.launch.agent_driver`) as a hosts job starts its ranks.
 
 Each worker has an agent of its own (over ssh, or a child on this machine), so one worker can be added or
 retired without touching the others. Workers are placed as horovodrun places ranks (each host's slots in
@@ -26,9 +26,9 @@ from phalanx.job.elastic import ElasticMonitor, HostsUpdated
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.launch import warm
-from phalanx.launch.agent import AgentPlan
-from phalanx.launch.agents import AgentGroup, driver_address, forwarded_env, script_modules
+from phalanx.launch.agent_driver import AgentGroup, driver_address, forwarded_env, script_modules
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
+from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.hosts import check_host_name, is_local, place
 from phalanx.launch.local import LocalJobSpec
 from phalanx.launch.remote import HostsSpec

@@ -3,7 +3,7 @@
 The third user of the launcher core: :class:`HostsLauncher` is a :class:`~phalanx.launch.local.LocalLauncher`
 whose hooks differ only in *where* ranks start — the channel and the store listen on an address the
 hosts reach, and each host's ranks are started and supervised by that host's agent
-(:mod:`phalanx.launch.agent`), which forwards their output and exits on the channel as Spark's barrier
+(:mod:`phalanx.launch.host_agent`), which forwards their output and exits on the channel as Spark's barrier
 tasks do. The monitor, the root-cause report and the teardown are the core's.
 """
 
@@ -18,8 +18,8 @@ from phalanx.env import JobContract
 from phalanx.job.channel import DriverChannel
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
-from phalanx.launch.agent import AgentPlan
-from phalanx.launch.agents import AgentGroup, driver_address, forwarded_env, script_modules
+from phalanx.launch.agent_driver import AgentGroup, driver_address, forwarded_env, script_modules
+from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.hosts import HostSlots, is_local, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.rendezvous import RendezvousStore

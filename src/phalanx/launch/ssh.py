@@ -52,11 +52,11 @@ def ssh_argv(host: str, options: SshOptions, remote_command: str) -> list[str]:
 
 def agent_command(python: str, cwd: str) -> str:
     """The remote shell command that starts the host agent in the job's working directory."""
-    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m phalanx.launch.agent"
+    return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m phalanx.launch.host_agent"
 
 
 def _probe_command(python: str) -> str:
-    code = "import phalanx.launch.agent, socket; print(socket.gethostname())"
+    code = "import phalanx.launch.host_agent, socket; print(socket.gethostname())"
     return f"exec {shlex.quote(python)} -c {shlex.quote(code)}"
 
 
@@ -72,7 +72,8 @@ def _check_one(host: str, options: SshOptions, python: str, timeout_s: float) ->
         return None
     tail = "\n    ".join(done.stderr.strip().splitlines()[-_ERROR_LINES:]) or "(no error output)"
     cause = ("ssh could not connect or log in" if done.returncode == 255
-             else f"{python} -m phalanx.launch.agent cannot run there (is phalanx installed for that interpreter?)")
+             else f"{python} -m phalanx.launch.host_agent cannot run there "
+                  "(is phalanx installed for that interpreter?)")
     return f"host {host!r}: {cause} (exit code {done.returncode}):\n    {tail}"
 
 

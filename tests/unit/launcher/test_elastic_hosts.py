@@ -16,9 +16,9 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy, HostsUpdated
 from phalanx.job.shipping import script_of, write_modules
 from phalanx.launch import elastic_hosts
-from phalanx.launch.agent import Agent, AgentPlan
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
+from phalanx.launch.host_agent import Agent, AgentPlan
 from phalanx.launch.hosts import HostSlots
 from phalanx.launch.local import LocalJobSpec
 from phalanx.launch.remote import HostsSpec

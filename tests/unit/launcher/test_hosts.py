@@ -72,7 +72,7 @@ def test_ssh_command_line_holds_no_secret_and_quotes_the_remote_command() -> Non
     argv = ssh_argv("b", SshOptions(port=2222, identity_file="/k"), agent_command("/py thon", "/w d"))
     assert argv[:2] == ["ssh", "-T"] and "BatchMode=yes" in argv
     assert argv[argv.index("-p") + 1] == "2222" and argv[argv.index("-i") + 1] == "/k"
-    assert argv[-2:] == ["b", "cd '/w d' && exec '/py thon' -m phalanx.launch.agent"]
+    assert argv[-2:] == ["b", "cd '/w d' && exec '/py thon' -m phalanx.launch.host_agent"]
 
 
 def test_route_address_of_loopback() -> None:
@@ -98,7 +98,7 @@ def test_hosts_spec_checks_the_ssh_options(tmp_path: Path) -> None:
 
 
 def test_forwarded_environment() -> None:
-    from phalanx.launch.agents import forwarded_env
+    from phalanx.launch.agent_driver import forwarded_env
 
     env = {"HOROVOD_FUSION_THRESHOLD": "1", "NCCL_DEBUG": "INFO", "PHALANX_SHM": "0", "PYTHONPATH": "/x",
            "HOME": "/root", "SECRET_TOKEN": "s"}
@@ -120,7 +120,8 @@ def test_host_check_names_each_host_and_its_cause(tmp_path: Path, monkeypatch: p
     assert sorted(got) == ["nopython", "refused", "silent"]
     assert got["refused"].startswith("host 'refused': ssh could not connect or log in (exit code 255)")
     assert "Connection refused" in got["refused"]
-    assert "/no/python -m phalanx.launch.agent cannot run there" in got["nopython"] and "not found" in got["nopython"]
+    assert "/no/python -m phalanx.launch.host_agent cannot run there" in got["nopython"]
+    assert "not found" in got["nopython"]
     assert got["silent"] == "host 'silent' did not answer over ssh within 0.3 s (raise --start-timeout)"
     with pytest.raises(PhalanxError, match="host check failed:\n  host 'refused'"):
         check_hosts(["good", "refused"], SshOptions(), "/no/python", 30.0)

@@ -1,4 +1,4 @@
-"""The host agent: ``python -m phalanx.launch.agent``, started by the hosts launcher (over ssh, or as a
+"""The host agent: ``python -m phalanx.launch.host_agent``, started by the hosts launcher (over ssh, or as a
 child on the driver's own machine) to run one host's ranks.
 
 It reads its plan as one JSON line on stdin — the job's secret travels there, never on a command line,

@@ -23,8 +23,8 @@ from phalanx.env import names as env_names
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.records import ErrorRecord
 from phalanx.job.shipping import collect_modules, script_of
-from phalanx.launch.agent import AgentPlan
 from phalanx.launch.core import DRAIN_WAIT_S
+from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.ssh import SshOptions, agent_command, interface_address, route_address, ssh_argv
 from phalanx.launch.supervisor import ExitReports
 
@@ -100,7 +100,7 @@ class AgentGroup:
     def argv(self, host: str) -> list[str]:
         """The agent's command line for ``host``."""
         if host in self.local:
-            return [self.python, "-m", "phalanx.launch.agent"]
+            return [self.python, "-m", "phalanx.launch.host_agent"]
         return ssh_argv(host, self.ssh, agent_command(self.python, os.getcwd()))
 
     def start(self, host: str, plan: AgentPlan) -> subprocess.Popen[bytes]:
