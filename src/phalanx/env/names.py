@@ -81,7 +81,8 @@ PHALANX_SHM_TIMEOUT_S = "PHALANX_SHM_TIMEOUT_S"
 PHALANX_SHM_SLOT_BYTES = "PHALANX_SHM_SLOT_BYTES"
 PHALANX_SHM_CMA = "PHALANX_SHM_CMA"
 PHALANX_SHM_GRAD_ASYNC = "PHALANX_SHM_GRAD_ASYNC"
-#: "0": no transparent-huge-page advice for the memory peers read by cross-memory attach (phalanx/transport/_thp.py).
+#: "0": no transparent-huge-page advice for the memory peers read by cross-memory attach
+#: (phalanx/transport/_huge_pages.py).
 PHALANX_SHM_THP = "PHALANX_SHM_THP"
 #: "0" turns off the early gradient reduction of a 2-rank one-host DistributedOptimizer (the rank that finished
 #: backward first reduces the gradients final on both ranks while it waits; see phalanx/transport/_early.py).

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from phalanx.errors import ShmTransportError
-from phalanx.transport import _cma
+from phalanx.transport import _cross_memory
 from phalanx.transport._control import SPIN, Control, layout
 from phalanx.transport._segment import Segment
 
@@ -189,11 +189,11 @@ class Channel(Control):
         probe = torch.tensor([os.getpid()], dtype=torch.int64)
         self.words[self._addr(self.me)] = probe.data_ptr()
         self.barrier()
-        ok = wanted and _cma.supported()
+        ok = wanted and _cross_memory.supported()
         for j in range(self.n):
             pid, addr = self.words[self._pid(j)], self.words[self._addr(j)]
             if ok and j != self.me:
-                ok = _cma.probe(pid, addr, pid.to_bytes(8, "little", signed=True))
+                ok = _cross_memory.probe(pid, addr, pid.to_bytes(8, "little", signed=True))
         self.barrier()  # every rank finished reading the probes
         self.words[self._addr(self.me)] = int(ok)
         self.barrier()

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.transport import _channel, _control, _early, _many, _ops, _thp
+from phalanx.transport import _channel, _control, _early, _huge_pages, _many, _ops
 from phalanx.transport._hier import Hierarchy
 from phalanx.transport._setup import Transport
 
@@ -177,7 +177,7 @@ def all_reduce_many(tensors: list[torch.Tensor], group: Any, scale: float = 1.0,
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
     if ch is None or not _many.eligible(ch, nbytes):
         return None
-    _thp.advise((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)  # the peer reads them: huge pages
+    _huge_pages.advise((t.data_ptr(), t.numel() * t.element_size()) for t in tensors)  # the peer reads them: huge pages
     return _finish(transport, "grad", lambda: _many.allreduce_(ch, tensors, dist.ReduceOp.SUM, scale, start), inline)
 
 

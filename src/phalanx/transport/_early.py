@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.env import settings
-from phalanx.transport import _cma, _thp
+from phalanx.transport import _cross_memory, _huge_pages
 from phalanx.transport._channel import Channel
 from phalanx.transport._control import HOOKS, LINE, SPIN, control_lines, layout
 from phalanx.transport._many import _chunks, eligible, lerp_owner
@@ -130,7 +130,7 @@ class Area:
         """
         s = self.step()
         if grads is not None:  # the peer reads and writes them: huge pages (as all_reduce_many does)
-            _thp.advise((g.data_ptr(), g.numel() * g.element_size()) for g in grads)
+            _huge_pages.advise((g.data_ptr(), g.numel() * g.element_size()) for g in grads)
         role = self._arrive(s, grads is not None, joined)
         self.worked = role == "early"
         if role == "plain":
@@ -197,10 +197,10 @@ class Area:
             if ch.words[self._w(peer, 0)] >= s:
                 return a - start
             at = remote + a - start
-            _cma.readv(pid, [(theirs.data_ptr(), at, b - a)])
+            _cross_memory.readv(pid, [(theirs.data_ptr(), at, b - a)])
             own = grad[(a - start) // size : (b - start) // size]
             combine(own, theirs[: b - a].view(grad.dtype), scale, ch.me == int(a >= mid))
-            _cma.writev(pid, [(own.data_ptr(), at, b - a)])
+            _cross_memory.writev(pid, [(own.data_ptr(), at, b - a)])
         return nbytes
 
 
@@ -236,7 +236,7 @@ def claim(ch: Channel | None, key: tuple[int, int], sizes: list[int], fingerprin
     total = sum(sizes)
     if not enabled() or ch is None or ch.n != 2 or not ch.cma or ch.wake_r < 0 or len(ch.wake_w) != 2:
         return None
-    if not _cma.supported() or not eligible(ch, total):
+    if not _cross_memory.supported() or not eligible(ch, total):
         return None
     first = control_lines(ch.n) * LINE // 8
     cap = (layout(ch.n, ch.slot_bytes)[0] // 8 - first - _MARKS) // 4

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import CollectiveMismatchError, ShmTransportError
-from phalanx.transport import _ops, _rs
+from phalanx.transport import _ops, _reduce_scatter
 from phalanx.transport._channel import Channel
 from phalanx.transport._control import HOOKS
 
@@ -159,13 +159,14 @@ class Hierarchy:
         """How :meth:`reduce_scatter_` reduces ``inp`` (common knowledge: every rank decides alike).
 
         ``"direct"``: one host with cross-memory attach, each rank sums its part straight from its peers'
-        inputs (``_rs``). ``"hosts"``: from ``PART_BYTES`` on, hosts with as many ranks each (``cross`` set),
+        inputs (``_reduce_scatter``). ``"hosts"``: from ``PART_BYTES`` on, hosts with as many ranks each
+        (``cross`` set),
         see :meth:`_reduce_scatter_hosts` (faster than the copy from ``PART_BYTES`` on, bench/shm.py's AABB
         rows). ``"copy"``: an allreduce of a copy of ``inp``, of which each rank
         keeps its part (twice a reduce-scatter's traffic)."""
         if not self.multi:
             ch = self.ch
-            direct = ch is not None and _rs.eligible(ch, inp.numel() * inp.element_size())
+            direct = ch is not None and _reduce_scatter.eligible(ch, inp.numel() * inp.element_size())
             return "direct" if direct else "copy"
         big = inp.numel() * inp.element_size() >= PART_BYTES  # smaller: one gloo call among the leaders is faster
         return "hosts" if big and self.cross is not None and self.ch is not None else "copy"
@@ -180,7 +181,7 @@ class Hierarchy:
             return
         if path == "direct":
             assert self.ch is not None
-            _rs.reduce_scatter_(self.ch, out, inp, op)
+            _reduce_scatter.reduce_scatter_(self.ch, out, inp, op)
         elif path == "hosts":
             self._reduce_scatter_hosts(out, inp, op)
         else:
@@ -202,8 +203,8 @@ class Hierarchy:
         mine = self._host(self.rank)
         j = hosts[mine].index(self.rank)
         block = torch.empty(len(hosts) * m, dtype=inp.dtype)
-        if _rs.eligible(ch, inp.numel() * inp.element_size()):
-            _rs.reduce_scatter_(ch, block, inp, kind, parts=[host[j] * m for host in hosts])
+        if _reduce_scatter.eligible(ch, inp.numel() * inp.element_size()):
+            _reduce_scatter.reduce_scatter_(ch, block, inp, kind, parts=[host[j] * m for host in hosts])
         else:
             total = inp.clone()
             _ops.allreduce_(ch, total, kind)

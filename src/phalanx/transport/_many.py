@@ -2,7 +2,7 @@
 
 A bucket's gradients are separate tensors (autograd allocates each one). Fusing them into one buffer costs a
 copy of every gradient per step, which on a CPU-bound rank is time taken from the computation. With
-cross-memory attach (``_cma``) the copy is not needed: each rank publishes a *table* of its buffer's segments
+cross-memory attach (``_cross_memory``) the copy is not needed: each rank publishes a *table* of its buffer's segments
 (address and bytes of each tensor, in the order of the virtual concatenation, plus the rank's scale), and the
 steps of ``_ops._allreduce_cma`` run on the virtual buffer:
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.transport import _cma
+from phalanx.transport import _cross_memory
 from phalanx.transport._channel import Channel
 from phalanx.transport._ops import SMALL_BYTES, _Combine, _combiner, _kind, _parts, _reduce_into
 
@@ -54,11 +54,11 @@ def _table(segs: list[Segment], scale: float) -> ctypes.Array[ctypes.c_int64]:
 def _peer_table(pid: int, addr: int) -> tuple[list[Segment], float]:
     """A peer's segments and scale, read from its table at ``addr``."""
     head = (ctypes.c_int64 * (_HEAD + 2 * TABLE_ENTRIES))()
-    _cma.read(pid, ctypes.addressof(head), addr, ctypes.sizeof(head))
+    _cross_memory.read(pid, ctypes.addressof(head), addr, ctypes.sizeof(head))
     count = head[0]
     if count > TABLE_ENTRIES:
         head = (ctypes.c_int64 * (_HEAD + 2 * count))()
-        _cma.read(pid, ctypes.addressof(head), addr, ctypes.sizeof(head))
+        _cross_memory.read(pid, ctypes.addressof(head), addr, ctypes.sizeof(head))
     words = head[_HEAD : _HEAD + 2 * count]
     return list(zip(words[0::2], words[1::2])), struct.unpack("<d", struct.pack("<q", head[1]))[0]
 
@@ -123,7 +123,7 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
                 if j != ch.me:
                     segs = seen[j][0]
                     base = scratch[j].data_ptr() - s
-                    _cma.readv(pid, [(base + off, segs[k][0] + at, n) for k, at, n, off in pieces(segs, s, e)])
+                    _cross_memory.readv(pid, [(base + off, segs[k][0] + at, n) for k, at, n, off in pieces(segs, s, e)])
             owner = int(s >= mid)
             _reduce(tensors, pieces(mine, s, e), s, scratch, ch.me, op, [sc for _segs, sc in seen], owner)
 
@@ -131,7 +131,7 @@ def allreduce_(ch: Channel, tensors: list[torch.Tensor], op: object, scale: floa
         for j, (pid, _addr) in enumerate(peers):
             a, b = parts[j]
             if j != ch.me and b > a:
-                _cma.readv(pid, pairs(mine, seen[j][0], a, b))
+                _cross_memory.readv(pid, pairs(mine, seen[j][0], a, b))
 
     ch.attach_step(ctypes.addressof(table), first, second, "allreduce")
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.transport import _cma, _stream
+from phalanx.transport import _cross_memory, _stream
 from phalanx.transport._channel import Channel
 
 _Combine = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
@@ -201,7 +201,7 @@ def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine,
                 if j == ch.me:
                     views.append(t[s:e])
                     continue
-                _cma.read(pid, scratch[j].data_ptr(), addr + s * size, nb)
+                _cross_memory.read(pid, scratch[j].data_ptr(), addr + s * size, nb)
                 views.append(scratch[j][:nb].view(t.dtype))
             _reduce_into(views, t[s:e], scratch[ch.me][:nb].view(t.dtype), combine)
         if between is not None:
@@ -211,7 +211,7 @@ def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine,
         for j, (pid, addr) in enumerate(peers):
             a, b = parts[j]
             if j != ch.me and b > a:
-                _cma.read(pid, base + a * size, addr + a * size, (b - a) * size)
+                _cross_memory.read(pid, base + a * size, addr + a * size, (b - a) * size)
 
     ch.attach_step(base, first, second, "allreduce")
 

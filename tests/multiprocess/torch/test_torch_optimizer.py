@@ -311,7 +311,8 @@ def test_gradients_reduced_in_place_match_the_reference(np: int, pack_on: int) -
     assert phalanx.run(_in_place_job, args=(pack_on,), np=np) == [[]] * np
 
 
-HUGE = 1024  # a 1024 x 1024 layer: 4 MB of gradient, whole 2 MiB blocks advised for huge pages (transport/_thp.py)
+# a 1024 x 1024 layer: 4 MB of gradient, whole 2 MiB blocks advised for huge pages (transport/_huge_pages.py)
+HUGE = 1024
 
 
 def _huge_pages_job() -> tuple[list[str], bool, int]:
@@ -320,7 +321,7 @@ def _huge_pages_job() -> tuple[list[str], bool, int]:
 
     import phalanx.torch as hvd
     from phalanx.torch.process_sets import global_process_set, groups_of
-    from phalanx.transport import _dispatch, _thp
+    from phalanx.transport import _dispatch, _huge_pages
 
     hvd.init()
     n, me = hvd.size(), hvd.rank()
@@ -331,13 +332,13 @@ def _huge_pages_job() -> tuple[list[str], bool, int]:
                  width=HUGE)
     fail = [] if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else [f"max diff {float((got - want).abs().max())}"]
     hvd.shutdown()
-    return fail, cma, len(_thp.ADVISOR.seen) + len(_thp.ADVISOR.sighted)  # blocks offered for huge pages
+    return fail, cma, len(_huge_pages.ADVISOR.seen) + len(_huge_pages.ADVISOR.sighted)  # blocks offered for huge pages
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("thp", ["1", "0"])
 def test_gradients_advised_to_huge_pages_match_the_reference(thp: str) -> None:
     out = phalanx.run(_huge_pages_job, np=2, env={"PHALANX_SHM_THP": thp})
-    assert [fail for fail, _cma, _blocks in out] == [[], []]
+    assert [fail for fail, _cross_memory, _blocks in out] == [[], []]
     for _fail, cma, blocks in out:
         assert (blocks >= 2) if cma and thp == "1" else blocks == 0, (cma, thp, blocks)

@@ -1,4 +1,5 @@
-"""The in-place multi-tensor allreduce's address arithmetic (``transport/_many.py``, ``_cma.readv``), in one process."""
+"""The in-place multi-tensor allreduce's address arithmetic (``transport/_many.py``,
+``_cross_memory.readv``), in one process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import pytest
 import torch
 
-from phalanx.transport import _cma, _many
+from phalanx.transport import _cross_memory, _many
 
 
 def _segments(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -38,19 +39,19 @@ def test_pairs_move_the_same_virtual_bytes_between_different_segmentations(start
 
 def test_partial_copies_resume_inside_a_pair() -> None:
     pairs = [(10, 110, 4), (20, 120, 8), (40, 140, 2)]
-    assert _cma._advance(list(pairs), 0) == pairs
-    assert _cma._advance(list(pairs), 4) == pairs[1:]
-    assert _cma._advance(list(pairs), 7) == [(23, 123, 5), (40, 140, 2)]
-    assert _cma._advance(list(pairs), 14) == []
+    assert _cross_memory._advance(list(pairs), 0) == pairs
+    assert _cross_memory._advance(list(pairs), 4) == pairs[1:]
+    assert _cross_memory._advance(list(pairs), 7) == [(23, 123, 5), (40, 140, 2)]
+    assert _cross_memory._advance(list(pairs), 14) == []
 
 
 def test_readv_scatters_and_gathers_within_this_process() -> None:
     probe = torch.tensor([os.getpid()], dtype=torch.int64)
-    if not _cma.probe(os.getpid(), probe.data_ptr(), os.getpid().to_bytes(8, "little", signed=True)):
+    if not _cross_memory.probe(os.getpid(), probe.data_ptr(), os.getpid().to_bytes(8, "little", signed=True)):
         pytest.skip("process_vm_readv is not permitted here")
     src = [torch.arange(10, dtype=torch.float64), torch.arange(10, 30, dtype=torch.float64)]
     dst = [torch.zeros(25, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)]
-    _cma.readv(os.getpid(), _many.pairs(_segments(dst), _segments(src), 0, 240))
+    _cross_memory.readv(os.getpid(), _many.pairs(_segments(dst), _segments(src), 0, 240))
     assert torch.equal(torch.cat(dst), torch.arange(30, dtype=torch.float64))
     with pytest.raises(OSError):
-        _cma.readv(os.getpid(), [(dst[0].data_ptr(), 8, 8)])  # address 8: not mapped
+        _cross_memory.readv(os.getpid(), [(dst[0].data_ptr(), 8, 8)])  # address 8: not mapped

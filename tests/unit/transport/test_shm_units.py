@@ -78,9 +78,9 @@ def test_cma_reads_another_process_and_reports_errors() -> None:
     import errno
     import time
 
-    from phalanx.transport import _cma
+    from phalanx.transport import _cross_memory
 
-    if not _cma.supported():
+    if not _cross_memory.supported():
         pytest.skip("process_vm_readv needs Linux")
     src = torch.arange(1000, dtype=torch.int64)
     r, w = os.pipe()
@@ -92,18 +92,18 @@ def test_cma_reads_another_process_and_reports_errors() -> None:
     os.close(r)
     try:
         dst = torch.zeros(1000, dtype=torch.int64)
-        _cma.read(pid, dst.data_ptr(), src.data_ptr(), 8000)
+        _cross_memory.read(pid, dst.data_ptr(), src.data_ptr(), 8000)
         assert torch.equal(dst, src)
-        assert _cma.probe(pid, src.data_ptr() + 8, (1).to_bytes(8, "little"))
-        assert not _cma.probe(pid, src.data_ptr(), (5).to_bytes(8, "little"))  # wrong content
-        assert not _cma.probe(pid, 8, b"12345678")  # unmapped address
+        assert _cross_memory.probe(pid, src.data_ptr() + 8, (1).to_bytes(8, "little"))
+        assert not _cross_memory.probe(pid, src.data_ptr(), (5).to_bytes(8, "little"))  # wrong content
+        assert not _cross_memory.probe(pid, 8, b"12345678")  # unmapped address
     finally:
         os.write(w, b"x")
         os.close(w)
         os.waitpid(pid, 0)
     time.sleep(0.01)
     with pytest.raises(OSError) as info:
-        _cma.read(pid, dst.data_ptr(), src.data_ptr(), 8)
+        _cross_memory.read(pid, dst.data_ptr(), src.data_ptr(), 8)
     assert info.value.errno == errno.ESRCH
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from phalanx.transport import _cma
+from phalanx.transport import _cross_memory
 from phalanx.transport._channel import Channel
 from phalanx.transport._ops import CMA_CHUNK, SMALL_BYTES, _combiner, _reduce_into
 
@@ -46,7 +46,7 @@ def reduce_scatter_(ch: Channel, out: torch.Tensor, inp: torch.Tensor, op: objec
                 if j == me:
                     views.append(inp[base + s : base + e])
                     continue
-                _cma.read(pid, scratch[j].data_ptr(), addr + (base + s) * size, nb)
+                _cross_memory.read(pid, scratch[j].data_ptr(), addr + (base + s) * size, nb)
                 views.append(scratch[j][:nb].view(inp.dtype))
             _reduce_into(views, dst[s:e], scratch[me][:nb].view(inp.dtype), combine)
 
