@@ -152,7 +152,7 @@ def test_script_returns_rank_0s_stdout_and_a_failing_rank_raises_its_exit_code(t
 @pytest.mark.timeout(180)
 def test_slot_shortage_is_an_error_before_the_job_or_when_its_stage_cannot_start(
         connect_spark: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from phalanx.spark import connect_session
+    from phalanx.spark.connect import session as connect_session
 
     with pytest.raises(SlotsUnavailableError) as info:
         run(lambda: None, num_proc=3)

@@ -14,8 +14,9 @@ import pytest
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.records import LogLine, Stream
-from phalanx.spark import connect_session, connect_wire
-from phalanx.spark.connect_host import LogRelay, probe_client
+from phalanx.spark.connect import session as connect_session
+from phalanx.spark.connect import wire as connect_wire
+from phalanx.spark.connect.host import LogRelay, probe_client
 
 SECRET = "ab" * 32
 

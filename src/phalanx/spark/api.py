@@ -11,8 +11,8 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
-from phalanx.spark.connect import ConnectLauncher
-from phalanx.spark.connect_session import conf, is_connect
+from phalanx.spark.connect.client import ConnectLauncher
+from phalanx.spark.connect.session import conf, is_connect
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
 from phalanx.spark.session import every_slot, spark_target, wait_for_slots
 
@@ -58,7 +58,7 @@ def launch_spark(spec: SparkJobSpec, sc: Any, launcher: AnyLauncher | None = Non
 
     Args:
         spec: the job.
-        sc: the SparkContext, or a Spark Connect session (:mod:`phalanx.spark.connect`).
+        sc: the SparkContext, or a Spark Connect session (:mod:`phalanx.spark.connect.client`).
         launcher: the launcher to run (an elastic one); default a plain :class:`SparkLauncher` (or
             :class:`~phalanx.spark.connect.ConnectLauncher` on a Connect session).
 

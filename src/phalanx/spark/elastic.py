@@ -20,8 +20,8 @@ from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SparkJobError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, validate_np
 from phalanx.spark.api import AnyLauncher, launch_spark, run_spec
-from phalanx.spark.connect import ConnectLauncher
-from phalanx.spark.connect_session import is_connect
+from phalanx.spark.connect.client import ConnectLauncher
+from phalanx.spark.connect.session import is_connect
 from phalanx.spark.elastic_launcher import ElasticSparkLauncher
 from phalanx.spark.launcher import SparkJobSpec
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
-from phalanx.spark import connect_session
-from phalanx.spark.connect_session import active_connect_session, is_connect
+from phalanx.spark.connect import session as connect_session
+from phalanx.spark.connect.session import active_connect_session, is_connect
 
 if TYPE_CHECKING:
     from pyspark import SparkContext

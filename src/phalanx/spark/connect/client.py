@@ -2,7 +2,7 @@
 
 A Connect client has no SparkContext and may be unreachable from the executors, so the job is one
 ``mapInArrow(task, SCHEMA, barrier=True)`` query over ``np`` one-row partitions whose rank 0 task hosts
-the job (:mod:`phalanx.spark.connect_task`). The client opens an authenticated log link; rank 0's task
+the job (:mod:`phalanx.spark.connect.task`). The client opens an authenticated log link; rank 0's task
 tries it for :data:`LINK_PROBE_S` seconds: reached, the logs stream live as in a classic job; not, they
 return at the end with the outcome. Results and errors always return through the query result, so
 whatever the network allows, the job ends with rank 0's value or the root-cause error, and its logs.
@@ -28,9 +28,9 @@ from phalanx.job.logs import FileSink, LogSink
 from phalanx.job.records import LogLine, Stream
 from phalanx.launch.core import DRAIN_WAIT_S, new_run_id
 from phalanx.launch.elastic import ElasticSpec
-from phalanx.spark import connect_wire
-from phalanx.spark.connect_session import StageWatch, check_slots, client_host
-from phalanx.spark.connect_task import ConnectTaskSpec, connect_task
+from phalanx.spark.connect import wire as connect_wire
+from phalanx.spark.connect.session import StageWatch, check_slots, client_host
+from phalanx.spark.connect.task import ConnectTaskSpec, connect_task
 from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
 
 log = logging.getLogger("phalanx")

@@ -1,10 +1,10 @@
 """The task of a Spark Connect job: ``mapInArrow(task, SCHEMA, barrier=True)``, one per rank.
 
-Rank 0's task hosts the job (channel, rendezvous store, monitor: :mod:`phalanx.spark.connect_host`)
+Rank 0's task hosts the job (channel, rendezvous store, monitor: :mod:`phalanx.spark.connect.host`)
 before the barrier's single ``allGather`` round, so every task learns from that round each task's host
 and GPUs and where the job's channel and store are. From there each task supervises its rank exactly as
 a classic task does (:func:`phalanx.spark.task.supervise`). Every task returns a status row; rank 0's also
-returns the job's signed outcome, in chunks (:mod:`phalanx.spark.connect_wire`).
+returns the job's signed outcome, in chunks (:mod:`phalanx.spark.connect.wire`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from phalanx.env import JobContract, settings
 from phalanx.launch import warm
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.supervisor import EXIT_NOT_STARTED
-from phalanx.spark import connect_wire
-from phalanx.spark.connect_host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
+from phalanx.spark.connect import wire as connect_wire
+from phalanx.spark.connect.host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.task import supervise, supervise_slot, task_gpus, task_host
 

@@ -3,7 +3,7 @@
 Under Spark Connect the client may be unreachable from the executors, so rank 0's task does what the
 driver does in a classic job: it hosts the channel and the rendezvous store (advertised at the
 executor address Spark gives the task), runs the job monitor, and ends with an
-:class:`~phalanx.spark.connect_wire.Outcome`. It is the classic launcher with the Spark submission taken
+:class:`~phalanx.spark.connect.wire.Outcome`. It is the classic launcher with the Spark submission taken
 out (:class:`HostedLauncher`, and :class:`HostedElasticLauncher` for elastic jobs, whose slot commands
 and rounds work unchanged). Log records go through a :class:`LogRelay`: live over an authenticated link
 to the client when the task reached it (probed with a short timeout), else kept for the outcome.
@@ -28,7 +28,7 @@ from phalanx.job.monitor import MonitorConfig
 from phalanx.job.records import LogLine
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.rendezvous import RendezvousStore
-from phalanx.spark.connect_wire import LogRecord, Outcome
+from phalanx.spark.connect.wire import LogRecord, Outcome
 from phalanx.spark.elastic_launcher import ElasticSparkLauncher
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
 from phalanx.spark.task import TaskSpec
