@@ -16,7 +16,6 @@ import threading
 
 from phalanx.env import names as env_names
 from phalanx.env import settings
-from phalanx.errors import InvalidArgumentError
 from phalanx.timeline.writer import DEFAULT_MAX_BYTES, Timeline
 
 #: ``HOROVOD_TIMELINE=DYNAMIC``: Horovod's "do not start now; hvd.start_timeline() will".
@@ -64,16 +63,6 @@ def current() -> Timeline | None:
     return _active
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError as e:
-        raise InvalidArgumentError(f"{name}={raw!r} is not an integer; unset it or fix it") from e
-
-
 def max_bytes_from_env() -> int:
     """The rotation cap from ``PHALANX_TIMELINE_MAX_MB`` (megabytes; 0 = unbounded), default 1024 MB."""
     if not settings.TIMELINE_MAX_MB.is_set():
@@ -113,7 +102,7 @@ def start_timeline(
         InvalidArgumentError: a malformed ``RANK`` or ``PHALANX_TIMELINE_MAX_MB``.
     """
     global _active
-    rank = _env_int(env_names.RANK, 0)
+    rank = settings.first_int(os.environ, env_names.RANK, default=0)
     every = settings.TIMELINE_ALL_RANKS.get() if all_ranks is None else all_ranks
     cap = max_bytes_from_env() if max_bytes is None else max_bytes
     with _lock:

@@ -39,6 +39,7 @@ from typing import Any
 
 from phalanx.env import names as env_names
 from phalanx.env import settings
+from phalanx.errors import SettingError
 from phalanx.transport import native
 
 SHM_BACKEND = native.BACKEND
@@ -53,9 +54,10 @@ def _shares_a_host(environ: Mapping[str, str]) -> bool:
     (``LOCAL_WORLD_SIZE`` = ``WORLD_SIZE``), or fewer hosts than ranks (``GROUP_WORLD_SIZE``, the launchers'
     host count). A job with one rank per host keeps gloo: shared memory would carry nothing."""
     try:
-        world, local = int(environ.get(env_names.WORLD_SIZE, "1")), int(environ.get(env_names.LOCAL_WORLD_SIZE, "0"))
-        hosts = int(environ.get(env_names.GROUP_WORLD_SIZE, "0"))
-    except ValueError:
+        world = settings.first_int(environ, env_names.WORLD_SIZE, default=1)
+        local = settings.first_int(environ, env_names.LOCAL_WORLD_SIZE, default=0)
+        hosts = settings.first_int(environ, env_names.GROUP_WORLD_SIZE, default=0)
+    except SettingError:
         return False
     return world >= 2 and (local == world or 0 < hosts < world)
 
@@ -109,7 +111,7 @@ def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dic
     from phalanx.job.store_client import from_env  # imports torch, loaded by now
 
     timeout = call.get("timeout") or c10d.default_pg_timeout
-    restart = environ.get(env_names.TORCHELASTIC_RESTART_COUNT, "0")
+    restart = settings.first_int(environ, env_names.TORCHELASTIC_RESTART_COUNT, default=0)
     client = from_env(environ, timeout)
     # torch keeps only the C++ half of a Python store: the Python object (its methods) must stay alive.
     _CLIENTS.append(client)
@@ -117,8 +119,8 @@ def job_store_arguments(call: dict[str, Any], environ: Mapping[str, str]) -> dic
     rank = call.get("rank", -1)
     size = call.get("world_size", -1)
     return {**call, "init_method": None, "store": store,
-            "rank": int(environ[env_names.RANK]) if rank in (None, -1) else rank,
-            "world_size": int(environ[env_names.WORLD_SIZE]) if size in (None, -1) else size}
+            "rank": settings.first_int(environ, env_names.RANK, default=-1) if rank in (None, -1) else rank,
+            "world_size": settings.first_int(environ, env_names.WORLD_SIZE, default=-1) if size in (None, -1) else size}
 
 
 def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
