@@ -45,6 +45,9 @@ ALLOWED: dict[str, set[str]] = {
 # exposes every module
 INTERFACE: dict[str, set[str]] = {
     "transport": {"phalanx.transport.api", "phalanx.transport.backend", "phalanx.transport.native"},
+    # Horovod's public modules, and frontend.py: what the other front ends (tensorflow/) build on
+    "torch": {"phalanx.torch", "phalanx.torch.frontend", "phalanx.torch.basics", "phalanx.torch.process_sets",
+              "phalanx.torch.elastic", "phalanx.torch.elastic.state"},
 }
 
 

@@ -22,7 +22,7 @@ import torch
 
 import phalanx.torch as ptorch
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _reduce
+from phalanx.torch import frontend
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 # Marks the errors a collective raised inside a graph, so model.fit's wrapper can re-raise them cleanly.
@@ -210,7 +210,7 @@ def _folded_scale(op: int, pre: float, n: int, dtype: np.dtype) -> float | None:
     """``1/n`` when an Average's division can be applied while copying into the buffer: a numpy float dtype
     and ``n`` a power of two (the scaling is exact, so each rank's scaled contribution sums to the same
     bits as the scaled sum), and no prescale factor. Else None (the engine scales the result)."""
-    if op != _reduce.Average or pre != 1.0 or dtype.kind != "f" or n & (n - 1):
+    if op != frontend.Average or pre != 1.0 or dtype.kind != "f" or n & (n - 1):
         return None
     return 1.0 / n
 
@@ -226,7 +226,7 @@ def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float,
     that disagree on the op still fail the signature check.
     """
     out: list[np.ndarray] = list(arrays)
-    n = process_set.size() if op == _reduce.Average else 1
+    n = process_set.size() if op == frontend.Average else 1
     for group in _layout(arrays, name):
         buffer = _aligned_empty(group.total, group.dtype)
         scale = _folded_scale(op, pre, n, group.dtype)

@@ -18,7 +18,7 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import ops
 from phalanx.tensorflow._groups import check_groups, groups_option, partition
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 

@@ -21,7 +21,7 @@ from phalanx.tensorflow._groups import local_layer_variables
 from phalanx.tensorflow._reduce_grads import GradReducer, make_reducer
 from phalanx.tensorflow._subclass import mixed_in
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 

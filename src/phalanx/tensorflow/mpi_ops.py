@@ -24,9 +24,8 @@ from phalanx.tensorflow.collectives import (
     reducescatter,
 )
 from phalanx.tensorflow.ops import allreduce, grouped_allreduce
-from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch import frontend as reduce_ops
 from phalanx.torch import process_sets
-from phalanx.torch._membership import add_process_set, remove_process_set
 from phalanx.torch.basics import (
     ccl_built,
     cross_rank,
@@ -50,6 +49,7 @@ from phalanx.torch.basics import (
     start_timeline,
     stop_timeline,
 )
+from phalanx.torch.frontend import add_process_set, remove_process_set
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 Average, Sum, Adasum = reduce_ops.Average, reduce_ops.Sum, reduce_ops.Adasum

@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from phalanx.tensorflow import _bridge
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 

@@ -16,7 +16,7 @@ from phalanx.tensorflow._reduce_grads import GradReducer, make_reducer
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from phalanx.tensorflow.ops import broadcast_variables
-from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.basics import rank
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 

@@ -15,8 +15,8 @@ import keras
 import tensorflow as tf
 
 from phalanx.tensorflow.ops import allreduce
-from phalanx.torch import _reduce as reduce_ops
 from phalanx.torch import basics
+from phalanx.torch import frontend as reduce_ops
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):

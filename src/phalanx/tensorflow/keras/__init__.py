@@ -61,7 +61,7 @@ from phalanx.tensorflow.keras.optimizer import (
     is_distributed,
     make_distributed_in_place,
 )
-from phalanx.torch import _reduce as reduce_ops
+from phalanx.torch import frontend as reduce_ops
 
 if keras.backend.backend() != "tensorflow":
     raise ImportError(f"phalanx.tensorflow.keras needs Keras' TensorFlow backend; KERAS_BACKEND is "

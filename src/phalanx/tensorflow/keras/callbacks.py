@@ -13,7 +13,7 @@ from keras.src.utils import io_utils
 import phalanx.torch as ptorch
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import _bridge, ops
-from phalanx.torch import _reduce
+from phalanx.torch import frontend
 
 
 def model_variables(model: Any) -> list[Any]:
@@ -111,7 +111,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and isinstance(float(v), float))
         values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
         name = "MetricAverageCallback:" + ",".join(keys)[:90]
-        averaged = _bridge.np_allreduce(values, name, _reduce.Average, 1.0, 1.0)
+        averaged = _bridge.np_allreduce(values, name, frontend.Average, 1.0, 1.0)
         for key, value in zip(keys, averaged.tolist()):
             logs[key] = value
 

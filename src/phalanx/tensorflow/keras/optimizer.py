@@ -23,7 +23,7 @@ from phalanx.tensorflow import ops
 from phalanx.tensorflow._groups import check_groups, groups_option, local_layer_variables, partition
 from phalanx.tensorflow._subclass import mixed_in
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.torch import _reduce
+from phalanx.torch import frontend
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 BUFFER_NAME = "DistributedOptimizer.gradients"
@@ -34,7 +34,7 @@ class Options:
     """How a distributed optimizer reduces gradients (fixed at construction)."""
 
     compression: type[Compressor] = Compression.none
-    op: int = _reduce.Average
+    op: int = frontend.Average
     backward_passes_per_step: int = 1
     average_aggregated_gradients: bool = False
     prescale: float = 1.0
@@ -184,14 +184,14 @@ def _check(optimizer: Any, options: Options) -> None:
         raise InvalidArgumentError(
             "backward_passes_per_step > 1 with a LossScaleOptimizer (mixed precision) is not supported by "
             "phalanx; use backward_passes_per_step=1 or the inner optimizer's gradient_accumulation_steps")
-    _reduce.check_op(options.op, torch.float32)
+    frontend.check_op(options.op, torch.float32)
     check_groups(options.groups)
 
 
 def DistributedOptimizer(
     optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-    gradient_predivide_factor: float = 1.0, op: int = _reduce.Average, backward_passes_per_step: int = 1,
+    gradient_predivide_factor: float = 1.0, op: int = frontend.Average, backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
     process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
 ) -> Any:
@@ -244,7 +244,7 @@ def with_options(optimizer: Any, options: Options) -> Any:
 def PartialDistributedOptimizer(
     optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
-    gradient_predivide_factor: float = 1.0, op: int = _reduce.Average, backward_passes_per_step: int = 1,
+    gradient_predivide_factor: float = 1.0, op: int = frontend.Average, backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False, groups: Any = None, process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True, local_layers: Any = None,
 ) -> Any:
