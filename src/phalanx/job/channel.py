@@ -7,8 +7,9 @@ event reaches the job; a worker reads nothing from a server that could not prove
 driver sends the payload and the peer streams hellos, log lines, its result or its error.
 
 Accepting, the handshake and its bounds are :class:`phalanx.job.auth_server.AuthServer`'s (the store's
-too): at most ``MAX_PENDING_HANDSHAKES`` connections may be unauthenticated at once, further ones are
-closed at once, and a worker retries until its start timeout.
+too): strangers' idle connections cost a descriptor each for at most the pre-authentication deadline, the
+oldest are closed when too many are pending, and a worker dropped that way retries until its start
+timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ __all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "Work
 
 #: Seconds an unauthenticated peer has for the whole handshake.
 AUTH_TIMEOUT_S = handshake.HANDSHAKE_TIMEOUT_S
-_CONNECT_RETRY_S = 0.2  # a worker's pause before it retries a busy or unreachable driver
 
 
 @dataclass(frozen=True)
@@ -213,10 +213,6 @@ class DriverChannel:
                 self.events.put(event)
 
 
-class _Busy(ChannelError):
-    """The driver was not reachable, or closed the connection before its challenge (worth a retry)."""
-
-
 def _decode(rank: int, kind: Kind, body: bytes) -> Event | None:
     """Turn a frame from an authenticated peer into an event; frames naming another rank are dropped."""
     event: Event
@@ -249,41 +245,17 @@ class WorkerChannel:
     def connect(cls, address: str, secret: str, rank: int, role: Role, timeout_s: float) -> WorkerChannel:
         """Connect, authenticate both ways and receive the payload, within ``timeout_s`` in all.
 
-        A driver that is busy (it closed the connection before its challenge) or not yet reachable is
-        retried until the timeout.
+        A driver that is busy (it closed the connection before its proof) or not yet reachable is retried
+        until the timeout.
 
         Raises:
             ChannelError: the driver is unreachable, refused the secret, could not prove it holds the
                 secret, or did not answer in time.
         """
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return cls._connect_once(address, secret, rank, role, deadline)
-            except _Busy as e:
-                if time.monotonic() + _CONNECT_RETRY_S >= deadline:
-                    raise ChannelError(
-                        f"rank {rank} could not reach the driver's channel at {address} within "
-                        f"{timeout_s:g} s: {e.__cause__ or e}"
-                    ) from e
-                time.sleep(_CONNECT_RETRY_S)
-
-    @classmethod
-    def _connect_once(cls, address: str, secret: str, rank: int, role: Role, deadline: float) -> WorkerChannel:
         host, _, port = address.rpartition(":")
+        sock = handshake.dial(host, int(port), secret, rank, role, deadline, "the driver's channel")
         try:
-            sock = socket.create_connection((host.strip("[]"), int(port)),
-                                            timeout=max(0.001, deadline - time.monotonic()))
-        except OSError as e:
-            raise _Busy(str(e)) from e
-        try:
-            try:
-                first = read_frame(sock, limit=handshake.NONCE_BYTES, deadline=deadline)
-            except (ChannelError, OSError) as e:
-                raise _Busy(f"no challenge from {address}: {e}") from e
-            if first is None:
-                raise _Busy(f"{address} closed the connection before its challenge")
-            handshake.answer(sock, first, secret, rank, role, deadline, address)
             payload = read_frame(sock, deadline=deadline)
         except BaseException:
             close_socket(sock)

@@ -17,14 +17,16 @@ from typing import BinaryIO
 from phalanx.errors import ChannelError
 
 _HEADER = struct.Struct(">BQ")
+#: Bytes of a frame's header (kind + body length).
+HEADER_BYTES = _HEADER.size
 _PIECE_BYTES = 1 << 20  # the most a body read takes from the socket at once
 #: Largest frame an authenticated peer may send (a result of a few GiB is better saved to a file).
 MAX_FRAME_BYTES = 4 << 30
 
 
 class Kind(IntEnum):
-    """Frame kinds. Driver -> worker: NONCE, PROOF, PAYLOAD, ABORT (and EVENT: a command to an elastic Spark
-    task's supervisor). Worker -> driver: the others."""
+    """Frame kinds. Driver -> worker: NONCE, PROOF, REFUSED, PAYLOAD, ABORT (and EVENT: a command to an
+    elastic Spark task's supervisor). Worker -> driver: the others."""
 
     NONCE = 1
     AUTH = 2
@@ -36,6 +38,18 @@ class Kind(IntEnum):
     ABORT = 8
     EVENT = 9
     PROOF = 10
+    REFUSED = 11
+
+
+def encode(kind: Kind, body: bytes = b"") -> bytes:
+    """One whole frame as bytes (for a small body; :class:`FrameWriter` sends large ones in two writes)."""
+    return _HEADER.pack(int(kind), len(body)) + body
+
+
+def parse_header(header: bytes) -> tuple[int, int]:
+    """A frame header's raw ``(kind, body length)`` (``header`` is :data:`HEADER_BYTES` long)."""
+    kind, length = _HEADER.unpack(header)
+    return int(kind), int(length)
 
 
 def _recv(sock: socket.socket, n: int, deadline: float | None) -> bytes:

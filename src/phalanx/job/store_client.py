@@ -8,7 +8,6 @@ use it as they would use a ``TCPStore`` client. Requests on one client are seria
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -19,12 +18,10 @@ import torch.distributed as dist
 
 from phalanx.env import names as env_names
 from phalanx.env import settings
-from phalanx.errors import ChannelError, InvalidArgumentError
+from phalanx.errors import InvalidArgumentError
 from phalanx.job import handshake
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_frame
 from phalanx.job.store import Op, Status, pack, unpack
-
-_RETRY_S = 0.1
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -50,7 +47,8 @@ class StoreClient(dist.Store):
         self.set_timeout(timeout)
         self._where = f"{host}:{port}"
         self._lock = threading.Lock()
-        self._sock = _connect(host, port, secret, rank, time.monotonic() + timeout.total_seconds())
+        self._sock = handshake.dial(host, port, secret, rank, handshake.Role.STORE,
+                                    time.monotonic() + timeout.total_seconds(), "the job's store")
         self._writer = FrameWriter(self._sock)
 
     def _call(self, op: Op, items: list[bytes], wait: timedelta | None = None) -> list[bytes]:
@@ -111,32 +109,6 @@ class StoreClient(dist.Store):
     def close(self) -> None:
         """Close the connection."""
         close_socket(self._sock)
-
-
-def _connect(host: str, port: int, secret: str, rank: int, deadline: float) -> socket.socket:
-    where, last = f"{host}:{port}", ""
-    while time.monotonic() < deadline:
-        try:
-            sock = socket.create_connection((host, port), timeout=max(0.001, deadline - time.monotonic()))
-        except OSError as e:
-            last = str(e)
-            time.sleep(_RETRY_S)
-            continue
-        try:
-            first = read_frame(sock, limit=handshake.NONCE_BYTES, deadline=deadline)
-            if first is not None:
-                handshake.answer(sock, first, secret, rank, handshake.Role.STORE, deadline, where)
-                sock.settimeout(None)
-                return sock
-            last = "the store was busy (closed the connection before its challenge)"
-        except ChannelError:  # refused, or not the job's store: retrying cannot help
-            close_socket(sock)
-            raise
-        except OSError as e:
-            last = str(e)
-        close_socket(sock)
-        time.sleep(_RETRY_S)
-    raise ChannelError(f"could not reach the job's store at {where} before the timeout: {last}")
 
 
 def from_env(env: Mapping[str, str], timeout: timedelta) -> StoreClient:

@@ -197,24 +197,69 @@ def test_the_handshake_deadline_covers_the_whole_exchange(monkeypatch: pytest.Mo
         ch.close()
 
 
-def test_unauthenticated_connections_are_bounded_and_workers_still_get_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(auth_server, "MAX_PENDING_HANDSHAKES", 3)
-    monkeypatch.setattr(channel_mod, "AUTH_TIMEOUT_S", 1.0)
-    ch = DriverChannel(world_size=1, payload=b"p")
-    host, port = ch.address.rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+def _idle(address: str, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
+    """``n`` connections from ``source`` that read the challenge and then say nothing."""
+    host, port = address.rsplit(":", 1)
+    out = [socket.create_connection((host, int(port)), timeout=5, source_address=(source, 0)) for _ in range(n)]
+    for s in out:
+        assert read_frame(s, limit=64) is not None  # each holds a pending handshake
+    return out
+
+
+def _dropped(s: socket.socket) -> bool:
     try:
-        for s in idle:
-            assert read_frame(s, limit=64) is not None  # each holds a handshake slot
-        with socket.create_connection((host, int(port)), timeout=5) as extra:
-            assert read_frame(extra, limit=64) is None  # over the bound: closed with no challenge
-        # The idle peers are cut off at the deadline; the worker retries until it is served.
-        peer = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=20)
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_full_server_drops_the_oldest_stranger_not_the_newcomer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strangers' idle connections used to fill every handshake slot for 10 s and the newest arrival was
+    refused, so a real worker got in only when they all expired together (issue 32, item 1)."""
+    monkeypatch.setattr(auth_server, "MAX_PENDING_HANDSHAKES", 3)
+    monkeypatch.setattr(channel_mod, "AUTH_TIMEOUT_S", 60.0)  # no deadline helps here: only the bound does
+    ch = DriverChannel(world_size=1, payload=b"p")
+    idle = _idle(ch.address, 3)
+    try:
+        peer = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
         assert peer.payload == b"p"
         peer.close()
+        assert _dropped(idle[0])  # the oldest made room
     finally:
         for s in idle:
             s.close()
+        ch.close()
+
+
+def test_one_source_over_its_bound_loses_its_own_oldest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auth_server, "MAX_PENDING_PER_SOURCE", 2)
+    monkeypatch.setattr(channel_mod, "AUTH_TIMEOUT_S", 60.0)
+    ch = DriverChannel(world_size=1, payload=b"p")
+    other = _idle(ch.address, 1, source="127.0.0.1")
+    strangers = _idle(ch.address, 3, source="127.0.0.2")
+    try:
+        assert _dropped(strangers[0])
+        strangers[1].settimeout(0.3)
+        other[0].settimeout(0.3)
+        for s in (strangers[1], other[0]):
+            with pytest.raises(TimeoutError):  # still pending
+                s.recv(1)
+    finally:
+        for s in other + strangers:
+            s.close()
+        ch.close()
+
+
+def test_idle_connections_are_cut_at_the_pre_auth_deadline() -> None:
+    """A real client answers the challenge in milliseconds: a silent one is closed within the deadline of
+    about a second (it used to hold its slot and a thread for 10 s)."""
+    ch = DriverChannel(world_size=1, payload=b"p")
+    (s,) = _idle(ch.address, 1)
+    try:
+        s.settimeout(5.0)  # a generous bound on a loaded host; the old deadline was 10 s
+        assert _dropped(s)
+    finally:
+        s.close()
         ch.close()
 
 
@@ -230,13 +275,10 @@ def test_the_accept_loop_survives_a_thread_that_cannot_start(monkeypatch: pytest
 
     shim = types.SimpleNamespace(Thread=Flaky, current_thread=threading.current_thread)
     monkeypatch.setattr(auth_server, "threading", shim)
-    try:
-        host, port = ch.address.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=5) as first:
-            assert read_frame(first, limit=64) is None  # its thread could not start: closed
-        assert not failures
+    try:  # the first authenticated peer's thread cannot start: it is dropped before its proof and retries
         peer = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=10)
         peer.close()
+        assert not failures
     finally:
         ch.close()
 

@@ -97,15 +97,16 @@ def _tcpstore_set(port: int) -> int:
 
 
 def _forged_answer(port: int) -> int:
-    """An answer to the challenge without the secret: 0 if the store closed without its proof."""
+    """An answer to the challenge without the secret: 0 if the store refused it without a proof."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         s.settimeout(10)
         read_frame(s, limit=64)
         FrameWriter(s).send(Kind.AUTH, struct.pack(">IB32s32s", 0, 2, b"\x00" * 32, b"\x01" * 32))
         try:
-            return 0 if read_frame(s, limit=64) is None else 3
+            frame = read_frame(s, limit=64)
         except (ChannelError, ConnectionResetError):
             return 0
+        return 0 if frame is None or frame[0] is Kind.REFUSED else 3
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="becoming another local user (uid 65534) needs root")
