@@ -2,7 +2,7 @@
 from the data: ``import horovod.tensorflow.keras as hvd``.
 
 It still passes ``experimental_run_tf_function=False`` to ``compile`` as Horovod's example did for TF 2.x;
-Keras 3 removed that argument and phalanx drops it with a warning. Run it as under horovodrun:
+Keras 3 removed that argument and phalanx silently drops it (a no-op). Run it as under horovodrun:
 
     .venv/bin/phalanxrun -np 2 python examples/keras_horovod_train.py --epochs 4
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ pytest.importorskip("pyarrow")
 torch = pytest.importorskip("torch")
 
 from phalanx.errors import InvalidArgumentError, WorkerFailedError  # noqa: E402
+from phalanx.spark.common.backend import SparkBackend  # noqa: E402
 from phalanx.spark.torch import LocalStore, TorchEstimator, TorchModel  # noqa: E402
 
 pytestmark = [pytest.mark.spark]
@@ -78,7 +80,10 @@ def test_fit_sparse_validation_column_transform_pipeline_and_resume(local_spark:
     assert ckpts == ["epoch-0000.pt", "epoch-0001.pt"]
     first = torch.load(tmp_path / "store" / "runs" / run / "checkpoints" / "epoch-0001.pt", weights_only=False)
 
-    trained = _estimator(store, run_id=run, epochs=3, train_steps_per_epoch=5).fit(df)
+    # Horovod's estimator examples give the ranks through a SparkBackend: its num_proc is honoured.
+    backend = SparkBackend(num_proc=2, stdout=sys.stdout, stderr=sys.stderr, prefix_output_with_timestamp=True)
+    trained = _estimator(store, run_id=run, epochs=3, train_steps_per_epoch=5, num_proc=None,
+                         backend=backend).fit(df)
     history = trained.getHistory()
     assert [h["epoch"] for h in history] == [0, 1, 2]
     assert history[:2] == first["history"]  # epochs 0-1 restored, not retrained

@@ -36,7 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "spark": {"launch", "job", "env", "errors", "worker"},
     "estimator": {"spark", "torch", "tensorflow", "lightning", "launch", "job", "env", "errors", "worker"},
     "cli": {"launch", "env", "errors", "timeline", "job", "__init__"},
-    "compat": {"torch", "tensorflow", "spark", "launch", "lightning", "env", "errors", "__init__"},
+    "compat": {"torch", "tensorflow", "spark", "estimator", "launch", "lightning", "cli", "env", "errors",
+               "__init__"},
     "__init__": {"launch"},
     "_phalanx_startup": {"compat", "worker", "lightning"},
 }

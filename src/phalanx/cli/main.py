@@ -81,10 +81,10 @@ class _CheckBuild(argparse.Action):
         parser.exit(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "phalanxrun") -> argparse.ArgumentParser:
     """The argument parser: every horovodrun flag (``cli/flags.py`` holds those beyond the core ones)."""
     p = argparse.ArgumentParser(
-        prog="phalanxrun",
+        prog=prog,
         description="Run COMMAND as N ranks on this machine with the phalanx/Horovod/torchrun contract.",
     )
     p.add_argument("-v", "--version", action="version", version=build_info.version_text())
@@ -136,13 +136,13 @@ def _check_command(command: Sequence[str]) -> None:
         raise InvalidArgumentError(f"script {script!r} does not exist (working directory: {os.getcwd()})")
 
 
-def parse_config(argv: Sequence[str]) -> RunConfig:
+def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
     """Parse and validate the command line.
 
     Raises:
         InvalidArgumentError: a bad value (the message says which and why).
     """
-    ns = build_parser().parse_args(list(argv))
+    ns = build_parser(prog).parse_args(list(argv))
     if ns.config_file:
         config_file.apply(ns, ns.config_file)
     flags.validate(ns)
@@ -222,27 +222,27 @@ def _launch(config: RunConfig) -> None:
     (ElasticLocalLauncher(spec, config.elastic) if config.elastic else LocalLauncher(spec)).run()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``phalanxrun``; returns the process exit code."""
+def main(argv: Sequence[str] | None = None, prog: str = "phalanxrun") -> int:
+    """Run ``phalanxrun`` (or ``horovodrun``: ``prog``); returns the process exit code."""
     try:
-        config = parse_config(sys.argv[1:] if argv is None else argv)
+        config = parse_config(sys.argv[1:] if argv is None else argv, prog)
     except InvalidArgumentError as e:
-        sys.stderr.write(f"phalanxrun: error: {e}\n")
+        sys.stderr.write(f"{prog}: error: {e}\n")
         return EXIT_USAGE
     for warning in config.warnings:
-        sys.stderr.write(f"phalanxrun: warning: {warning}\n")
+        sys.stderr.write(f"{prog}: warning: {warning}\n")
     logging.basicConfig(level=logging.DEBUG if config.verbose else logging.WARNING,
-                        format="phalanxrun: %(message)s")
+                        format=f"{prog}: %(message)s")
     try:
         _launch(config)
     except WorkerFailedError as e:
-        sys.stderr.write(f"phalanxrun: {e}\n")
+        sys.stderr.write(f"{prog}: {e}\n")
         return e.exit_code
     except PhalanxError as e:
-        sys.stderr.write(f"phalanxrun: {e}\n")
+        sys.stderr.write(f"{prog}: {e}\n")
         return 1
     except KeyboardInterrupt:
-        sys.stderr.write("phalanxrun: interrupted; all ranks were stopped\n")
+        sys.stderr.write(f"{prog}: interrupted; all ranks were stopped\n")
         return EXIT_INTERRUPTED
     return 0
 

@@ -25,7 +25,18 @@ MODULE_ALIASES = {
     "horovod.spark": "phalanx.spark",
     "horovod.tensorflow": "phalanx.tensorflow",
     "horovod.keras": "phalanx.tensorflow.keras",
+    # Horovod's estimator modules (horovod.spark.torch.estimator...): phalanx's estimator of each framework.
+    "horovod.spark.torch.estimator": "phalanx.spark.estimator.torch",
+    "horovod.spark.keras.estimator": "phalanx.spark.estimator.keras",
+    "horovod.spark.lightning.estimator": "phalanx.spark.estimator.lightning",
+    # ``python -m horovod.runner.launch`` and ``horovodrun``'s entry (run_commandline): a module, not a package.
+    "horovod.runner.launch": "phalanx.compat.horovodrun",
 }
+#: Aliases of a plain module that ``python -m`` runs: their spec is not a package's, their loader gives code.
+RUNNABLE = frozenset({"horovod.runner.launch"})
+#: Horovod packages that phalanx implements as plain modules: the alias gives the module an empty
+#: ``__path__`` so that Horovod's submodule names under it (the ``estimator`` aliases above) can resolve.
+PACKAGE_ALIASES = frozenset({"horovod.spark.torch", "horovod.spark.keras", "horovod.spark.lightning"})
 # Prefixes whose submodules map one to one (horovod.torch.mpi_ops -> phalanx.torch.mpi_ops).
 PREFIX_ALIASES = {
     "horovod.torch.": "phalanx.torch.", "horovod.spark.": "phalanx.spark.",
@@ -34,6 +45,7 @@ PREFIX_ALIASES = {
 # Synthetic packages: name -> {attribute: (phalanx module, attribute)}, resolved lazily on access.
 SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
     "horovod": {"run": ("phalanx.compat.horovod_run", "run")},
+    "horovod.runner": {"run": ("phalanx.compat.horovod_run", "run")},
     # Horovod's framework-neutral elastic base classes and exceptions.
     "horovod.common": {},
     "horovod.common.util": {"env": ("phalanx.compat.horovod_util", "env")},
@@ -65,6 +77,7 @@ ALIAS_MARK = "__phalanx_alias__"
 def _synthetic(name: str, attrs: dict[str, tuple[str, str]]) -> types.ModuleType:
     module = types.ModuleType(name, f"phalanx alias for {name!r}: {sorted(attrs)} resolve to phalanx.")
     module.__path__ = []  # a package: its submodules are aliases too
+    module.__file__ = __file__  # tools and inspect read it: the file that defines the alias
     setattr(module, ALIAS_MARK, True)
 
     def __getattr__(attr: str) -> Any:
@@ -94,7 +107,16 @@ class AliasLoader(importlib.abc.Loader):
             return _synthetic(self.fullname, SYNTHETIC[self.fullname])
         module = importlib.import_module(target)
         self._original_spec = module.__spec__
+        if self.fullname in PACKAGE_ALIASES and not hasattr(module, "__path__"):
+            module.__path__ = []  # finders see no file under it: aliases only
         return module
+
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """The code of the module an alias stands for (``python -m horovod.runner.launch`` runs it)."""
+        target = target_of(fullname)
+        spec = importlib.util.find_spec(target) if target else None
+        get = getattr(spec.loader, "get_code", None) if spec is not None else None
+        return get(target) if get is not None else None
 
     def exec_module(self, module: types.ModuleType) -> None:
         # importlib set module.__spec__ to the alias's spec; the real module keeps its own identity.
@@ -119,16 +141,22 @@ class AliasFinder(importlib.abc.MetaPathFinder):
             real = target_of(fullname)
             if real is None or importlib.util.find_spec(real) is None:
                 return None
-        return importlib.machinery.ModuleSpec(fullname, AliasLoader(fullname), is_package=True)
+        return importlib.machinery.ModuleSpec(fullname, AliasLoader(fullname), is_package=fullname not in RUNNABLE)
 
     def _real_package_exists(self, name: str) -> bool:
-        for finder in sys.meta_path:
-            if finder is self or isinstance(finder, AliasFinder) or _is_lazy_hook(finder):
-                continue
-            find = getattr(finder, "find_spec", None)
-            if find is not None and find(name, None) is not None:
-                return True
-        return False
+        return real_package_exists(name)
+
+
+def real_package_exists(name: str) -> bool:
+    """Whether a finder other than phalanx's aliases can import the top-level package ``name`` (the real
+    Horovod or sparkdl)."""
+    for finder in sys.meta_path:
+        if isinstance(finder, AliasFinder) or _is_lazy_hook(finder):
+            continue
+        find = getattr(finder, "find_spec", None)
+        if find is not None and find(name, None) is not None:
+            return True
+    return False
 
 
 LAZY_HOOK_NAME = "PhalanxLazyAliasHook"  # _phalanx_startup's finder (phalanx-compat.pth), superseded here

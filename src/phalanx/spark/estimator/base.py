@@ -22,6 +22,7 @@ from pyspark.ml import Estimator
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, PayloadError
 from phalanx.spark.api import launch_spark, run_spec
+from phalanx.spark.common.backend import SparkBackend, num_proc_of
 from phalanx.spark.estimator.job import TrainSpec
 from phalanx.spark.estimator.params import PARAMS, EstimatorParams
 from phalanx.spark.estimator.prepare import prepare
@@ -138,7 +139,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         self.check_framework(values)
         blob = self.model_blob(values)
         sc = spark_context()
-        num_proc = values["num_proc"] or every_slot(sc, 30.0, _START_HINT)
+        num_proc = num_proc_of(values["num_proc"], values["backend"]) or every_slot(sc, 30.0, _START_HINT)
         store = values["store"] or default_store(sc)
         run_id = values["run_id"] or f"{self.framework}_{int(time.time())}_{uuid.uuid4().hex[:6]}"
         data = prepare(dataset, store, run_id, values, num_proc)
@@ -147,13 +148,18 @@ class PhalanxEstimator(Estimator, EstimatorParams):
             log.warning("phalanx estimator: run %s resumes after epoch %d (%s)", run_id, last[0] + 1, last[1])
         params = {k: v for k, v in values.items() if k not in _DRIVER_ONLY}
         spec = TrainSpec(blob, data, store, run_id, params, last[0] if last else -1)
-        results = self._run(spec, sc, num_proc, bool(values["use_gpu"]), int(values["verbose"] or 0))
+        results = self._run(spec, sc, num_proc, bool(values["use_gpu"]), values["backend"])
         return self.make_model(results[0], spec)
 
-    def _run(self, spec: TrainSpec, sc: Any, num_proc: int, use_gpu: bool, verbose: int) -> list[Any]:
+    def _run(self, spec: TrainSpec, sc: Any, num_proc: int, use_gpu: bool, backend: Any) -> list[Any]:
         gpu = use_gpu and _task_gpus(sc)
         env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
-        job, sc = run_spec(self.remote(), (spec,), None, num_proc, None, env, None, None, verbose, {})
+        verbose = int(self.values()["verbose"] or 0)
+        out = err = timeout = None
+        if isinstance(backend, SparkBackend):  # its env, output streams and start timeout
+            env = backend.job_env(env)
+            out, err, timeout = (backend.options()[k] for k in ("stdout", "stderr", "start_timeout"))
+        job, sc = run_spec(self.remote(), (spec,), None, num_proc, timeout, env, out, err, verbose, {})
         job = dataclasses.replace(job, use_gpu=gpu, description=f"phalanx {type(self).__name__}.fit ({spec.run_id})")
         values: list[Any] = launch_spark(job, sc).values
         return values

@@ -17,6 +17,10 @@ from phalanx.spark.estimator.job import TrainSpec
 from phalanx.spark.estimator.params import add_params
 from phalanx.spark.estimator.torch import TorchModel, trained_model
 
+#: Horovod's name for the oldest Lightning its estimator supports; here the oldest the estimator is tested
+#: with (the ``lightning>=2.2`` of pyproject's dev extra).
+MIN_PL_VERSION = "2.2.0"
+
 LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
     "trainer_args": ({}, "ignored: phalanx builds the Trainer (epochs, steps, strategy)"),

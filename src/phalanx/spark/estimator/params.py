@@ -41,7 +41,7 @@ PARAMS: dict[str, tuple[Any, str]] = {
     "use_gpu": (True, "train on GPUs when Spark gives the tasks GPUs"),
     "gradient_compression": (None, "compression of the gradients (hvd.Compression)"),
     "label_shapes": (None, "shape of each label, the batch dimension first as -1"),
-    "backend": (None, "Horovod's backend object; phalanx always runs a phalanx.spark job"),
+    "backend": (None, "a SparkBackend: its num_proc is the number of ranks (give it or num_proc, not both)"),
     "compress_sparse_cols": (False, "ignored: sparse vectors are stored dense"),
     "shuffle_buffer_size": (None, "ignored (deprecated in Horovod): rows are shuffled per row group"),
     "train_reader_num_workers": (2, "ignored: one pyarrow reader per rank"),

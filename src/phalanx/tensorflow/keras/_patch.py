@@ -1,8 +1,8 @@
 """What ``model.compile`` and ``model.fit`` do differently when a model trains with a ``DistributedOptimizer``.
 
 Installed once, when ``phalanx.tensorflow.keras`` is imported (``keras.Model`` is patched; a model without
-a distributed optimizer is not affected, except that ``compile`` accepts and drops TF 1's
-``experimental_run_tf_function`` argument, which old Horovod examples pass and Keras 3 refuses):
+a distributed optimizer is not affected, except that ``compile`` accepts and silently drops TF 1's
+``experimental_run_tf_function`` argument, which Horovod's examples pass and Keras 3 refuses):
 
 * ``compile``: ``jit_compile`` is forced off (XLA cannot compile the ``tf.numpy_function`` bridge; Keras'
   ``"auto"`` turns it on when a GPU is visible); under the ``mixed_float16`` policy the optimizer becomes
@@ -89,11 +89,8 @@ def explain(error: BaseException) -> CollectiveMismatchError | None:
 
 
 def _compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
-    for arg in DROPPED_COMPILE_ARGS:
-        if arg in kwargs:
-            kwargs.pop(arg)
-            warnings.warn(f"model.compile({arg}=...) is a TensorFlow 1 argument that Keras 3 removed; phalanx "
-                          "drops it (remove it from the call)", stacklevel=2)
+    for arg in DROPPED_COMPILE_ARGS:  # a no-op in Keras 3: dropped silently, as Horovod's examples pass it
+        kwargs.pop(arg, None)
     optimizer = _distributed_outside(optimizer)
     if keras_optimizer.is_distributed(optimizer):
         if kwargs.get("jit_compile") is True:
