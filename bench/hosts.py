@@ -15,6 +15,13 @@ Run: ``.venv/bin/python bench/hosts.py [--rounds 3] [--calls 10]``.
   the cross-host step (``hvd.allreduce_`` on ranks {0, 2}, one per host, the others idle: gloo). Their sum is
   what a hierarchical allreduce that runs the steps one after the other costs at best when the two "hosts"
   share the machine's cores, so flat gloo / that sum is the best ratio reachable here.
+* on a network slower than memory (``--shaped RATE [--layouts 3x2,2x4]``): the hosts' links limited to RATE
+  in each direction (``tc tbf``; tests/hosts/simhosts.py:shape_link), the shaping verified by one TCP
+  transfer between two hosts, then the 64 MB allreduce (hierarchical vs flat gloo, interleaved) for each
+  layout HOSTSxRANKS. Printed beside each: what each algorithm must move through one host's link (a ring
+  over N ranks sends 2(N-1)/N of the tensor out of each host it crosses; any allreduce among H hosts at least
+  2(H-1)/H of it), and so the best ratio any algorithm without compression can reach at that rate.
+  Target: >= 1.5x at 1 Gbit/s.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.hosts.simhosts import Cluster, simulated_hosts, why_unavailable  # noqa: E402
+from tests.hosts.simhosts import Cluster, host_names, simulated_hosts, why_unavailable  # noqa: E402
 
 ELEMENTS_64MB = (64 << 20) // 4
 _CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "PHALANX_CHANNEL")
@@ -144,9 +151,12 @@ def _torchrun_launch(cluster: Cluster, round_no: int) -> float:
     return _firsts(out)
 
 
-def _allreduce(cluster: Cluster, calls: int, kind: str = "allreduce") -> dict[str, list[float]]:
-    argv = [sys.executable, "-m", "phalanx.cli.main", "-np", "4", "-H", "hosta:2,hostb:2", "-i", str(cluster.key),
-            sys.executable, __file__, "--rank", kind, str(calls)]
+def _allreduce(cluster: Cluster, calls: int, kind: str = "allreduce",
+               layout: tuple[int, int] = (2, 2)) -> dict[str, list[float]]:
+    hosts, per_host = layout
+    spec = ",".join(f"{h}:{per_host}" for h in host_names(hosts))
+    argv = [sys.executable, "-m", "phalanx.cli.main", "-np", str(hosts * per_host), "-H", spec,
+            "-i", str(cluster.key), sys.executable, __file__, "--rank", kind, str(calls)]
     done = cluster.run_on("hosta", argv, timeout=600, env=_env())
     if done.returncode != 0:
         raise RuntimeError(f"phalanxrun failed: {done.stderr[-2000:]}")
@@ -164,11 +174,90 @@ def _floor(cluster: Cluster, calls: int) -> None:
           f"floor {floor * 1e3:.1f} ms -> at best {med['flat'] / floor:.2f}x of flat gloo here")
 
 
+_RECEIVE = """
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 29555))
+s.listen()
+s.settimeout(60)
+c, _ = s.accept()
+buf, n, begin = bytearray(1 << 20), 0, time.perf_counter()
+while True:
+    got = c.recv_into(buf)
+    if not got:
+        break
+    n += got
+print(n / (time.perf_counter() - begin) / 1e6)
+"""
+
+_SEND = """
+import socket, sys, time
+deadline = time.monotonic() + 30
+while True:
+    try:
+        s = socket.create_connection((sys.argv[1], 29555), timeout=5)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+block = b"x" * (1 << 20)
+for _ in range(int(sys.argv[2])):
+    s.sendall(block)
+s.close()
+"""
+
+
+def _link_rate(cluster: Cluster, mbytes: int) -> float:
+    """MB/s of one TCP transfer of ``mbytes`` MiB from hostb to hosta (the shaping, checked)."""
+    receiver = subprocess.Popen(cluster.argv_on("hosta", [sys.executable, "-c", _RECEIVE]), stdout=subprocess.PIPE,
+                                text=True)
+    sent = cluster.run_on("hostb", [sys.executable, "-c", _SEND, "hosta", str(mbytes)], timeout=120)
+    out, _ = receiver.communicate(timeout=120)
+    if sent.returncode != 0 or receiver.returncode != 0:
+        raise RuntimeError(f"the link check failed: {sent.stderr[-1000:]}")
+    return float(out)
+
+
+def _ring_share(ranks: int) -> float:
+    """The part of the tensor a ring allreduce over ``ranks`` sends out of each member (reduce-scatter and
+    allgather: 2(n-1)/n); across hosts the same through each host's link."""
+    return 2 * (ranks - 1) / ranks
+
+
+def _shaped(cluster: Cluster, rate: str, layouts: list[tuple[int, int]], calls: int) -> None:
+    mb_s = _link_rate(cluster, 256)
+    print(f"link {rate}: one TCP transfer hostb -> hosta {mb_s:.0f} MB/s")
+    tensor_mb = ELEMENTS_64MB * 4 / 1e6
+    for hosts, per_host in layouts:
+        times = _allreduce(cluster, calls, layout=(hosts, per_host))
+        h_med, f_med = statistics.median(times["hier"]), statistics.median(times["flat"])
+        flat_mb, hier_mb = _ring_share(hosts * per_host) * tensor_mb, _ring_share(hosts) * tensor_mb
+        print(f"allreduce 64 MB, {hosts} hosts x {per_host} ranks, links {rate}: hierarchical {h_med * 1e3:.0f} ms, "
+              f"flat gloo {f_med * 1e3:.0f} ms -> {f_med / h_med:.2f}x (target >= 1.5x); through each host's link "
+              f"a flat ring sends {flat_mb:.0f} MB ({flat_mb / mb_s * 1e3:.0f} ms at {mb_s:.0f} MB/s), any "
+              f"allreduce at least {hier_mb:.0f} MB ({hier_mb / mb_s * 1e3:.0f} ms): at best "
+              f"{flat_mb / hier_mb:.2f}x; calls hier {[round(x * 1e3) for x in times['hier']]} ms, "
+              f"flat {[round(x * 1e3) for x in times['flat']]} ms")
+
+
+def _layouts(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        hosts, _, per_host = item.partition("x")
+        out.append((int(hosts), int(per_host)))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--floor", action="store_true", help="only the 64 MB allreduce and its floor on this machine")
+    p.add_argument("--shaped", metavar="RATE", default=None,
+                   help="links limited to RATE (tc units: 1gbit, 10gbit): the allreduce per layout only")
+    p.add_argument("--layouts", default="3x2,2x4", help="with --shaped: HOSTSxRANKS,... (default 3x2,2x4)")
     p.add_argument("--rank", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank is not None:
@@ -183,6 +272,12 @@ def main() -> int:
     why = why_unavailable()
     if why:
         print(f"bench/hosts.py: skipped: {why}")
+        return 0
+    if args.shaped is not None:
+        layouts = _layouts(args.layouts)
+        names = host_names(max(2, *(h for h, _ in layouts)))
+        with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys), names, args.shaped) as cluster:
+            _shaped(cluster, args.shaped, layouts, args.calls)
         return 0
     with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
         if args.floor:

@@ -27,7 +27,9 @@ from pathlib import Path
 PREFIX = f"phx{os.getpid()}"
 BRIDGE_NS = f"{PREFIX}-br"
 SUBNET = "10.99.0"
-HOSTS = {"hosta": 2, "hostb": 3}
+HOSTS = ("hosta", "hostb")
+# The most hosts one run may make: a leftover sweep must know every name a crashed run may have left.
+MAX_HOSTS = 16
 SSHD = "/usr/sbin/sshd"
 SETUP_TIMEOUT_S = 300.0
 HOST_KEY = Path("/var/tmp/phalanx-sim-hosts/host_key")
@@ -120,8 +122,17 @@ def _stale_namespaces() -> list[str]:
     return out
 
 
+def host_names(count: int) -> tuple[str, ...]:
+    """``hosta``, ``hostb``, ... (``count`` of them, at most :data:`MAX_HOSTS`)."""
+    if not 1 <= count <= MAX_HOSTS:
+        raise ValueError(f"simulated hosts: {count} hosts asked, 1 to {MAX_HOSTS} can be made")
+    return tuple(f"host{chr(ord('a') + i)}" for i in range(count))
+
+
 def _cleanup_namespaces() -> None:
-    for ns in [BRIDGE_NS, *(f"{PREFIX}-{h}" for h in HOSTS), *_stale_namespaces()]:
+    mine = [f"{PREFIX}-{h}" for h in host_names(MAX_HOSTS)]
+    listed = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout.split())
+    for ns in [BRIDGE_NS, *(n for n in mine if n in listed), *_stale_namespaces()]:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False).stdout.split()
         for pid in pids:
             try:
@@ -131,12 +142,12 @@ def _cleanup_namespaces() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-def _network() -> None:
+def _network(names: tuple[str, ...], rate: str | None) -> None:
     _cleanup_namespaces()
     _sh("ip", "netns", "add", BRIDGE_NS)
     _sh("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
     _sh("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
-    for i, host in enumerate(HOSTS):
+    for i, host in enumerate(names):
         ns, peer = f"{PREFIX}-{host}", f"v{host}"
         _sh("ip", "netns", "add", ns)
         _sh("ip", "-n", BRIDGE_NS, "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -144,6 +155,30 @@ def _network() -> None:
         _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 2}/24", "dev", "eth0")
         _sh("ip", "-n", ns, "link", "set", "eth0", "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if rate is not None:
+            shape_link(ns, "eth0", rate)  # what the host sends
+            shape_link(BRIDGE_NS, peer, rate)  # what it receives: a full-duplex link of that rate
+
+
+def shape_link(netns: str, dev: str, rate: str) -> None:
+    """Limit what ``dev`` (in ``netns``) sends to ``rate`` (tc's units: ``1gbit``, ``10gbit``) with a token
+    bucket, so that the link between two simulated hosts is slower than memory, as between real machines.
+    (This kernel has no netem: no delay is added; a LAN's ~0.1 ms matters little next to the rate.)
+
+    The bucket holds 1 ms of traffic, and never less than the largest segment veth hands over (64 KiB with
+    GSO), which tbf drops rather than delays when it exceeds the bucket."""
+    bits = _rate_bits(rate)
+    burst = max(bits // 8 // 1000, 256 << 10)
+    _sh("ip", "netns", "exec", netns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+        "burst", str(burst), "latency", "50ms")
+
+
+def _rate_bits(rate: str) -> int:
+    """``1gbit`` -> 10**9 (tc's decimal bit units: kbit, mbit, gbit)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate)
+    if m is None:
+        raise ValueError(f"simulated hosts: link rate {rate!r} is not like '1gbit', '10gbit' or '500mbit'")
+    return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)])
 
 
 def _sshd_config(d: Path, host: str, address: str) -> Path:
@@ -182,8 +217,11 @@ def _wait_ssh(cluster: Cluster, host: str) -> None:
 
 
 @contextmanager
-def simulated_hosts(workdir: Path, keydir: Path) -> Iterator[Cluster]:
-    """Start ``hosta`` and ``hostb`` (sshd in each); remove every namespace and process at the end.
+def simulated_hosts(workdir: Path, keydir: Path, names: tuple[str, ...] = HOSTS,
+                    rate: str | None = None) -> Iterator[Cluster]:
+    """Start the hosts ``names`` (``hosta`` and ``hostb`` unless told; :func:`host_names` makes more), sshd
+    in each, their links limited to ``rate`` in each direction when given (:func:`shape_link`); remove every
+    namespace and process at the end.
 
     Call :func:`why_unavailable` first.
     """
@@ -198,9 +236,9 @@ def simulated_hosts(workdir: Path, keydir: Path) -> Iterator[Cluster]:
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "id"))
     shutil.copy(d / "id.pub", d / "authorized_keys")
     etc_hosts = d / "etc_hosts"
-    addresses = {host: f"{SUBNET}.{i + 2}" for i, host in enumerate(HOSTS)}
+    addresses = {host: f"{SUBNET}.{i + 2}" for i, host in enumerate(names)}
     etc_hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for h, a in addresses.items()))
-    _network()
+    _network(names, rate)
     hosts: dict[str, SimHost] = {}
     try:
         for host, address in addresses.items():
