@@ -143,7 +143,8 @@ def _hierarchy(transport: Transport, kind: str) -> Hierarchy:
         multi = transport.leaders is not None
         leaders = transport.leaders if multi and transport.leader else None
         me = transport.ranks.index(dist.get_rank())
-        view = Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks), me, transport.hosts)
+        view = Hierarchy(transport.channels.get(kind), leaders, multi, len(transport.ranks), me, transport.hosts,
+                         transport.cross)
         transport.views[kind] = view
     return view
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,10 +49,10 @@ class Hierarchy:
         hosts: the group ranks of each host, hosts ordered by their first rank (the leaders' ranks); needed
             by :meth:`broadcast_` and :meth:`allgather_` only.
         cross: when every host has as many ranks of the group, the gloo group of the ranks with this rank's
-            index on their host (ranked by host; the leaders' group on a leader), else None. Allreduces
-            of at least ``PART_BYTES`` then cross hosts part by part, every rank carrying its own part in parallel (a
-            reduce-scatter in the host, an allreduce of each part among the hosts, an allgather in the
-            host: Horovod's hierarchical allreduce) instead of all of it through the leaders.
+            index on their host (ranked by host), else None. Allreduces of at least ``PART_BYTES`` then cross
+            hosts part by part, every rank carrying its own part in parallel (a reduce-scatter in the host, an
+            allreduce of each part among the hosts, an allgather in the host: Horovod's hierarchical
+            allreduce) instead of all of it through the leaders.
     """
 
     ch: Channel | None
@@ -95,6 +96,9 @@ class Hierarchy:
             return
         big = t.numel() * t.element_size() >= PART_BYTES
         if big and self.cross is not None and self.ch is not None and _ops.uses_cma(self.ch, t):
+            if _gloo_native(t):
+                self._allreduce_pipelined(t, op)
+                return
             cross = self.cross
             _ops.allreduce_cma_(self.ch, t, op, lambda part: self._cross("allreduce",
                                                                          lambda: _leaders_allreduce(cross, part, op)))
@@ -105,6 +109,39 @@ class Hierarchy:
             self._cross("allreduce", lambda: _leaders_allreduce(self.leaders, t, op))
         if self.ch is not None:
             _ops.broadcast_(self.ch, t.view(torch.uint8), 0)
+
+    def _allreduce_pipelined(self, t: torch.Tensor, op: Any) -> None:
+        """The part-by-part crossing with the network overlapping the host: each piece of this rank's part
+        starts its gloo allreduce among the hosts (asynchronously, in the same order on every rank) as soon
+        as the host has reduced it, while the next piece is reduced; the part is shared in the host once
+        every piece came back. The network, slower than memory between real hosts, then hides the in-host
+        reduction instead of following it."""
+        cross, works, opts = self.cross, [], dist.AllreduceOptions()
+        opts.reduceOp = _ops._kind(op)  # type: ignore[assignment]  # a ReduceOp (RedOpType) at run time
+        run = [0, 0]  # [start, stop) in ``t`` of the reduced pieces not sent yet
+        base = int(t.storage_offset())
+
+        def send(piece: torch.Tensor) -> None:
+            lo = int(piece.storage_offset()) - base
+            if run[1] != lo:  # pieces come in order and cover the part: a gap starts a new run
+                flush()
+                run[0] = lo
+            run[1] = lo + piece.numel()
+            if (run[1] - run[0]) * t.element_size() >= NET_PIECE_BYTES:
+                flush()
+
+        def flush() -> None:
+            if run[1] > run[0]:
+                works.append(cross.allreduce([t[run[0] : run[1]]], opts))
+            run[0] = run[1]
+
+        def between(_part: torch.Tensor) -> None:
+            flush()
+            for w in works:
+                self._cross("allreduce", partial(wait, w))
+
+        assert self.ch is not None
+        _ops.allreduce_cma_(self.ch, t, op, between, send)
 
     def broadcast_(self, t: torch.Tensor, root: int) -> None:
         """Copy group rank ``root``'s ``t`` (flat uint8) to every rank: within the root's host, among the
@@ -279,6 +316,18 @@ def _timed_wait(work: Any) -> bool:
 _BOOL_OPS = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.MAX: ReduceOp.MAX, ReduceOp.BOR: ReduceOp.MAX,
              ReduceOp.PRODUCT: ReduceOp.MIN, ReduceOp.MIN: ReduceOp.MIN, ReduceOp.BAND: ReduceOp.MIN,
              ReduceOp.BXOR: ReduceOp.BXOR}
+
+
+# Pieces of a pipelined crossing (``Hierarchy._allreduce_pipelined``): large enough that gloo's per-call cost
+# is small beside the transfer, small enough that the first piece leaves the host early.
+NET_PIECE_BYTES = 4 << 20
+_GLOO_NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                torch.uint8, torch.int8)
+
+
+def _gloo_native(t: torch.Tensor) -> bool:
+    """Whether gloo reduces ``t``'s dtype as it is (no widening or view: :func:`_leaders_allreduce`)."""
+    return t.dtype in _GLOO_NATIVE
 
 
 def _leaders_allreduce(leaders: Any, t: torch.Tensor, op: Any) -> None:

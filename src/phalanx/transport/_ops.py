@@ -175,15 +175,19 @@ def uses_cma(ch: Channel, t: torch.Tensor) -> bool:
     return ch.cma and ch.n > 1 and t.numel() * t.element_size() > min(SMALL_BYTES, ch.slot_bytes)
 
 
-def allreduce_cma_(ch: Channel, t: torch.Tensor, op: object, between: Callable[[torch.Tensor], None]) -> None:
+def allreduce_cma_(ch: Channel, t: torch.Tensor, op: object, between: Callable[[torch.Tensor], None],
+                   each: Callable[[torch.Tensor], None] | None = None) -> None:
     """:func:`allreduce_`'s cross-memory path (when :func:`uses_cma`), calling ``between`` with this rank's
     part once it is reduced and before the peers read it: a reduce-scatter, ``between``, an allgather
-    (the hierarchical allreduce across hosts, ``_hier``, allreduces each part among the hosts there)."""
-    _allreduce_cma(ch, t, _combiner(op, t.dtype), between)
+    (the hierarchical allreduce across hosts, ``_hier``, allreduces each part among the hosts there).
+    ``each``, when given, is called with every piece of the part as soon as that piece is reduced, in order
+    (the pieces cover the part), so that the crossing of a piece overlaps the reduction of the next."""
+    _allreduce_cma(ch, t, _combiner(op, t.dtype), between, each)
 
 
 def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine,
-                   between: Callable[[torch.Tensor], None] | None = None) -> None:
+                   between: Callable[[torch.Tensor], None] | None = None,
+                   each: Callable[[torch.Tensor], None] | None = None) -> None:
     """Allreduce without the segment: rank ``i`` reads part ``i`` of every peer's tensor (cross-memory
     attach, chunk by chunk into a cached scratch buffer) and reduces it into its own tensor in rank order;
     after a barrier every rank reads every other part, reduced, straight from its owner's tensor."""
@@ -204,6 +208,8 @@ def _allreduce_cma(ch: Channel, t: torch.Tensor, combine: _Combine,
                 _cross_memory.read(pid, scratch[j].data_ptr(), addr + s * size, nb)
                 views.append(scratch[j][:nb].view(t.dtype))
             _reduce_into(views, t[s:e], scratch[ch.me][:nb].view(t.dtype), combine)
+            if each is not None:
+                each(t[s:e])
         if between is not None:
             between(t[a:b])
 

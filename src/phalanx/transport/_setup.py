@@ -9,7 +9,9 @@
    the outcome decides for every member, and the creators unlink the names.
 3. When the group spans hosts, its first member on each host joins a gloo *leaders* group (created on every
    rank of the job, as ``new_group`` requires): allreduce is reduce-in-host (shm), allreduce among
-   leaders (gloo), share-in-host (shm). Other kinds then stay on gloo.
+   leaders (gloo), share-in-host (shm). Other kinds then stay on gloo. When every host has as many members
+   (``k``), ``k`` gloo *cross* groups join the members of each local index, one per host, so that a large
+   allreduce crosses hosts part by part, every member carrying its part in parallel (``_hier``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Transport:
     worker: Serial | None = None
     hosts: tuple[tuple[int, ...], ...] = ()
     views: dict[str, Any] = field(default_factory=dict)  # this rank's Hierarchy per channel kind (_dispatch)
+    cross: Any = None  # the gloo group of the members of this rank's local index, one per host (see build)
 
     @property
     def single_host(self) -> bool:
@@ -158,6 +161,7 @@ def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
         return None
     firsts = sorted(v[0] for v in by_host.values())
     leaders = dist.new_group(firsts, backend="gloo") if len(firsts) > 1 else None
+    crosses = [dist.new_group(list(c), backend="gloo") for c in cross_members(sorted(by_host.values()))]
     me = dist.get_rank()
     if me not in ranks:
         return None
@@ -165,7 +169,21 @@ def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
     transport = _attach_local(ranks, local, ctrl, leaders)
     if transport is not None:
         transport.hosts = tuple(tuple(ranks.index(r) for r in v) for v in sorted(by_host.values()))
+        if crosses:
+            transport.cross = crosses[local.index(me)]
     return transport
+
+
+def cross_members(hosts: list[list[int]]) -> list[tuple[int, ...]]:
+    """The members of each cross group: for each local index ``j``, every host's ``j``-th member, in host
+    order (hosts ordered by their first member). None (``[]``) unless the group spans hosts with as many
+    members on each, at least two, and host order is rank order in every cross group (as gloo ranks a
+    group: reduce-scatters across hosts lay their blocks out in host order)."""
+    k = len(hosts[0]) if hosts else 0
+    if len(hosts) < 2 or k < 2 or any(len(h) != k for h in hosts):
+        return []
+    out = [tuple(h[j] for h in hosts) for j in range(k)]
+    return out if all(list(c) == sorted(c) for c in out) else []
 
 
 def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any) -> Transport | None:

@@ -168,6 +168,54 @@ def test_broadcast_allgather_control_blocks_across_hosts(hosts: str) -> None:
     assert _leftovers() == []
 
 
+def _large_allreduce_checks(hosts: list[str]) -> list[str]:
+    """Tensors of at least ``PART_BYTES`` across hosts with as many ranks each: every rank carries its part
+    across hosts, pipelined in pieces (bool and int16 reach the transport as bytes and int32), with exact
+    results."""
+    import torch
+
+    import phalanx.torch as hvd
+    from phalanx.transport import _hier
+
+    paths = {"pipelined": 0}
+    orig = _hier.Hierarchy._allreduce_pipelined
+
+    def counted(self: Any, *a: Any) -> None:
+        paths["pipelined"] += 1
+        orig(self, *a)
+
+    _hier.Hierarchy._allreduce_pipelined = counted  # type: ignore[method-assign]
+    os.environ["HOROVOD_HOSTNAME"] = hosts[int(os.environ["RANK"])]
+    hvd.init()
+    bad, n, calls = [], LARGE, 0
+    dtypes = [torch.uint8, torch.int16, torch.float16, torch.bfloat16, torch.float32, torch.bool]
+    for dtype in dtypes:
+        for op in (hvd.Sum, hvd.Average, hvd.Max, hvd.Product):
+            if dtype == torch.bool and op == hvd.Average:
+                continue
+            got = hvd.allreduce(_value(hvd.rank(), dtype, n), op=op)
+            calls += 1
+            want = _expected(hvd.size(), dtype, n, op)
+            if not torch.equal(got, want):
+                wrong = int((got != want).sum())
+                bad.append(f"allreduce {dtype} op={op} n={n}: {wrong} elements differ")
+    if paths["pipelined"] != calls:
+        bad.append(f"rank {hvd.rank()}: {paths['pipelined']} pipelined crossings of {calls} allreduces")
+    hvd.shutdown()
+    return bad
+
+
+# Above the part-by-part threshold (2 MiB) in every dtype, odd, and several pieces of a crossing per part.
+LARGE = 2_200_003
+
+
+@pytest.mark.timeout(150)
+def test_large_allreduces_cross_hosts_part_by_part() -> None:
+    hosts = ["hostA", "hostA", "hostB", "hostB"]
+    assert phalanx.run(_large_allreduce_checks, args=(hosts,), np=4, env=SLOT) == [[]] * 4
+    assert _leftovers() == []
+
+
 @pytest.mark.timeout(150)
 def test_hierarchical_two_hosts() -> None:
     hosts = ["hostA", "hostA", "hostA", "hostB"]  # 3 ranks in shm on A, 1 alone on B
