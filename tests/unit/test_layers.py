@@ -79,15 +79,15 @@ def _layer_of(module: str) -> str:
     return SUBLAYER_MODULES.get(".".join(parts[1:3]), parts[1] if len(parts) > 1 else "__init__")
 
 
-def _phalanx_modules(path: Path) -> set[str]:
+def _phalanx_modules(path: Path, *, by_name: bool = True) -> set[str]:
     """The phalanx modules ``path`` imports (``from phalanx.x import y``: ``phalanx.x.y`` when that is a
-    module, else ``phalanx.x``)."""
+    module, else ``phalanx.x``); with ``by_name``, also the modules it names in strings."""
     found: set[str] = set()
     tree = ast.parse(path.read_text())
     started = _process_entry_points(tree)
     for node in ast.walk(tree):
         names = []
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node not in started:
+        if by_name and isinstance(node, ast.Constant) and isinstance(node.value, str) and node not in started:
             names = [node.value] if _is_module(node.value) else []
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -143,6 +143,50 @@ def test_other_layers_use_only_a_layers_interface(path: Path) -> None:
     outside = {m for m in _phalanx_modules(path) if _layer_of(m) != layer and _layer_of(m) in INTERFACE}
     bad = sorted(m for m in outside if m not in INTERFACE[_layer_of(m)])
     assert not bad, f"{_rel(path)} imports {bad}, outside their layer's interface {INTERFACE}"
+
+
+def _module_name(path: Path) -> str:
+    parts = _rel(path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v] & graph.keys()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle() -> None:
+    """No two modules import each other, directly or through others, by an import statement anywhere in
+    them (a function-local import too); modules named in strings are started or aliased, not imported."""
+    graph = {_module_name(p): _phalanx_modules(p, by_name=False) for p in _modules()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_start_up_files_are_one_import_of_the_start_up_package() -> None:

@@ -12,19 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
+from phalanx.lightning.flavours import FLAVOURS, STRATEGY_NAME, check_flavour
 
-#: The Lightning packages served: the unified ``lightning`` package's trainer, and the standalone one.
-FLAVOURS = ("lightning.pytorch", "pytorch_lightning")
-#: The name under which ``Trainer(strategy=...)`` finds the strategy (Lightning 1.x's name).
-STRATEGY_NAME = "horovod"
+__all__ = ["FLAVOURS", "STRATEGY_NAME", "accept_v1_spelling", "check_flavour", "create", "register", "translate"]
+
 _MARK = "__phalanx_horovod_spelling__"
-
-
-def check_flavour(flavour: str) -> str:
-    """``flavour`` if it is one of :data:`FLAVOURS`; raises :class:`InvalidArgumentError` otherwise."""
-    if flavour not in FLAVOURS:
-        raise InvalidArgumentError(f"unknown Lightning flavour {flavour!r}: use one of {', '.join(FLAVOURS)}")
-    return flavour
 
 
 def create(flavour: str, **init_params: Any) -> Any:

@@ -27,7 +27,7 @@ import torch
 
 import phalanx.torch as hvd
 from phalanx.errors import InvalidArgumentError
-from phalanx.lightning.registry import FLAVOURS, STRATEGY_NAME, check_flavour
+from phalanx.lightning.flavours import FLAVOURS, STRATEGY_NAME, check_flavour
 
 # Lightning's reduce ops (strings, or torch.distributed.ReduceOp members by name) -> hvd ops.
 _OPS = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min,

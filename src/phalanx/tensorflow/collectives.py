@@ -16,9 +16,17 @@ import tensorflow as tf
 
 from phalanx.tensorflow import _bridge
 from phalanx.tensorflow.compression import Compression, Compressor
-from phalanx.tensorflow.ops import scoped_name
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
+
+
+def scoped_name(name: str | None, ignore_name_scope: bool) -> str | None:
+    """Horovod's collective name: prefixed with the enclosing ``tf.name_scope`` while building a graph,
+    unless ``ignore_name_scope`` (every rank builds the same graph, so the names still agree)."""
+    if name is None or ignore_name_scope or tf.executing_eagerly():
+        return name
+    scope = tf.get_current_name_scope()
+    return f"{scope}/{name}" if scope else name
 
 
 def _grad_name(name: str | None, what: str = "grad") -> str | None:
@@ -98,8 +106,6 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Broadcast ``variables`` in place from ``root_rank``; returns their new values (Horovod's
     ``broadcast_``). Every member passes the same variables (count, shapes, dtypes) in the same order."""
-    from phalanx.tensorflow.ops import broadcast_variables
-
     variables = list(variables)
     broadcast_variables(variables, root_rank, process_set, name=name or "broadcast_")
     return [tf.convert_to_tensor(v) for v in variables]
@@ -203,3 +209,42 @@ def grouped_reducescatter(
     """:func:`reducescatter` of each tensor, in order (Horovod's ``grouped_reducescatter``)."""
     return [reducescatter(t, device_dense, compression, op, f"grouped_reducescatter.{i}", process_set, True,
                           prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
+                        inplace: bool = False, name: str = "broadcast_variables") -> Any:
+    """Assign ``root_rank``'s values to ``variables`` on every rank (one collective per dtype).
+
+    Args:
+        variables: ``tf.Variable`` or Keras variables, in the same order on every rank.
+        root_rank: the global rank whose values win.
+        process_set: the ranks taking part.
+        inplace: Horovod's in-place broadcast (no temporary copies on the GPU); here the values always
+            travel through one host buffer per dtype, so both settings do the same.
+        name: prefix of the collective names (shown in errors).
+
+    Returns:
+        None eagerly; in a TensorFlow 1-style graph, the op that assigns the broadcast values.
+
+    Raises:
+        CollectiveMismatchError: ranks hold different variables (count, shapes or dtypes).
+    """
+    del inplace
+    variables = list(variables)
+    if not tf.executing_eagerly():
+        return tf.group(*[v.assign(_bridge.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}",
+                                                        process_set)) for i, v in enumerate(variables)])
+    if not variables:
+        return None
+    groups: dict[str, list[tuple[Any, np.ndarray]]] = {}
+    for v in variables:
+        array = np.asarray(v.numpy())
+        groups.setdefault(array.dtype.name, []).append((v, array))
+    for dtype_name, group in groups.items():
+        flat = np.concatenate([a.reshape(-1) for _, a in group])
+        synced = _bridge.np_broadcast(flat, root_rank, f"{name}.{dtype_name}", process_set)
+        offset = 0
+        for v, a in group:
+            v.assign(synced[offset : offset + a.size].reshape(a.shape))
+            offset += a.size
+    return None

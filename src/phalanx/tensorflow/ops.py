@@ -11,22 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from phalanx.tensorflow import _bridge
+from phalanx.tensorflow.collectives import allgather, broadcast_variables, scoped_name
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
-
-def scoped_name(name: str | None, ignore_name_scope: bool) -> str | None:
-    """Horovod's collective name: prefixed with the enclosing ``tf.name_scope`` while building a graph,
-    unless ``ignore_name_scope`` (every rank builds the same graph, so the names still agree)."""
-    if name is None or ignore_name_scope or tf.executing_eagerly():
-        return name
-    scope = tf.get_current_name_scope()
-    return f"{scope}/{name}" if scope else name
+#: Defined in collectives.py (which ops.py builds on); importable from here as in Horovod's layout.
+__all__ = ["allreduce", "broadcast_variables", "fused_allreduce", "grouped_allreduce", "scoped_name"]
 
 
 def _grad_name(name: str | None) -> str | None:
@@ -47,8 +41,6 @@ def _sparse_allreduce(slices: tf.IndexedSlices, op: int, name: str | None,
                       process_set: ProcessSet) -> tf.IndexedSlices:
     """Horovod's reduction of ``IndexedSlices``: allgather the values and the indices (duplicates stay,
     as TensorFlow's own sparse updates sum them); ``Average`` divides the values by the set's size."""
-    from phalanx.tensorflow.collectives import allgather
-
     values = allgather(slices.values, name=f"{name}.values" if name else None, process_set=process_set)
     indices = allgather(slices.indices, name=f"{name}.indices" if name else None, process_set=process_set)
     if op == reduce_ops.Average:
@@ -190,42 +182,3 @@ def fused_allreduce(
     for i, r, (_, ctx) in zip(present, reduced, packed):
         out[i] = compression.decompress(r, ctx)
     return out
-
-
-def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
-                        inplace: bool = False, name: str = "broadcast_variables") -> Any:
-    """Assign ``root_rank``'s values to ``variables`` on every rank (one collective per dtype).
-
-    Args:
-        variables: ``tf.Variable`` or Keras variables, in the same order on every rank.
-        root_rank: the global rank whose values win.
-        process_set: the ranks taking part.
-        inplace: Horovod's in-place broadcast (no temporary copies on the GPU); here the values always
-            travel through one host buffer per dtype, so both settings do the same.
-        name: prefix of the collective names (shown in errors).
-
-    Returns:
-        None eagerly; in a TensorFlow 1-style graph, the op that assigns the broadcast values.
-
-    Raises:
-        CollectiveMismatchError: ranks hold different variables (count, shapes or dtypes).
-    """
-    del inplace
-    variables = list(variables)
-    if not tf.executing_eagerly():
-        return tf.group(*[v.assign(_bridge.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}",
-                                                        process_set)) for i, v in enumerate(variables)])
-    if not variables:
-        return None
-    groups: dict[str, list[tuple[Any, np.ndarray]]] = {}
-    for v in variables:
-        array = np.asarray(v.numpy())
-        groups.setdefault(array.dtype.name, []).append((v, array))
-    for dtype_name, group in groups.items():
-        flat = np.concatenate([a.reshape(-1) for _, a in group])
-        synced = _bridge.np_broadcast(flat, root_rank, f"{name}.{dtype_name}", process_set)
-        offset = 0
-        for v, a in group:
-            v.assign(synced[offset : offset + a.size].reshape(a.shape))
-            offset += a.size
-    return None
