@@ -66,13 +66,18 @@ class ElasticPolicy:
             return Decision(False, alive, "no surviving worker holds the training state (every worker of "
                                           "the last formed world was lost; is the error deterministic?)")
         if self.reset_limit is not None and resets >= self.reset_limit:
-            return Decision(False, alive, f"reset_limit={self.reset_limit} reached ({resets} resets); "
-                                          "raise reset_limit (--reset-limit) to tolerate more losses")
+            return Decision(False, alive, f"{RESET_LIMIT_EXCEEDED} {self.reset_limit} (reset_limit="
+                                          f"{self.reset_limit} reached after {resets} resets; raise reset_limit "
+                                          "(--reset-limit) to tolerate more losses)")
         size = min(self.max_np, alive + free_slots)
         if size < self.min_np:
             return Decision(False, size, f"only {size} worker(s) left, below min_np={self.min_np}; "
                                          "lower min_np (--min-np) or free slots")
         return Decision(True, size)
+
+
+# Horovod's text (horovod.runner.elastic.constants), which users grep logs for; the limit follows it.
+RESET_LIMIT_EXCEEDED = "Horovod was shutdown because number of resets during elastic job exceeded limit:"
 
 
 @dataclass(frozen=True)

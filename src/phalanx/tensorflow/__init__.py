@@ -45,6 +45,7 @@ from phalanx.tensorflow.optimizer import (
     broadcast_global_variables,
 )
 from phalanx.tensorflow.sync_batch_norm import SyncBatchNormalization
+from phalanx.tensorflow.util import _executing_eagerly
 from phalanx.torch import (
     Adasum,
     Average,
@@ -82,8 +83,9 @@ from phalanx.torch import (
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
     "DistributedOptimizer", "LocalGradientAggregationHelper", "Max", "Min", "PartialDistributedGradientTape",
-    "ProcessSet", "Product", "Sum", "SyncBatchNormalization", "add_process_set", "allgather", "allgather_object",
-    "allreduce", "alltoall", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+    "ProcessSet", "Product", "Sum", "SyncBatchNormalization", "_executing_eagerly", "add_process_set", "allgather",
+    "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_", "broadcast_global_variables",
+    "broadcast_object",
     "broadcast_object_fn", "broadcast_variables", "ccl_built", "check_num_rank_power_of_2", "cross_rank",
     "cross_size", "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled",
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "handle_average_backwards_compatibility",

@@ -65,8 +65,9 @@ class TensorFlowState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        """Every rank takes rank 0's values (one broadcast per dtype) and attributes."""
+        """Every rank takes rank 0's values (one broadcast per dtype) and attributes, and saves the values."""
         broadcast_variables(self.variables, root_rank=0, name="elastic.TensorFlowState")
+        self._saved_values = _snapshot(self.variables)  # Horovod's sync saves: restore() keeps rank 0's values
         super().sync()
 
     def durable(self) -> dict[str, Any]:
@@ -120,9 +121,11 @@ class TensorFlowKerasState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        """Every rank takes rank 0's weights, optimizer variables and attributes."""
+        """Every rank takes rank 0's weights, optimizer variables and attributes, and saves them."""
         broadcast_variables(list(self.model.weights), root_rank=0, name="elastic.KerasState.model")
         broadcast_variables(self._optimizer_variables(), root_rank=0, name="elastic.KerasState.optimizer")
+        self._weights = _snapshot(list(self.model.weights))  # Horovod's sync saves: restore() keeps rank 0's
+        self._opt_values = _snapshot(self._optimizer_variables())
         super().sync()
 
     def durable(self) -> dict[str, Any]:

@@ -70,7 +70,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 
     Raises:
         ValueError: dynamic process sets are not enabled (``hvd.init(process_sets="dynamic")`` or
-            ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), or the ranks are invalid.
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), the ranks are invalid, or a set with the same ranks (the
+            global set included) is already registered (Horovod's duplicate rule; raised on every rank).
         CollectiveMismatchError: ranks passed different sets (a ``RuntimeError``, raised on every rank).
     """
     _state.topology()
@@ -82,7 +83,19 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         )
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     _agree([list(ps.ranks)], "add_process_set")
+    _refuse_duplicate(ps)
     return _register(ps)
+
+
+def _refuse_duplicate(ps: ProcessSet) -> None:
+    """Raise when a registered set has ``ps``'s ranks (every rank holds the same registry, so every rank
+    raises alike)."""
+    for existing in REGISTRY.sets.values():
+        if existing.ranks == ps.ranks:
+            raise InvalidArgumentError(
+                f"Attempted to add a duplicate process set: {ps.ranks} (already registered as {existing}); "
+                "use the registered set, or remove it first with hvd.remove_process_set"
+            )
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:

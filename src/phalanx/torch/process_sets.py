@@ -11,8 +11,9 @@ on every rank (a collective) is ``_membership``'s.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch.distributed as dist
@@ -35,23 +36,27 @@ class ProcessSet:
     """A subset of ranks that runs collectives together.
 
     Args:
-        ranks_or_comm: the global ranks of the set (any order; duplicates are an error). An MPI
-            communicator is not supported (phalanx does not use MPI).
+        ranks_or_comm: the global ranks of the set: any iterable of ints (a list, a range, a generator...),
+            in any order (sorted here, as Horovod does; duplicates are an error). An MPI communicator is
+            not supported (phalanx does not use MPI).
 
     Attributes:
         process_set_id: the id assigned when the set is registered (``None`` before).
         ranks: the sorted global ranks of the set.
     """
 
-    def __init__(self, ranks_or_comm: Sequence[int]) -> None:
-        if not isinstance(ranks_or_comm, Sequence | range):
+    def __init__(self, ranks_or_comm: Iterable[int]) -> None:
+        if isinstance(ranks_or_comm, str | bytes) or not isinstance(ranks_or_comm, Iterable):
             raise InvalidArgumentError(
-                f"ProcessSet takes a list of global ranks, got {type(ranks_or_comm).__name__}; "
+                f"ProcessSet takes an iterable of global ranks, got {type(ranks_or_comm).__name__}; "
                 "MPI communicators are not supported by phalanx"
             )
-        ranks = sorted(int(r) for r in ranks_or_comm)
+        given = list(ranks_or_comm)
+        if any(isinstance(r, bool) or not isinstance(r, Integral) for r in given):
+            raise InvalidArgumentError(f"ProcessSet ranks must be ints, got {given}")
+        ranks = sorted(int(r) for r in given)
         if len(set(ranks)) != len(ranks):
-            raise InvalidArgumentError(f"ProcessSet ranks must be distinct, got {list(ranks_or_comm)}")
+            raise InvalidArgumentError(f"ProcessSet ranks must be distinct, got {given}")
         self.ranks: list[int] = ranks
         self.process_set_id: int | None = None
         self._groups: _Groups | None = None
@@ -79,8 +84,10 @@ class ProcessSet:
         """Whether this process is a member of the set."""
         return _state.topology().rank in self._require().ranks
 
-    def __repr__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm=None)"  # Horovod's
+
+    __repr__ = __str__
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProcessSet) and (self.process_set_id, self.ranks) == (

@@ -182,7 +182,9 @@ def _process_sets_job() -> dict[str, Any]:
         out["even gather"] = hvd.allgather(torch.tensor([me]), process_set=even).tolist()
         out["even bcast"] = hvd.broadcast(torch.tensor([me]), root_rank=2, process_set=even).tolist()
         hvd.barrier(process_set=even)
-    odd_ranks = hvd.add_process_set([1, 2])
+    odd_ranks = hvd.add_process_set(reversed(range(1, 3)))  # any iterable, sorted (Horovod's rule)
+    out["duplicates"] = [_raises_value(lambda ranks=ranks: hvd.add_process_set(ranks))
+                         for ranks in ([2, 1], hvd.ProcessSet([0, 2]), range(3))]
     if odd_ranks.included():
         out["dyn sum"] = hvd.allreduce(torch.ones(20_000) * me, op=hvd.Sum, process_set=odd_ranks)[0].item()
         out["dyn rs"] = hvd.reducescatter(torch.ones(3, 1), op=hvd.Sum, process_set=odd_ranks).tolist()
@@ -190,6 +192,14 @@ def _process_sets_job() -> dict[str, Any]:
     out["removed"] = (hvd.remove_process_set(odd_ranks), hvd.remove_process_set(hvd.global_process_set))
     hvd.shutdown()
     return out
+
+
+def _raises_value(fn: Any) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 @pytest.mark.timeout(120)
@@ -203,6 +213,9 @@ def test_static_and_dynamic_process_sets() -> None:
     assert r1["dyn rs"] == [[2.0], [2.0]] and r2["dyn rs"] == [[2.0]]
     assert {r["global"] for r in (r0, r1, r2)} == {3.0}
     assert r0["removed"] == (True, False)
+    for r in (r0, r1, r2):
+        assert [d.split(" (")[0] for d in r["duplicates"]] == [
+            f"Attempted to add a duplicate process set: {ranks}" for ranks in ([1, 2], [0, 2], [0, 1, 2])]
 
 
 def _no_dynamic_job() -> str:

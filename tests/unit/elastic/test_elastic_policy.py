@@ -29,6 +29,9 @@ def test_policy_fails_below_min_np_and_after_reset_limit() -> None:
     assert not below.reform and "min_np=2" in below.reason
     spent = policy.decide(alive=3, free_slots=1, resets=1)
     assert not spent.reform and "reset_limit=1" in spent.reason
+    # Horovod's text, which users grep for (horovod.runner.elastic.constants.RESET_LIMIT_EXCEEDED_MESSAGE)
+    assert spent.reason.startswith("Horovod was shutdown because number of resets during elastic job exceeded "
+                                   "limit: 1")
     assert ElasticPolicy(1, 2, None).decide(alive=1, free_slots=1, resets=10**6).reform
 
 

@@ -305,3 +305,20 @@ def test_best_model_checkpoint_keeps_the_best_epoch_on_rank_0(single: None, tmp_
     model.fit(x, x[:, :1], validation_data=(x, x[:, :1]), epochs=2, verbose=0,
               callbacks=[hvd.callbacks.BestModelCheckpoint(monitor="val_loss", filepath=str(path))])
     assert path.is_file()
+
+
+def test_horovod_tensorflow_util_and_executing_eagerly() -> None:
+    import horovod.tensorflow as hvd_tf
+    import tensorflow as tf
+    from horovod.tensorflow.util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars_to_refs
+
+    assert hvd_tf._executing_eagerly is _executing_eagerly and _executing_eagerly()
+    seen = []
+    assert tf.function(lambda: tf.constant(_executing_eagerly() or seen.append("graph") or 1))() == 1
+    assert seen == ["graph"]
+    assert int(_make_subgraph(lambda x: x * 2)(tf.constant(3))) == 6
+    calls: list[int] = []
+    doubled = _cache(lambda n: calls.append(n) or n * 2)
+    assert (doubled(4), doubled(4), calls) == (8, 8, [4])
+    variables = [tf.Variable(1.0), tf.Variable(2.0)]
+    assert refs_to_vars(vars_to_refs(variables)) == variables and len(set(vars_to_refs(variables))) == 2

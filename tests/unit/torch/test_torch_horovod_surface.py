@@ -65,8 +65,8 @@ def test_init_dynamic_allows_adding_process_sets(single: None, monkeypatch: pyte
         hvd.add_process_set([0])
     hvd.shutdown()
     hvd.init(process_sets="dynamic")
-    ps = hvd.add_process_set([0])
-    assert ps.process_set_id == 1 and hvd.remove_process_set(ps)
+    with pytest.raises(ValueError, match=r"duplicate process set: \[0\]"):  # one rank: [0] is the global set
+        hvd.add_process_set([0])
 
 
 def _engine_bindings() -> dict[str, object]:
@@ -88,3 +88,13 @@ def test_no_module_keeps_the_engine_of_an_earlier_init(single: None) -> None:
     assert _engine.rounds((0, 1)) == 7  # hvd.join() orders the joined ranks by these counts
     stale = [name for name, engine in _engine_bindings().items() if engine is not _engine.ENGINE]
     assert stale == []
+
+
+def test_process_set_takes_any_iterable_sorted_and_prints_as_horovod() -> None:
+    assert hvd.ProcessSet(reversed(range(1, 4))).ranks == [1, 2, 3]
+    assert hvd.ProcessSet(r for r in (5, 0)).ranks == [0, 5]
+    assert hvd.ProcessSet({2, 1}).ranks == [1, 2]
+    assert str(hvd.ProcessSet([3, 1])) == "ProcessSet(process_set_id=None, ranks=[1, 3], mpi_comm=None)"
+    for bad in (3, "01", [0, "1"], [1.0], [0, 0]):
+        with pytest.raises(ValueError):
+            hvd.ProcessSet(bad)  # type: ignore[arg-type]

@@ -1,0 +1,48 @@
+"""``horovod.tensorflow.util``: Horovod's small TensorFlow helpers, which its tests and user code import.
+
+``_executing_eagerly`` is also ``hvd._executing_eagerly``. TensorFlow 2 always has eager execution, so
+``_has_eager`` is True.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import tensorflow as tf
+
+_has_eager = True
+
+
+def _executing_eagerly() -> bool:
+    """Whether TensorFlow runs ops eagerly here (False while a graph or a ``tf.function`` is built)."""
+    return bool(tf.executing_eagerly())
+
+
+def _make_subgraph(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` as a ``tf.function`` (a graph TensorFlow traces once per input signature)."""
+    return tf.function(f)
+
+
+def _cache(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Memoize ``f`` on its (hashable) arguments and on whether TensorFlow runs eagerly, as Horovod does
+    for the functions that build its broadcast subgraphs."""
+    cache: dict[tuple[Hashable, ...], Any] = {}
+
+    def wrapper(*args: Hashable) -> Any:
+        key = (args, _executing_eagerly())
+        if key not in cache:
+            cache[key] = f(*args)
+        return cache[key]
+
+    return wrapper
+
+
+def vars_to_refs(variables: Iterable[Any]) -> list[Any]:
+    """Hashable references of ``variables`` (``v.ref()``), usable as dict keys and set members."""
+    return [v.ref() for v in variables]
+
+
+def refs_to_vars(refs: Iterable[Any]) -> list[Any]:
+    """The variables behind references from :func:`vars_to_refs`."""
+    return [r.deref() for r in refs]
