@@ -22,7 +22,7 @@ from typing import Any
 #: the two equal): set in every rank of a phalanx job, and only there.
 RUN_ID_VARIABLE = "PHALANX_RUN_ID"
 #: The top-level names the horovod / sparkdl aliases answer (``phalanx.compat``).
-ALIASED = ("horovod", "sparkdl")
+ALIASED = ("horovod", "sparkdl", "petastorm")
 #: The module whose first import installs the ``phalanx_shm`` substitution (``phalanx.worker.dist_backend``).
 DISTRIBUTED = "torch.distributed"
 #: The module whose ``install()`` registers strategy ``"horovod"`` with Lightning once it is imported.

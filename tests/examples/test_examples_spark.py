@@ -120,3 +120,13 @@ def test_keras_and_lightning_estimators_digits(local_spark: Any, framework: str)
     result = load_example("spark_estimator_keras_lightning").main(
         ["--framework", framework, "--epochs", ESTIMATOR_EPOCHS])
     assert result["accuracy"] > FLOOR, result["history"]
+
+
+@pytest.mark.timeout(180)
+def test_horovod_runner_fed_by_the_dataframe_converter(local_spark: Any, tmp_path: Path) -> None:
+    """HorovodRunner(np=2) reading the digits DataFrame through make_spark_converter; delete() cleans up."""
+    pytest.importorskip("pyarrow")
+    result = load_example("spark_dataframe_loader").main(["--np", "2", "--epochs", EPOCHS, "--cache", str(tmp_path)])
+    assert result["size"] == 2 and result["accuracy"] > FLOOR
+    assert result["steps_per_epoch"] == result["rows"] // 64
+    assert list(tmp_path.iterdir()) == []  # the converter's Parquet data is gone

@@ -1,11 +1,11 @@
-"""The ``sys.meta_path`` finder behind the ``horovod`` / ``sparkdl`` aliases.
+"""The ``sys.meta_path`` finder behind the ``horovod`` / ``sparkdl`` / ``petastorm`` aliases.
 
-It sits at the front of ``sys.meta_path`` but declines a top-level name (``horovod``, ``sparkdl``) whenever
-another finder can import the real package, so an installed Horovod (or Databricks' ``sparkdl``) always
-wins; submodules are aliased only under an aliased parent. (Being first matters: ``horovod.torch`` *is*
-``phalanx.torch``, whose ``__path__`` would otherwise let the path finder load ``horovod.torch.mpi_ops`` as
-a second copy of ``phalanx/torch/mpi_ops.py``.) Nothing is looked up or imported until someone imports an
-aliased name: the finder costs nothing at interpreter start.
+It sits at the front of ``sys.meta_path`` but declines a top-level name (``horovod``, ``sparkdl``,
+``petastorm``) whenever another finder can import the real package, so an installed Horovod (or
+Databricks' ``sparkdl``, or Petastorm) always wins; submodules are aliased only under an aliased parent.
+(Being first matters: ``horovod.torch`` *is* ``phalanx.torch``, whose ``__path__`` would otherwise let the
+path finder load ``horovod.torch.mpi_ops`` as a second copy of ``phalanx/torch/mpi_ops.py``.) Nothing is
+looked up or imported until someone imports an aliased name: the finder costs nothing at interpreter start.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ PREFIX_ALIASES = {
     "horovod.torch.": "phalanx.torch.", "horovod.spark.": "phalanx.spark.",
     "horovod.tensorflow.": "phalanx.tensorflow.", "horovod.keras.": "phalanx.tensorflow.keras.",
 }
+_CONVERTER = {"make_spark_converter": ("phalanx.spark.converter", "make_spark_converter"),
+              "SparkDatasetConverter": ("phalanx.spark.converter", "SparkDatasetConverter")}
 # Synthetic packages: name -> {attribute: (phalanx module, attribute)}, resolved lazily on access.
 SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
     "horovod": {"run": ("phalanx.compat.horovod_run", "run")},
@@ -57,6 +59,13 @@ SYNTHETIC: dict[str, dict[str, tuple[str, str]]] = {
     "sparkdl.horovod": {"log_to_driver": ("phalanx.spark", "log_to_driver")},
     "sparkdl.horovod.tensorflow": {},
     "sparkdl.horovod.tensorflow.keras": {"LogCallback": ("phalanx.spark.keras_log", "LogCallback")},
+    # Petastorm's Spark converter, its loader and its transform hook (phalanx.spark.converter).
+    "petastorm": {"TransformSpec": ("phalanx.spark.transform", "TransformSpec")},
+    "petastorm.transform": {"TransformSpec": ("phalanx.spark.transform", "TransformSpec")},
+    "petastorm.spark": _CONVERTER,
+    "petastorm.spark.spark_dataset_converter": _CONVERTER,
+    "petastorm.pytorch": {"DataLoader": ("phalanx.spark.loader", "DataLoader"),
+                          "BatchedDataLoader": ("phalanx.spark.loader", "DataLoader")},
 }
 
 
@@ -70,7 +79,7 @@ def target_of(fullname: str) -> str | None:
     return None
 
 
-TOP_LEVEL = ("horovod", "sparkdl")
+TOP_LEVEL = ("horovod", "sparkdl", "petastorm")
 ALIAS_MARK = "__phalanx_alias__"
 
 

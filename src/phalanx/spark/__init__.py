@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from phalanx.spark.api import run
+    from phalanx.spark.converter import SparkDatasetConverter, make_spark_converter
     from phalanx.spark.distributor import TorchDistributor
     from phalanx.spark.driver_log import log_to_driver
     from phalanx.spark.elastic import run_elastic
     from phalanx.spark.runner import HorovodRunner
 
-__all__ = ["HorovodRunner", "TorchDistributor", "log_to_driver", "run", "run_elastic"]
+__all__ = ["HorovodRunner", "SparkDatasetConverter", "TorchDistributor", "log_to_driver", "make_spark_converter",
+           "run", "run_elastic"]
 
 _HOMES = {
     "HorovodRunner": "phalanx.spark.runner",
@@ -24,6 +26,8 @@ _HOMES = {
     "log_to_driver": "phalanx.spark.driver_log",
     "run": "phalanx.spark.api",
     "run_elastic": "phalanx.spark.elastic",
+    "make_spark_converter": "phalanx.spark.converter",
+    "SparkDatasetConverter": "phalanx.spark.converter",
 }
 
 

@@ -85,8 +85,10 @@ def test_host_updates_raise_once_per_newer_timestamp(updates: list[tuple[float, 
 
 
 def test_default_registry_gives_torch_state_its_handlers() -> None:
+    from phalanx.torch.elastic.handlers import ResumableLoader
+
     kinds = [kind for kind, _ in hvd.elastic.get_handler_registry()]
-    assert kinds == [torch.nn.Module, torch.optim.Optimizer, hvd.elastic.ElasticSampler]
+    assert kinds == [torch.nn.Module, torch.optim.Optimizer, hvd.elastic.ElasticSampler, ResumableLoader]
     model, other = torch.nn.Linear(2, 1), torch.nn.Linear(1, 1)
     sampler = hvd.elastic.ElasticSampler(list(range(8)), shuffle=False)
     state = hvd.elastic.TorchState(model, None, encoder=other, sampler=sampler, epoch=0)
@@ -100,6 +102,32 @@ def test_default_registry_gives_torch_state_its_handlers() -> None:
     state.restore()
     assert sampler.processed_num == 0 and list(sampler) == list(range(8))
     assert not torch.equal(other.weight, torch.full_like(other.weight, 7.0)) and state.epoch == 0
+
+
+def test_a_resumable_loader_keeps_its_position_in_torch_state() -> None:
+    """A loader that declares elastic_resumable is saved, restored and written by a durable commit."""
+    from phalanx.torch.elastic.handlers import LoaderStateHandler
+
+    class Loader:
+        elastic_resumable = True
+
+        def __init__(self) -> None:
+            self.position = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"position": self.position}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.position = state["position"]
+
+    loader = Loader()
+    state = hvd.elastic.TorchState(None, None, loader=loader, epoch=0)
+    assert type(state._handlers["loader"]) is LoaderStateHandler
+    loader.position = 5
+    state.save()
+    loader.position = 9
+    state.restore()
+    assert loader.position == 5 and state.durable()["handlers"]["loader"] == {"position": 5}
 
 
 def test_assigning_a_handled_attribute_hands_the_new_object_over() -> None:

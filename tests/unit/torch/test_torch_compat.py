@@ -71,3 +71,16 @@ def test_unknown_names_are_not_aliased() -> None:
         "c.uninstall(); print(c.installed())"
     )
     assert out == "ImportError\nFalse"
+
+
+def test_petastorm_names_resolve_to_the_converter_through_the_start_up_hook() -> None:
+    """Petastorm's converter imports, unchanged, where Petastorm is absent (the .pth hook's lazy finder)."""
+    out = _python(
+        "from petastorm.spark import make_spark_converter, SparkDatasetConverter\n"
+        "from petastorm import TransformSpec\nfrom petastorm.pytorch import DataLoader\n"
+        "import phalanx.spark.converter as c, phalanx.spark.loader as l\n"
+        "print(make_spark_converter is c.make_spark_converter, SparkDatasetConverter is c.SparkDatasetConverter,\n"
+        "      TransformSpec.__module__, DataLoader is l.DataLoader, 'pyspark' in sys.modules)")
+    if "No module named 'petastorm'" in out:
+        pytest.skip("phalanx is not pip-installed in this interpreter (no phalanx-compat.pth)")
+    assert out == "True True phalanx.spark.transform True False"

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
+from phalanx.spark.converter import pieces_of
 from phalanx.spark.estimator.reader import Piece
 from phalanx.spark.estimator.schema import ARRAY, SCALAR, VECTOR, ColumnSpec, check_shapes, column_kind
 from phalanx.spark.estimator.store import Store
@@ -134,16 +135,7 @@ def check_writable(store: Store, run_id: str, tasks: int) -> None:
 
 def list_pieces(store: Store, path: str) -> tuple[Piece, ...]:
     """Every non-empty Parquet row group under ``path``, in file-name order."""
-    import pyarrow.parquet as pq
-
-    pieces = []
-    files = sorted(p for p in store.fs.ls(path, detail=False) if str(p).endswith(".parquet"))
-    for file in files:
-        with store.fs.open(file, "rb") as f:
-            meta = pq.ParquetFile(f).metadata
-        pieces += [Piece(str(file), g, meta.row_group(g).num_rows) for g in range(meta.num_row_groups)
-                   if meta.row_group(g).num_rows > 0]
-    return tuple(pieces)
+    return tuple(pieces_of(store.fs, path))
 
 
 def write_split(df: Any, store: Store, path: str, partitions: int) -> tuple[tuple[Piece, ...], int]:

@@ -18,24 +18,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from phalanx.errors import UsageError
 from phalanx.spark.estimator.schema import SCALAR, ColumnSpec
+from phalanx.spark.shards import Piece
 
 Batch = dict[str, np.ndarray]
-
-
-@dataclass(frozen=True, order=True)
-class Piece:
-    """One Parquet row group: the file, the group's index in it, and its row count."""
-
-    path: str
-    row_group: int
-    rows: int
 
 
 def assign(pieces: Sequence[Piece], rank: int, size: int) -> tuple[list[Piece], int]:

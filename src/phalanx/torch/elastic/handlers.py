@@ -2,7 +2,8 @@
 
 ``TorchState(model=..., optimizer=..., **kwargs)`` gives every attribute whose value is an instance of a
 registered type a handler (``torch.nn.Module`` -> :class:`ModelStateHandler`, ``torch.optim.Optimizer`` ->
-:class:`OptimizerStateHandler`, :class:`ElasticSampler` -> :class:`SamplerStateHandler`); the first
+:class:`OptimizerStateHandler`, :class:`ElasticSampler` -> :class:`SamplerStateHandler`, a loader that
+declares ``elastic_resumable = True``, such as the Spark converter's, -> :class:`LoaderStateHandler`); the first
 matching entry of the registry wins. Other attributes are plain objects (``ObjectState``). Add a type with
 ``set_handler_registry(get_handler_registry() + [(MyType, MyHandler)])``, as in Horovod.
 
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import functions
+from phalanx.torch import basics, functions
 from phalanx.torch.elastic.sampler import ElasticSampler
 
 
@@ -108,12 +109,35 @@ class SamplerStateHandler(_StateDictHandler):
                                                               name="elastic.sampler_state"))
 
 
+class _DeclaredResumable(type):
+    def __instancecheck__(cls, value: Any) -> bool:
+        return getattr(type(value), "elastic_resumable", False) is True
+
+
+class ResumableLoader(metaclass=_DeclaredResumable):
+    """What ``isinstance`` finds in any loader whose class sets ``elastic_resumable = True`` and has
+    ``state_dict()``, ``load_state_dict(state)`` and ``set_shard(rank, size)``
+    (``phalanx.spark.loader.DataLoader``)."""
+
+
+class LoaderStateHandler(_StateDictHandler):
+    """A :class:`ResumableLoader`: its position; sync loads rank 0's and re-splits for the new world."""
+
+    def sync(self) -> None:
+        """Load rank 0's position (``broadcast_object``), then read as this rank of the new size."""
+        self.value.load_state_dict(functions.broadcast_object(self.value.state_dict(), root_rank=0,
+                                                              name="elastic.loader_state"))
+        self.value.set_shard(basics.rank(), basics.size())
+        self.save()
+
+
 Registry = list[tuple[type, type[StateHandler]]]
 
 _registry: Registry = [
     (torch.nn.Module, ModelStateHandler),
     (torch.optim.Optimizer, OptimizerStateHandler),
     (ElasticSampler, SamplerStateHandler),
+    (ResumableLoader, LoaderStateHandler),
 ]
 
 
