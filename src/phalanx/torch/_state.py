@@ -10,47 +10,26 @@
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from phalanx.env import RankIdentity, settings
 from phalanx.env import names as env_names
-from phalanx.env import settings
 from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
 from phalanx.torch import _generations
 from phalanx.transport import api as transport
 
 
-@dataclass(frozen=True)
-class Topology:
-    """Who this rank is (Horovod's definitions).
-
-    Attributes:
-        rank: global rank.
-        size: number of ranks.
-        local_rank: rank among the ranks of this host.
-        local_size: number of ranks on this host.
-        cross_rank: index of this rank among the ranks with the same local rank.
-        cross_size: number of ranks with the same local rank.
-    """
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    cross_rank: int
-    cross_size: int
-
-
 class _State:
     """Mutable module state; one instance, ``STATE``."""
 
     def __init__(self) -> None:
-        self.topology: Topology | None = None
+        self.topology: RankIdentity | None = None
         self.owns_group = False
         self.cuda_backend = False
 
@@ -63,7 +42,7 @@ class _State:
 STATE = _State()
 
 
-def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
+def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> RankIdentity:
     """Derive the local/cross topology of ``rank`` from launcher variables.
 
     Args:
@@ -72,7 +51,8 @@ def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
         size: the number of ranks.
 
     Returns:
-        The topology; a single host is assumed when nothing says otherwise.
+        Who this rank is; a single host is assumed when nothing says otherwise, and the host's index and
+        count are the cross rank and size unless torch's ``GROUP_*`` names say otherwise.
     """
     first_int = settings.first_int
     local_size = first_int(env, env_names.HOROVOD_LOCAL_SIZE, env_names.LOCAL_WORLD_SIZE, default=size)
@@ -80,7 +60,10 @@ def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> Topology:
     cross_size = first_int(env, env_names.HOROVOD_CROSS_SIZE, env_names.GROUP_WORLD_SIZE,
                            default=max(size // local_size, 1))
     cross_rank = first_int(env, env_names.HOROVOD_CROSS_RANK, env_names.GROUP_RANK, default=rank // max(local_size, 1))
-    return Topology(rank, size, local_rank, local_size, cross_rank, cross_size)
+    host_rank = first_int(env, env_names.GROUP_RANK, default=cross_rank)
+    host_count = first_int(env, env_names.GROUP_WORLD_SIZE, default=cross_size)
+    hostname = env.get(env_names.HOROVOD_HOSTNAME, "").strip() or socket.gethostname()
+    return RankIdentity(rank, size, local_rank, local_size, cross_rank, cross_size, host_rank, host_count, hostname)
 
 
 def _backend() -> str:
@@ -147,7 +130,7 @@ def gloo_timeout(env: Mapping[str, str]) -> timedelta | None:
     return None if seconds is None else timedelta(seconds=seconds)
 
 
-def _share_cores(env: Mapping[str, str], topo: Topology) -> None:
+def _share_cores(env: Mapping[str, str], topo: RankIdentity) -> None:
     """Give each local rank its share of the cores, as torchrun does, unless the user chose a number.
 
     N ranks on a host each running torch's default one-thread-per-core OpenMP pool oversubscribe the
@@ -167,7 +150,7 @@ def leave_process_group() -> None:
     STATE.reset()
 
 
-def topology() -> Topology:
+def topology() -> RankIdentity:
     """This rank's topology.
 
     Raises:
