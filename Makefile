@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/_phalanx_startup/*.p
 	$(PIP) install -c constraints-dev.txt torch
 	# TensorFlow (phalanx[tensorflow], ~1.5 GB, ~30 s) and the Spark Connect client (phalanx[connect]):
 	# make test covers phalanx.tensorflow.keras and phalanx.spark on a Connect session too.
-	# phalanx[estimator]: pyarrow, pandas and fsspec for the Spark estimators.
-	$(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect,estimator]"
+	# phalanx[estimator]: pyarrow, pandas and fsspec for the Spark estimators. phalanx[deepspeed] and [hf]:
+	# DeepSpeed (built from its sdist: DS_BUILD_OPS=0 compiles no op, ~15 s) and transformers/accelerate.
+	DS_BUILD_OPS=0 $(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect,estimator,deepspeed,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

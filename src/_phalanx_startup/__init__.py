@@ -53,7 +53,8 @@ class PhalanxLazyAliasHook:
 
 class PhalanxShmNativeHook:
     """Substitutes ``phalanx_shm`` for gloo in this rank once ``torch.distributed`` is first imported
-    (``phalanx.worker.dist_backend``); for command ranks, which never run phalanx's worker entry."""
+    (``phalanx.worker.dist_backend``), and wraps DeepSpeed's op building as its modules are imported
+    (``phalanx.worker.deepspeed_ops``); for command ranks, which never run phalanx's worker entry."""
 
     @staticmethod
     def find_spec(name: str, path: Sequence[str] | None = None, target: Any = None) -> ModuleSpec | None:
@@ -62,9 +63,10 @@ class PhalanxShmNativeHook:
             return None
         _step_aside(PhalanxShmNativeHook)
         try:
-            from phalanx.worker import dist_backend
+            from phalanx.worker import deepspeed_ops, dist_backend
         except ImportError:  # phalanx uninstalled under a stale .pth: behave as if absent
             return None
+        deepspeed_ops.install()
         return dist_backend.patched_spec(name)
 
 

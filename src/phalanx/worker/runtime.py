@@ -20,7 +20,7 @@ from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.payload import dumps, load_call
 from phalanx.job.records import ErrorRecord, Hello
-from phalanx.worker import dist_backend
+from phalanx.worker import deepspeed_ops, dist_backend
 from phalanx.worker.lifeline import die_with_parent
 
 #: Exit code of a worker whose function raised.
@@ -103,6 +103,7 @@ def main() -> int:
     channel.send(Kind.HELLO, Hello(rank=rank, pid=os.getpid(), host=contract.identity.hostname).encode())
     _install_compat()
     dist_backend.install()
+    deepspeed_ops.install()
     try:
         code = _run(channel, rank)
     finally:
