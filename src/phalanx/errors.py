@@ -145,11 +145,14 @@ class RankFailure:
     Attributes:
         rank: the global rank.
         summary: one line: ``ZeroDivisionError: division by zero`` or ``killed by signal SIGKILL (9)``.
-        traceback: the remote traceback text (empty when the rank died without reporting one).
+        traceback: the traceback text, phalanx's frames folded (empty when the rank died without one).
         log_tail: the last lines the rank wrote, oldest first.
         returncode: the process return code when known (negative: killed by that signal).
         exc_type: qualified name of the exception type, when the rank raised one.
         secondary: True when phalanx stopped the rank because another rank failed first.
+        host: the host the rank ran on.
+        where: the user's frame the failure happened in, ``path:line in func`` (empty when unknown).
+        traceback_shown: the traceback is in the rank's output, which the console already showed.
     """
 
     rank: int
@@ -159,14 +162,25 @@ class RankFailure:
     returncode: int | None = None
     exc_type: str | None = None
     secondary: bool = False
+    host: str = ""
+    where: str = ""
+    traceback_shown: bool = False
 
-    def render(self, header: str) -> str:
-        """Render this failure as a block of the job error's message."""
-        lines = [f"{header}: rank {self.rank}: {self.summary}"]
-        if self.traceback:
-            lines.append(f"  Traceback from rank {self.rank}:")
-            lines.extend("    " + ln for ln in self.traceback.rstrip("\n").splitlines())
-        if self.log_tail:
+    def headline(self, verb: str = "failed") -> str:
+        """``rank 1 [on host h] failed at train.py:5 in step: ValueError: bad`` (the report's first line)."""
+        host = f" [on host {self.host}]" if self.host else ""
+        where = f" at {self.where}" if self.where else ""
+        return f"rank {self.rank}{host} {verb}{where}: {self.summary}"
+
+    def render(self) -> str:
+        """The root cause's block of the job error's message: the headline, then the traceback (unless
+        the console showed it already) or the rank's last lines."""
+        lines = [self.headline()]
+        if self.traceback and self.traceback_shown:
+            lines.append(f"  (rank {self.rank}'s traceback is above, in its output)")
+        elif self.traceback:
+            lines.extend("  " + ln for ln in self.traceback.rstrip("\n").splitlines())
+        elif self.log_tail:
             lines.append(f"  Last {len(self.log_tail)} log lines of rank {self.rank}:")
             lines.extend("    " + ln for ln in self.log_tail)
         return "\n".join(lines)
@@ -174,6 +188,10 @@ class RankFailure:
 
 class WorkerFailedError(PhalanxError, RuntimeError):
     """One or more ranks failed; the root cause (earliest failure) comes first.
+
+    The message is one report: the root cause's headline (rank, host, the user's file and line, the
+    exception), its traceback, then one line per rank that failed after it and one for the ranks phalanx
+    stopped.
 
     Attributes:
         failures: every failed rank, root cause first.
@@ -201,14 +219,12 @@ class WorkerFailedError(PhalanxError, RuntimeError):
         return shell_exit_code(rc)
 
     def _message(self) -> str:
-        root = self.root_cause
-        ranks = ", ".join(str(f.rank) for f in self.failures)
-        blocks = [f"rank {root.rank} failed: {root.summary} (failed ranks: {ranks}; root cause first)"]
-        blocks.append(root.render("Root cause"))
-        blocks.extend(f.render("Also failed") for f in self.failures[1:] if not f.secondary)
+        blocks = [self.root_cause.render()]
+        later = [f for f in self.failures[1:] if not f.secondary]
+        blocks.extend("After it: " + f.headline("failed too") for f in later)
         stopped = [str(f.rank) for f in self.failures[1:] if f.secondary]
         if stopped:
-            blocks.append(f"Stopped by phalanx after the root cause: rank(s) {', '.join(stopped)}")
+            blocks.append(f"Stopped by phalanx after the root cause (not failed): rank(s) {', '.join(stopped)}")
         return "\n".join(blocks)
 
     def __reduce__(self) -> tuple[Any, ...]:

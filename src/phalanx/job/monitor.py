@@ -8,6 +8,7 @@ there (notebook friendly) and a KeyboardInterrupt lands in it.
 from __future__ import annotations
 
 import queue
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from phalanx.errors import PayloadError, RankFailure, StartTimeoutError, WorkerF
 from phalanx.job.channel import Closed, Custom, Event, Result
 from phalanx.job.logs import LogSink, TailBuffer
 from phalanx.job.records import ErrorRecord, Hello, LogLine
+from phalanx.job.report import read_failure
 from phalanx.job.spool import Spooled
 
 _POLL_S = 0.05
@@ -203,22 +205,30 @@ class JobMonitor:
 
     def _describe(self, rank: int, state: _RankState, secondary: bool) -> RankFailure:
         rc = state.returncode
+        tail = self.tail.tail(rank)
+        # A command rank that exited with a code (not a signal) printed its uncaught exception last.
+        output = tail if state.error is None and rc is not None and rc > 0 else ()
+        found = read_failure(state.error.traceback if state.error else "", output)
         if state.error is not None:
             summary = state.error.summary
+        elif found.exception and rc:  # a command rank's uncaught exception
+            summary = f"{found.exception} (process ended with {describe_exit(rc)})"
         elif rc is not None and rc != 0:
             summary = f"process ended with {describe_exit(rc)}"
         else:
             summary = "process exited with code 0 without reporting a result (did it call os._exit?)"
-        if rank < len(self.config.rank_hosts):
-            summary = f"{summary} [on host {self.config.rank_hosts[rank]}]"
+        hosts = self.config.rank_hosts
         return RankFailure(
             rank=rank,
             summary=summary,
-            traceback=state.error.traceback if state.error else "",
-            log_tail=self.tail.tail(rank),
-            returncode=rc,
+            traceback=found.traceback,
+            log_tail=tail,
+            returncode=state.returncode,
             exc_type=state.error.exc_type if state.error else None,
             secondary=secondary,
+            host=hosts[rank] if rank < len(hosts) else socket.gethostname(),
+            where=found.where,
+            traceback_shown=found.from_output,
         )
 
     def _load(self, rank: int, state: _RankState) -> Any:

@@ -8,9 +8,12 @@ pickle's own message never says where the object sits.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import pickle
 import sys
 import types
+from collections import ChainMap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +39,28 @@ def driver_sys_path() -> tuple[str, ...]:
     return tuple(p for p in sys.path if isinstance(p, str))
 
 
+_DYNAMIC_FILENAME = "<dynamic-code>"
+
+
+def _code_reduce_keeping_filename(code: types.CodeType) -> tuple[Any, ...]:
+    """cloudpickle's reduction of a code object, with its real ``co_filename`` back in place of
+    ``<dynamic-code>``: a function pickled by value (``__main__``, a notebook cell) then fails on a rank
+    with its file and line in the traceback, as it would have on the driver."""
+    reduced = cloudpickle.cloudpickle._code_reduce(code)
+    args = tuple(code.co_filename if arg == _DYNAMIC_FILENAME else arg for arg in reduced[1])
+    return (reduced[0], args, *reduced[2:])
+
+
+class _Pickler(cloudpickle.Pickler):
+    _dispatch_table = {**cloudpickle.Pickler._dispatch_table, types.CodeType: _code_reduce_keeping_filename}
+    dispatch_table = ChainMap(_dispatch_table, copyreg.dispatch_table)
+
+
 def dumps(obj: Any) -> bytes:
-    """cloudpickle ``obj`` at the highest protocol."""
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    """cloudpickle ``obj`` at the highest protocol (code objects keep their file name)."""
+    with io.BytesIO() as file:
+        _Pickler(file, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        return file.getvalue()
 
 
 def serialize_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],

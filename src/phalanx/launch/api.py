@@ -11,6 +11,7 @@ from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy
 from phalanx.job.payload import serialize_call
+from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch import warm
 from phalanx.launch.core import start_timeout_hint
@@ -114,6 +115,7 @@ def validate_hosts(hosts: str | None, np: int) -> None:
         place(parse_hosts(hosts), np)
 
 
+@entry_point("phalanx.run")
 def run(
     fn: Callable[..., Any],
     args: tuple[Any, ...] = (),

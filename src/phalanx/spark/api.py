@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
+from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.core import start_timeout_hint
@@ -103,6 +104,7 @@ def _check_compat_args(extra: Mapping[str, object]) -> None:
         log.debug("phalanx.spark.run ignores %s (phalanx uses gloo, no MPI)", sorted(extra))
 
 
+@entry_point("phalanx.spark.run")
 def run(
     fn: Callable[..., Any],
     args: tuple[Any, ...] = (),

@@ -16,6 +16,7 @@ from typing import Any
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
+from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
@@ -86,6 +87,7 @@ class TorchDistributor:
         if self.elastic is not None:
             self.elastic.check_np(self.num_processes)
 
+    @entry_point("TorchDistributor.run")
     def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
         """Run ``train_object`` on every rank.
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
+from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout
 from phalanx.launch.warm import preload_for
@@ -58,6 +59,7 @@ class HorovodRunner:
         if self.elastic is not None and np != 0:
             self.elastic.check_np(abs(np))
 
+    @entry_point("HorovodRunner.run")
     def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
         """Run ``main(**kwargs)`` on every rank and return rank 0's return value.
 

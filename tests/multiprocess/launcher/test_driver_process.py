@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -93,7 +94,7 @@ def test_phalanxrun_runs_a_script_and_returns_the_root_cause_exit_code(tmp_path:
                           str(script), "--lr", "0.1"], capture_output=True, text=True, timeout=80)
     assert out.returncode == 3, out.stderr
     assert "[1]<stdout>:rank 1 args ['--lr', '0.1']" in out.stdout
-    assert "rank 1 failed: process ended with exit code 3" in out.stderr
+    assert f"rank 1 [on host {socket.gethostname()}] failed: process ended with exit code 3" in out.stderr
     assert (tmp_path / "logs" / "rank.1" / "stdout").read_text() == "rank 1 args ['--lr', '0.1']\n"
 
 

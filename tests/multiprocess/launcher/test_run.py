@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +96,13 @@ def test_exception_names_root_cause_with_traceback_and_tears_down_blocked_ranks(
     assert "in _fail_on_rank_1" in err.root_cause.traceback
     assert 'raise ValueError("rank one cannot go on")' in err.root_cause.traceback
     assert err.root_cause.log_tail == ("rank 1 ready",)
-    assert str(err).startswith("rank 1 failed: ValueError: rank one cannot go on")
+    # One report, root cause first: rank, host, the user's file and line, the exception; no phalanx frame.
+    line = _fail_on_rank_1.__code__.co_firstlineno + 8
+    assert str(err).splitlines()[0] == (f"rank 1 [on host {socket.gethostname()}] failed at {__file__}:{line} in "
+                                         "_fail_on_rank_1: ValueError: rank one cannot go on")
+    assert "phalanx/" not in err.root_cause.traceback and str(err).count("Traceback") == 1
     assert [f.rank for f in err.failures] == [1, 0]
+    assert len(traceback.extract_tb(err.__traceback__)) == 2  # this test's call, phalanx.run's re-raise
 
 
 def _die(how: str) -> None:
@@ -109,7 +116,7 @@ def _die(how: str) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("how", "text", "code"), [("kill", "signal SIGKILL (9)", 137), ("exit", "exit code 7", 7)])
 def test_death_by_signal_or_exit_code_is_reported(how: str, text: str, code: int) -> None:
-    with pytest.raises(WorkerFailedError, match=f"rank 0 failed: process ended with {re.escape(text)}") as info:
+    with pytest.raises(WorkerFailedError, match=f"rank 0 .* failed: process ended with {re.escape(text)}") as info:
         phalanx.run(_die, args=(how,), np=2)
     assert info.value.exit_code == code
 
