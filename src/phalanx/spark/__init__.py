@@ -12,17 +12,19 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from phalanx.spark.api import run
     from phalanx.spark.converter import SparkDatasetConverter, make_spark_converter
+    from phalanx.spark.deepspeed import DeepspeedTorchDistributor
     from phalanx.spark.distributor import TorchDistributor
     from phalanx.spark.driver_log import log_to_driver
     from phalanx.spark.elastic import run_elastic
     from phalanx.spark.runner import HorovodRunner
 
-__all__ = ["HorovodRunner", "SparkDatasetConverter", "TorchDistributor", "log_to_driver", "make_spark_converter",
-           "run", "run_elastic"]
+__all__ = ["DeepspeedTorchDistributor", "HorovodRunner", "SparkDatasetConverter", "TorchDistributor", "log_to_driver",
+           "make_spark_converter", "run", "run_elastic"]
 
 _HOMES = {
     "HorovodRunner": "phalanx.spark.runner",
     "TorchDistributor": "phalanx.spark.distributor",
+    "DeepspeedTorchDistributor": "phalanx.spark.deepspeed",
     "log_to_driver": "phalanx.spark.driver_log",
     "run": "phalanx.spark.api",
     "run_elastic": "phalanx.spark.elastic",

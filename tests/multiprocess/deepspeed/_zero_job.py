@@ -75,9 +75,10 @@ def train(ds_config: str | None = None) -> dict[str, Any]:
             "base": base, "env": {k: os.environ.get(k) for k in PLACEMENT}}
 
 
-def check(records: list[dict[str, Any]], world: int) -> None:
-    """Every rank ran every stage; the stages' weights agree on every rank; training moved the weights."""
-    assert sorted(r["rank"] for r in records) == list(range(world)), records
+def check(records: list[dict[str, Any]], world: int, ranks: list[int] | None = None) -> None:
+    """The ``ranks`` (default all) ran every stage; the stages' weights agree on every rank; training moved
+    the weights."""
+    assert sorted(r["rank"] for r in records) == (list(range(world)) if ranks is None else ranks), records
     first = records[0]["stages"]["1"]["weights"]
     for r in records:
         assert r["world"] == world
@@ -88,15 +89,24 @@ def check(records: list[dict[str, Any]], world: int) -> None:
     assert max(abs(a - b) for a, b in zip(first, initial)) > 1e-2, (first, initial)
 
 
-def main(argv: list[str]) -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--deepspeed", action="store_true")
     parser.add_argument("--deepspeed_config")
     parser.add_argument("--local_rank", type=int)  # deepspeed's own launcher passes it; phalanx's do not
-    args = parser.parse_args(argv)
-    record = train(args.deepspeed_config)
-    print("ZERO " + json.dumps({**record, "deepspeed_flag": args.deepspeed}), flush=True)
+    parser.add_argument("--tag", default="")
+    return parser.parse_args(argv)
+
+
+def train_from_argv() -> dict[str, Any]:
+    """:func:`train` with the config named by ``sys.argv`` (a DeepspeedTorchDistributor function's flags)."""
+    args = parse(sys.argv[1:])
+    return {**train(args.deepspeed_config), "deepspeed_flag": args.deepspeed, "tag": args.tag}
+
+
+def main() -> None:
+    print("ZERO " + json.dumps(train_from_argv()), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

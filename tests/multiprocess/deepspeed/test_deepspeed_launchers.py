@@ -36,3 +36,15 @@ def test_phalanxrun_zero_1_2_3_with_an_empty_extensions_cache(tmp_path: Path) ->
     # No rank built DeepSpeed's CPU shm op: under phalanx it would never be initialized.
     assert not (cache / "deepspeed_shm_comm").exists(), sorted(p.name for p in cache.iterdir())
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in got} == {"2"}
+
+
+def test_deepspeed_distributor_local_function_with_a_dict_config() -> None:
+    """phalanx.run underneath; the function finds pyspark's flags in sys.argv and the dict in the file."""
+    from phalanx.spark import DeepspeedTorchDistributor
+
+    extra = {"gradient_clipping": 1.0, "wall_clock_breakdown": False}
+    got = DeepspeedTorchDistributor(numGpus=2, nnodes=1, localMode=True, useGpu=False,
+                                    deepspeedConfig=extra).run(job.train_from_argv)
+    assert got["rank"] == 0 and got["deepspeed_flag"] and got["base"] == extra
+    assert got["env"]["WORLD_SIZE"] == "2"
+    job.check([got], world=2, ranks=[0])
