@@ -62,7 +62,7 @@ def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> RankIdent
     cross_rank = first_int(env, env_names.HOROVOD_CROSS_RANK, env_names.GROUP_RANK, default=rank // max(local_size, 1))
     host_rank = first_int(env, env_names.GROUP_RANK, default=cross_rank)
     host_count = first_int(env, env_names.GROUP_WORLD_SIZE, default=cross_size)
-    hostname = env.get(env_names.HOROVOD_HOSTNAME, "").strip() or socket.gethostname()
+    hostname = settings.HOSTNAME.get(env) or socket.gethostname()
     return RankIdentity(rank, size, local_rank, local_size, cross_rank, cross_size, host_rank, host_count, hostname)
 
 
