@@ -32,6 +32,14 @@ def test_hostfile_format(tmp_path: Path) -> None:
     assert parse_hostfile(str(f)) == [HostSlots("node1", 4), HostSlots("node2", 1), HostSlots("10.0.0.3", 2)]
 
 
+def test_deepspeed_hostfile_format(tmp_path: Path) -> None:
+    """DeepSpeed's hostfile (deepspeed.launcher.runner._parse_hostfile: ``host slots=N``, any blanks between,
+    ``#`` comment lines) is Horovod's: phalanxrun --hostfile takes it as it is."""
+    f = tmp_path / "hostfile"
+    f.write_text("# DeepSpeed hostfile\nworker-1 slots=4\nworker-2\tslots=4\n  \n")
+    assert parse_hostfile(str(f)) == [HostSlots("worker-1", 4), HostSlots("worker-2", 4)]
+
+
 @pytest.mark.parametrize("text, needle", [
     ("node1 slots=two\n", ":1: 'node1 slots=two' is not"), ("a slots=1\nb cpus=2\n", ":2:"),
     ("# nothing\n", "names no host"), ("a slots=0\n", "slots '0'"),
