@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.errors import CollectiveMismatchError
+from phalanx.transport.api import dtype_code, dtype_name, dtype_of
 
 MAGIC = 0x50484C58  # "PHLX"
 MAX_DIMS = 8
@@ -37,11 +38,6 @@ F_NAME = 23  # .. 23 + NAME_WORDS
 KINDS = {1: "allreduce", 2: "allgather", 3: "broadcast", 4: "alltoall", 5: "reducescatter", 6: "barrier", 7: "join",
          8: "optimizer step", 9: "wait"}
 WAIT = 9  # the kind code of a rank that only waits for pending named collectives (``_names``)
-DTYPES = [
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-    torch.float64, torch.bfloat16, torch.bool, torch.complex64, torch.complex128,
-]
-DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 # Which fields each kind compares (beyond kind, device, process set, group signature and name).
 _COMPARE: dict[str, tuple[str, ...]] = {
@@ -64,7 +60,8 @@ class Signature:
     Attributes:
         kind: one of ``KINDS`` values.
         name: the tensor name ('' when unnamed).
-        dtype: the tensor dtype (grouped ops: of the first tensor).
+        dtype: the tensor dtype (grouped ops: of the first tensor); decoded from another rank whose torch
+            has a dtype this one lacks, its name (``dtype #code``), which differs from every dtype here.
         device: 0 CPU, 1 CUDA.
         shape: the tensor shape (grouped ops: of the first tensor).
         op: reduce op code (-1 when not a reduction).
@@ -78,7 +75,7 @@ class Signature:
 
     kind: str
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | str
     device: int
     shape: tuple[int, ...]
     op: int = -1
@@ -157,7 +154,7 @@ def _template(sig: Signature, nbytes: int, n_aux: int, inline_words: int) -> tor
     words = [0] * HEADER_WORDS
     words[F_MAGIC], words[F_DEVICE], words[F_OP], words[F_ROOT] = MAGIC, sig.device, sig.op, sig.root
     words[F_KIND] = _KIND_CODE[sig.kind]
-    words[F_DTYPE] = DTYPE_CODE.get(sig.dtype, 99)
+    words[F_DTYPE] = dtype_code(sig.dtype) if isinstance(sig.dtype, torch.dtype) else 0
     words[F_NDIM] = len(sig.shape)
     for i, d in enumerate(sig.shape[:MAX_DIMS]):
         words[F_SHAPE + i] = d
@@ -203,7 +200,7 @@ def _decode(words: list[int]) -> Signature:
     return Signature(
         kind=KINDS.get(words[F_KIND], f"unknown({words[F_KIND]})"),
         name=raw.decode(errors="replace"),
-        dtype=DTYPES[code] if 0 <= code < len(DTYPES) else torch.uint8,
+        dtype=dtype_of(code) or dtype_name(code),
         device=words[F_DEVICE],
         shape=shape,
         op=words[F_OP],

@@ -53,6 +53,9 @@ def identity(sig: header.Signature) -> torch.Tensor:
     """The tensor a joined rank contributes to an allreduce of ``sig``: the op's identity."""
     device = torch.device("cuda") if sig.device else torch.device("cpu")
     dtype, op = sig.dtype, sig.op
+    if isinstance(dtype, str):
+        raise CollectiveMismatchError(f"a rank's allreduce has {dtype}, which this rank's torch {torch.__version__} "
+                                      "lacks: every rank must run the same torch")
     if op in (reduction.Sum, reduction.Average) or (dtype == torch.bool and op == reduction.Max):
         return torch.zeros(sig.shape, dtype=dtype, device=device)
     if op == reduction.Product or dtype == torch.bool:

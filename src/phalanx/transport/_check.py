@@ -3,9 +3,9 @@ issue the same one (kind, dtype, element count, reduce op, root), as gloo checks
 
 Without it, ranks that disagree read each other's slots as if they agreed: an allreduce of 4 against 6
 elements returned ``[2, 2, 2, 2]`` on one rank and garbage past the fourth element on the other. Each
-rank packs its call into 16 bytes; the group all-gathers them through the same transport and every rank
-compares the same gathered bytes, so every rank raises the same :class:`CollectiveMismatchError`, or
-none does, before any data moves.
+rank packs its call into 18 bytes (every dtype by its own code, :mod:`._dtypes`); the group all-gathers
+them through the same transport and every rank compares the same gathered bytes, so every rank raises
+the same :class:`CollectiveMismatchError`, or none does, before any data moves.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import CollectiveMismatchError
+from phalanx.transport._dtypes import dtype_code, dtype_name
 
-_SIG = struct.Struct("<BBBxiq")
+_SIG = struct.Struct("<BBIiq")  # kind, op, dtype code, root, element count
 KINDS = ("allreduce", "broadcast", "barrier", "allgather", "reduce_scatter")
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM")
 
 
@@ -32,16 +31,15 @@ def _op_code(op: object) -> int:
 
 def signature(kind: str, dtype: torch.dtype | None = None, numel: int = 0, op: object = None,
               root: int = -1) -> bytes:
-    """This rank's call, packed (16 bytes)."""
-    code = _DTYPES.index(dtype) + 1 if dtype in _DTYPES else (0 if dtype is None else 255)
-    return _SIG.pack(KINDS.index(kind), code, 0 if op is None else _op_code(op), root, numel)
+    """This rank's call, packed (18 bytes)."""
+    code = 0 if dtype is None else dtype_code(dtype)
+    return _SIG.pack(KINDS.index(kind), 0 if op is None else _op_code(op), code, root, numel)
 
 
 def describe(sig: bytes) -> str:
     """A call as a person reads it: ``allreduce(float32[4], SUM)``."""
-    kind, dtype, op, root, numel = _SIG.unpack(sig)
-    parts = [f"{str(_DTYPES[dtype - 1]).removeprefix('torch.') if 0 < dtype <= len(_DTYPES) else 'other'}"
-             f"[{numel}]"] if dtype else []
+    kind, op, dtype, root, numel = _SIG.unpack(sig)
+    parts = [f"{dtype_name(dtype)}[{numel}]"] if dtype else []
     parts += [_OPS[op - 1] if 0 < op <= len(_OPS) else "other op"] if op else []
     parts += [f"root {root}"] if root >= 0 else []
     return f"{KINDS[kind]}({', '.join(parts)})"

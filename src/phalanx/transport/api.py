@@ -25,11 +25,13 @@ import torch.distributed as dist
 from phalanx.transport import _dispatch, native
 from phalanx.transport._control import HOOKS
 from phalanx.transport._dispatch import Done, all_gather_single, all_reduce, broadcast, clear, register
+from phalanx.transport._dtypes import dtype_code, dtype_name, dtype_of
 from phalanx.transport._early import Area as EarlyArea
 from phalanx.transport._setup import Transport, build, enabled
 
 __all__ = ["Done", "EarlyArea", "GradChannel", "Transport", "WaitHooks", "all_gather_single", "all_reduce",
-           "broadcast", "build", "clear", "enabled", "init_process_group", "register", "set_wait_hooks"]
+           "broadcast", "build", "clear", "dtype_code", "dtype_name", "dtype_of", "enabled", "init_process_group",
+           "register", "set_wait_hooks"]
 
 
 @dataclass(frozen=True)
