@@ -103,12 +103,14 @@ FLAGS: tuple[Flag, ...] = (
 #: Host flags (multi-host launching; cli/main.py turns them into the hosts launcher's spec and warns when
 #: every host is this machine, where ssh options change nothing).
 HOST_FLAGS: tuple[Flag, ...] = (
-    Flag(("-hostfile", "--hostfile"), "hostfile", "str"),
-    Flag(("-p", "--ssh-port"), "ssh_port", "int"),
-    Flag(("-i", "--ssh-identity-file"), "ssh_identity_file", "str"),
-    Flag(("--network-interfaces",), "nics", "str"),
-    Flag(("--network-interface",), "nic", "str"),
-    Flag(("--slots-per-host",), "slots", "int"),
+    Flag(("-hostfile", "--hostfile"), "hostfile", "str", doc="a file of 'host slots=N' lines (instead of -H)"),
+    Flag(("-p", "--ssh-port"), "ssh_port", "int", doc="the hosts' ssh port"),
+    Flag(("-i", "--ssh-identity-file"), "ssh_identity_file", "str", doc="the ssh key for the hosts"),
+    Flag(("--network-interfaces",), "nics", "str", doc="comma-separated interfaces the ranks use between hosts"),
+    Flag(("--network-interface",), "nic", "str", doc="deprecated spelling of --network-interfaces"),
+    Flag(("--slots-per-host",), "slots", "int",
+         doc="refused: horovodrun gives this many slots to the discovery script's bare host names; have the "
+             "script print host:slots lines instead"),
     Flag(("--disable-cache",), "disable_cache", "on", "phalanxrun keeps no cache of start-up checks"),
 )
 
@@ -126,14 +128,18 @@ def _kwargs(kind: str) -> dict[str, Any]:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add every horovodrun flag ``parser`` does not define yet (one argument group, help per flag)."""
-    group = parser.add_argument_group("horovodrun flags (the ones phalanx cannot use warn once)")
+    """Add every horovodrun flag ``parser`` does not define yet: those that act here, then, in a group of
+    their own at the end, those accepted so that horovodrun command lines run and that change nothing."""
+    acting = parser.add_argument_group("more horovodrun flags")
+    noop = parser.add_argument_group(
+        "accepted for horovodrun command lines; they change nothing here (each warns once when set)")
     for flag in FLAGS + HOST_FLAGS:
-        why = f"accepted; changes nothing: {flag.noop}" if flag.noop else flag.doc
+        group, why = (noop, flag.noop) if flag.noop else (acting, flag.doc)
         try:
             group.add_argument(*flag.names, dest=flag.dest, help=why, **_kwargs(flag.kind))
         except argparse.ArgumentError:
             continue  # cli/main.py defines the flag with its own behaviour
+    noop.add_argument("--gloo", action="store_true", help="phalanx always runs on gloo (CPU) and NCCL (CUDA)")
 
 
 def noop_warnings(ns: argparse.Namespace) -> list[str]:

@@ -14,6 +14,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as env_names
@@ -81,11 +82,36 @@ class _CheckBuild(argparse.Action):
         parser.exit(0)
 
 
+_EXAMPLES = """\
+Run COMMAND as N ranks with the phalanx/Horovod/torchrun contract, on this machine or over ssh.
+
+examples:
+  {prog} -np 4 python train.py                        4 ranks on this machine
+  {prog} -np 8 -H node1:4,node2:4 python train.py     8 ranks on two hosts, over ssh
+  {prog} -np 8 --hostfile hosts.txt python train.py   hosts from a file of 'host slots=N' lines
+  {prog} -np 4 --min-np 2 --max-np 8 --host-discovery-script ./hosts.sh python train.py
+                                                          elastic: 2 to 8 ranks as hosts come and go
+  {prog} -np 2 --timeline-filename tl.json python train.py
+                                                          a Horovod timeline (phalanx timeline summarize tl.json)
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Prints a bad command line's error in one line, with a pointer to ``--help`` (not the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Exit 2 with ``PROG: error: MESSAGE`` and the hint."""
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nRun '{self.prog} --help' for the flags and "
+                              "examples.\n")
+
+
 def build_parser(prog: str = "phalanxrun") -> argparse.ArgumentParser:
     """The argument parser: every horovodrun flag (``cli/flags.py`` holds those beyond the core ones)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog=prog,
-        description="Run COMMAND as N ranks on this machine with the phalanx/Horovod/torchrun contract.",
+        usage="%(prog)s -np N [flags] COMMAND [ARGS...]",
+        description=_EXAMPLES.format(prog=prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--version", action="version", version=build_info.version_text())
     p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, help="number of ranks")
@@ -118,22 +144,46 @@ def build_parser(prog: str = "phalanxrun") -> argparse.ArgumentParser:
     p.add_argument("--host-discovery-script", default=None,
                    help="elastic: executable printing host:slots lines, polled every second; the world grows "
                         "up to --max-np when this machine's slots grow (only this host's names count)")
-    p.add_argument("--gloo", action="store_true", help="accepted for horovodrun compatibility (always gloo/NCCL)")
     p.add_argument("--verbose", action="store_true", help="log what the launcher does")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     flags.add_flags(p)
     return p
 
 
-def _check_command(command: Sequence[str]) -> None:
+def _check_command(command: Sequence[str], np: int, prog: str) -> None:
     if not command:
-        raise InvalidArgumentError("no command given: phalanxrun -np 2 python train.py")
+        raise InvalidArgumentError(f"no command given: {prog} -np {np} python train.py")
     exe = command[0]
-    if shutil.which(exe) is None and not os.path.isfile(exe):
-        raise InvalidArgumentError(f"command {exe!r} was not found on PATH or as a file")
+    rest = " ".join(command[1:])
+    if shutil.which(exe) is None:
+        if not os.path.isfile(exe):
+            raise InvalidArgumentError(f"command {exe!r} was not found on PATH or as a file")
+        # A file that exec cannot start: not executable, or a bare name that exec looks up on PATH only.
+        if exe.endswith(".py") or not os.access(exe, os.X_OK):
+            raise InvalidArgumentError(f"{exe!r} is a file, not a command: run it with its interpreter, "
+                                       f"{prog} -np {np} python {exe} {rest}".rstrip())
+        raise InvalidArgumentError(f"{exe!r} is not on PATH: give its path, {prog} -np {np} ./{exe} {rest}".rstrip())
     script = script_of(command)
     if script and not os.path.isfile(script):
         raise InvalidArgumentError(f"script {script!r} does not exist (working directory: {os.getcwd()})")
+
+
+def _writable_dir(path: str) -> bool:
+    """Whether ``path`` is a directory this user can write, or could be created as one."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK)
+
+
+def _check_output_paths(output_dir: str | None, timeline: str | None) -> None:
+    """``--output-filename``'s directory and the timeline's must be writable, before any rank starts."""
+    if output_dir and not _writable_dir(output_dir):
+        raise InvalidArgumentError(f"--output-filename {output_dir!r}: cannot create or write that directory; "
+                                   "give a directory you can write")
+    if timeline and (os.path.isdir(timeline) or not _writable_dir(os.path.dirname(os.path.abspath(timeline)))):
+        raise InvalidArgumentError(f"--timeline-filename {timeline!r}: cannot write a file there; give a file "
+                                   "path in a directory you can write")
 
 
 def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
@@ -150,7 +200,8 @@ def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
     hosts = _hosts_spec(ns, np)
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
     if not ns.check_hosts:
-        _check_command(command)
+        _check_command(command, np, prog)
+        _check_output_paths(ns.output_filename, ns.timeline_filename)
     knobs = flags.knob_env(ns)
     return RunConfig(
         np=np,

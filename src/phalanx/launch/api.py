@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,6 +24,10 @@ from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 from phalanx.launch.ssh import SshOptions
 
+#: The most ranks one job may have: a bound far above any real job, checked before anything is allocated
+#: per rank (``np=10**20`` would otherwise grow the driver by gigabytes before failing).
+MAX_NP = 1 << 16
+
 
 def validate_np(np: object, name: str = "np") -> int:
     """Check a process count.
@@ -34,6 +39,9 @@ def validate_np(np: object, name: str = "np") -> int:
         raise InvalidArgumentError(f"{name} must be a positive int; got {np!r} of type {type(np).__name__}")
     if np <= 0:
         raise InvalidArgumentError(f"{name} must be a positive int (the number of ranks); got {np}")
+    if np > MAX_NP:
+        raise InvalidArgumentError(f"{name}={np} is more ranks than phalanx launches (at most {MAX_NP}); give the "
+                                   "number of processes to start, e.g. one per GPU or core of each host")
     return np
 
 
@@ -44,13 +52,17 @@ def resolve_start_timeout(start_timeout: float | None, environ: Mapping[str, str
         InvalidArgumentError: not a positive number.
     """
     if start_timeout is None:
-        return settings.HOROVOD_START_TIMEOUT.get(environ)
+        value = settings.HOROVOD_START_TIMEOUT.get(environ)
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"HOROVOD_START_TIMEOUT={value:g}: give a finite number of seconds, e.g. 60")
+        return value
     try:
         value = float(start_timeout)
     except (TypeError, ValueError) as e:
         raise InvalidArgumentError(f"start_timeout must be a number of seconds; got {start_timeout!r}") from e
-    if value <= 0:
-        raise InvalidArgumentError(f"start_timeout must be positive (seconds); got {value:g}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"start_timeout must be a positive, finite number of seconds (e.g. 60); "
+                                   f"got {value:g}")
     return value
 
 

@@ -76,6 +76,9 @@ def parse_hostfile(path: str) -> list[HostSlots]:
             lines = f.read().splitlines()
     except OSError as e:
         raise InvalidArgumentError(f"--hostfile {path!r} cannot be read: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise InvalidArgumentError(f"--hostfile {path!r} is not a text file (byte {e.start} is not UTF-8): give "
+                                   "a file of 'host slots=N' lines") from e
     out: list[HostSlots] = []
     for number, raw in enumerate(lines, 1):
         words = raw.split("#", 1)[0].split()

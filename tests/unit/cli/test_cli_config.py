@@ -29,7 +29,7 @@ def test_parse_full_command_line(tmp_path: Path) -> None:
         (["-np", "2", "python", "missing_script.py"], "script 'missing_script.py' does not exist"),
         (["-np", "2", "-H", "otherhost.invalid:2", "true"], "host 'otherhost.invalid' does not resolve"),
         (["-np", "4", "-H", "localhost:2", "true"], r"np=4 is more than the 2 slot\(s\)"),
-        (["-np", "2", "--start-timeout", "-1", "true"], "start_timeout must be positive"),
+        (["-np", "2", "--start-timeout", "-1", "true"], "start_timeout must be a positive"),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(argv: list[str], message: str) -> None:

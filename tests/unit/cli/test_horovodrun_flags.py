@@ -225,3 +225,60 @@ def test_prefix_output_with_timestamp(monkeypatch: pytest.MonkeyPatch) -> None:
     stamp, _, rest = line.partition("[1]<stdout>:")
     assert rest == "hello\n"
     time.strptime(stamp, "%a %b %d %H:%M:%S %Y")  # time.asctime's layout, as horovodrun writes it
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-np", str(10**20), "true"], "at most 65536"),
+        (["-np", "2", "--start-timeout", "nan", "true"], "finite number of seconds"),
+        (["-np", "2", "--start-timeout", "inf", "true"], "finite number of seconds"),
+        (["-np", "2", "--output-filename", "/proc/1/no/such", "true"], "cannot create or write"),
+        (["-np", "2", "--timeline-filename", "/proc/1/no/t.json", "true"], "cannot write a file there"),
+    ],
+)
+def test_absurd_inputs_are_one_line_before_any_rank_starts(argv: list[str], message: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=message):
+        parse_config(argv)
+
+
+def test_binary_hostfile_and_start_timeout_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "hosts").write_bytes(b"\xff\xfe\x00node1")
+    with pytest.raises(InvalidArgumentError, match="is not a text file"):
+        parse_config(["-np", "2", "--hostfile", str(tmp_path / "hosts"), "true"])
+    monkeypatch.setenv("HOROVOD_START_TIMEOUT", "nan")
+    with pytest.raises(InvalidArgumentError, match="HOROVOD_START_TIMEOUT=nan"):
+        parse_config(["-np", "2", "true"])
+
+
+def test_a_script_given_as_the_command_suggests_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print(1)\n")
+    with pytest.raises(InvalidArgumentError, match=re.escape("phalanxrun -np 2 python train.py --lr 1")):
+        parse_config(["-np", "2", "train.py", "--lr", "1"])
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    (tmp_path / "run.sh").chmod(0o755)
+    with pytest.raises(InvalidArgumentError, match=re.escape("phalanxrun -np 2 ./run.sh")):
+        parse_config(["-np", "2", "run.sh"])
+
+
+def test_a_bad_flag_value_is_one_line_and_a_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["-np", "abc", "python", "x.py"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("phalanxrun: error: argument -np/--num-proc: invalid int value: 'abc'\n"
+                                       "Run 'phalanxrun --help' for the flags and examples.\n")
+
+
+def test_help_leads_with_examples_and_ends_with_the_flags_that_change_nothing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    head = text.split("positional arguments:")[0]
+    assert head.count("phalanxrun -np") == 6 and "--hostfile" in head and "--min-np" in head  # usage + 5
+    groups = re.findall(r"^(\S[^\n]*):$", text, re.M)
+    assert groups[-1].startswith("accepted for horovodrun command lines; they change nothing here")
+    noop = text.split(groups[-1])[1]
+    assert "--autotune " in noop and "--gloo" in noop and "--fusion-threshold-mb FUSION" not in noop
+    assert "as horovodrun" not in text

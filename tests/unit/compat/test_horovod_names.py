@@ -79,7 +79,7 @@ def test_horovod_runner_run_and_launch_module() -> None:
     assert out.split() == ["True", "True", "True"]
     usage = subprocess.run([sys.executable, "-m", "horovod.runner.launch", "-np", "1", "--no-such-flag", "x"],
                            capture_output=True, text=True, timeout=60, check=False)
-    assert usage.returncode == 2 and usage.stderr.startswith("usage: horovodrun"), usage.stderr
+    assert usage.returncode == 2 and usage.stderr.startswith("horovodrun: error: "), usage.stderr
 
 
 def test_horovodrun_console_script_is_installed_beside_phalanxrun() -> None:
