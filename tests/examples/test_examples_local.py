@@ -134,3 +134,11 @@ def test_keras_horovod_runner_on_the_driver() -> None:
     result = load_example("keras_spark_digits").main(["--np", "-2", "--epochs", EPOCHS])
     assert result["size"] == 2 and result["weights_agree"]
     assert result["accuracy"] > FLOOR
+
+
+@pytest.mark.timeout(180)
+def test_hf_trainer_with_deepspeed_under_phalanxrun(tmp_path: Path) -> None:
+    """`phalanxrun -np 2 python examples/hf_trainer_tiny.py`: transformers.Trainer with ZeRO-2, nothing downloaded."""
+    proc = phalanxrun("hf_trainer_tiny.py", "--steps", "20", cwd=tmp_path, timeout=170, env={"HF_HUB_OFFLINE": "1"})
+    found = rank0_line(proc.stdout, r"ranks: 2; loss first step: ([0-9.]+); last step: ([0-9.]+);")
+    assert float(found.group(2)) < 0.6 * float(found.group(1))
