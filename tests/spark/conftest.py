@@ -99,7 +99,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     order: one cluster (and one session on it) serves them all."""
     here = Path(__file__).parent
     slots = [i for i, item in enumerate(items) if item.path.parent == here]
-    ours = sorted((items[i] for i in slots), key=lambda item: "standalone_spark" in item.fixturenames)
+    ours = sorted((items[i] for i in slots),
+                  key=lambda item: any(name.startswith("standalone_spark") for name in item.fixturenames))
     for i, item in zip(slots, ours):
         items[i] = item
 
@@ -164,8 +165,10 @@ def local_spark(spark_at_session_end: None) -> Iterator[Any]:
     yield shared_local_spark()
 
 
+# Addresses that are not 0..n-1, so a rank pinned to "its GPU" must take the one Spark assigned its task.
+GPU_ADDRESSES = ("3", "5")
 GPU_SCRIPT = """#!/bin/sh
-echo '{"name": "gpu", "addresses": ["0", "1"]}'
+echo '{"name": "gpu", "addresses": ["3", "5"]}'
 """
 
 
@@ -252,22 +255,35 @@ def standalone_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clu
         cluster.stop()
 
 
+def _standalone_session(cluster: Cluster, gpus_per_task: int) -> Any:
+    """A session on the standalone cluster, each task holding ``gpus_per_task`` of its executor's 2 GPUs."""
+    stop_active_spark()
+    spark = _session(cluster.url, {
+        "spark.executor.cores": "2", "spark.executor.memory": "1g", "spark.cores.max": "4",
+        "spark.executor.resource.gpu.amount": "2", "spark.task.resource.gpu.amount": str(gpus_per_task),
+        "spark.executor.resource.gpu.discoveryScript": str(cluster.gpu_script),
+        "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+        "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
+    })
+    slots = 4 // gpus_per_task
+    _wait_for_slots(spark, slots)
+    _warm_up(spark, slots)
+    return spark
+
+
 @pytest.fixture(scope="module")
 def standalone_spark(standalone_cluster: Cluster, spark_at_session_end: None) -> Iterator[Any]:
     """A SparkSession on the standalone cluster: 2 workers x 2 cores x 2 fake GPUs (4 task slots). Each module
     gets fresh executors (a module's killed tasks and warm-start templates stay with it); the cluster's
     master and workers are shared."""
+    yield _standalone_session(standalone_cluster, 1)
     stop_active_spark()
-    spark = _session(standalone_cluster.url, {
-        "spark.executor.cores": "2", "spark.executor.memory": "1g", "spark.cores.max": "4",
-        "spark.executor.resource.gpu.amount": "2", "spark.task.resource.gpu.amount": "1",
-        "spark.executor.resource.gpu.discoveryScript": str(standalone_cluster.gpu_script),
-        "spark.scheduler.minRegisteredResourcesRatio": "1.0",
-        "spark.scheduler.maxRegisteredResourcesWaitingTime": "60s",
-    })
-    _wait_for_slots(spark, 4)
-    _warm_up(spark, 4)
-    yield spark
+
+
+@pytest.fixture(scope="module")
+def standalone_spark_two_gpus_per_task(standalone_cluster: Cluster, spark_at_session_end: None) -> Iterator[Any]:
+    """A SparkSession on the standalone cluster whose tasks hold 2 GPUs each (one task per worker)."""
+    yield _standalone_session(standalone_cluster, 2)
     stop_active_spark()
 
 

@@ -46,9 +46,8 @@ def _check_identities(out: list[dict[str, Any]]) -> None:
     assert all(o["shm"].get("allreduce") == 1 for o in out), [o["shm"] for o in out]
     assert {o["python"] for o in out} == {sys.executable}, "executors must run the driver's interpreter"
     assert {o["USER_VAR"] for o in out} == {"v"}
-    # run() does not ask for GPUs, but Spark still assigns each task one: the contract passes it on only
-    # with use_gpu=True.
-    assert {o["CUDA_VISIBLE_DEVICES"] for o in out} == {None}
+    # Each task holds one of its host's GPUs: run() pins every rank (cuda:LOCAL_RANK is its own GPU).
+    assert {o["CUDA_VISIBLE_DEVICES"] for o in out} == {"3,5"}
     by_host: dict[str, list[dict[str, Any]]] = {}
     for o in out:
         by_host.setdefault(o["HOROVOD_HOSTNAME"], []).append(o)
@@ -66,8 +65,8 @@ def _check_identities(out: list[dict[str, Any]]) -> None:
 @pytest.mark.timeout(180)
 def test_use_gpu_gives_each_rank_its_tasks_gpu() -> None:
     visible, gpus = TorchDistributor(num_processes=4, local_mode=False, use_gpu=True).run(_all_gpus)
-    assert visible == "0,1"  # rank 0 sees both GPUs of its host, in local-rank order
-    assert sorted(gpus) == [("127.0.0.1", "0"), ("127.0.0.1", "1"), ("127.0.0.2", "0"), ("127.0.0.2", "1")]
+    assert visible == "3,5"  # rank 0 sees both GPUs of its host, in local-rank order
+    assert sorted(gpus) == [("127.0.0.1", "3"), ("127.0.0.1", "5"), ("127.0.0.2", "3"), ("127.0.0.2", "5")]
 
 
 def _all_gpus() -> tuple[str, list[tuple[str, str]]]:

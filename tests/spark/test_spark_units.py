@@ -14,8 +14,9 @@ from phalanx.errors import InvalidArgumentError, PhalanxError, SlotsUnavailableE
 from phalanx.job import shipping
 from phalanx.job.payload import serialize_call
 from phalanx.spark import session
-from phalanx.spark.api import check_gpu_conf
-from phalanx.spark.task import TaskSpec, _gpu_env, check_script, task_gpus, task_host
+from phalanx.spark.connect.session import check_slots
+from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
+from phalanx.spark.task import TaskSpec, _gpu_env, check_script, rank_layout, task_gpus, task_host
 
 JOB = JobContract(run_id="r", master_addr="h", master_port=1, channel="h:2", secret="00")
 
@@ -42,6 +43,88 @@ def test_gpu_env_makes_cuda_local_rank_the_tasks_own_gpu_or_gives_a_clear_error(
     assert task_gpus({"gpu": _Gpu(["2", "3"])}) == ["2", "3"] and task_gpus({}) == []
     with pytest.raises(PhalanxError, match=r"rank 1 no GPU.*spark.task.resource.gpu.amount"):
         _gpu_env(spec, hosts, [["0"], [], ["1"], ["2"]], 1)
+
+
+def test_k_gpus_per_task_pin_each_of_its_k_ranks_to_one_of_them_as_spark_assigned() -> None:
+    """Two tasks of 4 GPUs on host a (addresses Spark gave, not 0..3) and one on host b: 12 ranks, rank
+    ``4t+j`` on task t's j-th GPU; ``cuda:LOCAL_RANK`` is exactly the rank's own GPU on every rank."""
+    spec = TaskSpec(job=JOB, use_gpu=True, ranks_per_task=4)
+    hosts, gpus = rank_layout(["a", "b", "a"], [["1", "3", "4", "6"], ["0", "1", "2", "3"], ["0", "2", "5", "7"]], 4)
+    assert hosts == ["a"] * 4 + ["b"] * 4 + ["a"] * 4
+    from phalanx.env import assign_ranks
+
+    who = assign_ranks(hosts)
+    own = {}
+    for rank in range(12):
+        visible = _gpu_env(spec, hosts, gpus, rank)["CUDA_VISIBLE_DEVICES"].split(",")
+        own[rank] = (hosts[rank], visible[who[rank].local_rank])
+    assert [own[r][1] for r in range(12)] == ["1", "3", "4", "6", "0", "1", "2", "3", "0", "2", "5", "7"]
+    assert len(set(own.values())) == 12  # no GPU of a host is shared
+    assert [who[r].local_rank for r in (0, 3, 4, 8, 11)] == [0, 3, 0, 4, 7]
+    assert [who[r].cross_rank for r in (0, 4, 8)] == [0, 1, 0]
+    # one rank per task keeps every GPU of its task (a fractional or single-GPU task)
+    assert rank_layout(["a"], [["2", "5"]], 1) == (["a"], [["2", "5"]])
+    # a task that got fewer GPUs than ranks: the rank without one fails, naming the setting
+    hosts, gpus = rank_layout(["a"], [["0"]], 2)
+    with pytest.raises(PhalanxError, match=r"runs 2 ranks \(spark.task.resource.gpu.amount=2\)"):
+        _gpu_env(TaskSpec(job=JOB, use_gpu=True, ranks_per_task=2), hosts, gpus, 1)
+
+
+def test_gpu_addresses_index_the_executors_cuda_visible_devices_when_the_cluster_manager_set_it() -> None:
+    assert task_gpus({"gpu": _Gpu(["0", "1"])}, {"CUDA_VISIBLE_DEVICES": "4,6"}) == ["4", "6"]
+    assert task_gpus({"gpu": _Gpu(["1"])}, {"CUDA_VISIBLE_DEVICES": "GPU-aa, GPU-bb"}) == ["GPU-bb"]
+    assert task_gpus({"gpu": _Gpu(["3"])}, {}) == ["3"]
+    with pytest.raises(PhalanxError, match=r"\['2'\].*CUDA_VISIBLE_DEVICES='4,6'"):
+        task_gpus({"gpu": _Gpu(["0", "2"])}, {"CUDA_VISIBLE_DEVICES": "4,6"})
+
+
+def test_ranks_per_task_follow_the_task_gpu_amount_as_pyspark_does() -> None:
+    four: Any = _FakeContext("spark://m:1", [1], {"spark.task.resource.gpu.amount": "4"})
+    assert ranks_per_task(four, 8, True, "num_processes") == 4
+    assert ranks_per_task(four, 8, False, "num_processes") == 1  # CPU training: one rank per task
+    with pytest.raises(InvalidArgumentError, match=r"num_processes \(6\) must be a multiple of "
+                                                   r"'spark.task.resource.gpu.amount' \(4\).*num_processes=4 or 8"):
+        ranks_per_task(four, 6, True, "num_processes")
+    for amount in ("1", "0.5", "nonsense"):
+        sc: Any = _FakeContext("spark://m:1", [1], {"spark.task.resource.gpu.amount": amount})
+        assert ranks_per_task(sc, 3, True, "np") == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.usefixtures("fake_slots")
+def test_the_slot_check_counts_tasks_of_k_gpus() -> None:
+    sc: Any = _FakeContext("spark://m:7077", [2], {"spark.task.resource.gpu.amount": "4"})
+    assert session.wait_for_slots(sc, 8, timeout_s=0.3, knob="start_timeout=", ranks_per_task=4) == 2
+    with pytest.raises(SlotsUnavailableError) as info:
+        session.wait_for_slots(sc, 12, timeout_s=0.3, knob="start_timeout=", ranks_per_task=4)
+    message = str(info.value)
+    assert "12 ranks (3 tasks of 4 GPUs each) were asked for" in message and "only 2 task(s)" in message
+    assert "to 8 or less" in message and "spark.task.resource.gpu.amount=4" in message
+
+
+class _ConnectConf:
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return self.values.get(key, default)
+
+
+class _FakeConnect:
+    def __init__(self, values: dict[str, str]) -> None:
+        self.conf = _ConnectConf(values)
+
+
+def test_connect_slot_check_counts_the_executors_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.spark.connect import session as connect_session
+
+    monkeypatch.setattr(connect_session, "is_connect", lambda s: True)
+    cluster = {"spark.master": "spark://m:7077", "spark.executor.instances": "2", "spark.executor.cores": "8",
+               "spark.executor.resource.gpu.amount": "4", "spark.task.resource.gpu.amount": "2"}
+    session_: Any = _FakeConnect(cluster)
+    check_slots(session_, 8, 2)  # 2 executors x 4 GPUs / 2 per task = 4 tasks of 2 ranks
+    with pytest.raises(SlotsUnavailableError, match=r"10 ranks \(5 tasks of 2 GPUs each\).*only 4 task"):
+        check_slots(session_, 10, 2)
 
 
 class _Conf:
@@ -227,3 +310,31 @@ def test_a_script_missing_on_the_executor_is_named_with_the_host(tmp_path: Path)
     check_script(TaskSpec(job=job, command=(str(script), "--lr", "1")))
     with pytest.raises(PhalanxError, match=r"'/nonexistent/train.py' does not exist on executor host .*same path"):
         check_script(TaskSpec(job=job, command=("/nonexistent/train.py",)))
+
+
+def test_horovod_runner_and_run_keep_np_as_processes_on_a_cluster_of_k_gpu_tasks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.spark import api, runner
+    from phalanx.spark.launcher import SparkJobSpec
+    from phalanx.spark.runner import HorovodRunner
+
+    sc: Any = _FakeContext("spark://m:1", [3], {"spark.task.resource.gpu.amount": "2"})
+    specs: list[SparkJobSpec] = []
+
+    class _Done:
+        values = [None]
+
+    def fake_launch(spec: SparkJobSpec, *rest: Any) -> _Done:
+        specs.append(spec)
+        return _Done()
+
+    for module in (runner, api):
+        monkeypatch.setattr(module, "spark_target", lambda: sc)
+    monkeypatch.setattr(session, "task_slots", lambda sc: sc.next_slots())
+    monkeypatch.setattr(runner, "launch", fake_launch)
+    monkeypatch.setattr(api, "launch_spark", fake_launch)
+    HorovodRunner(np=4).run(len)
+    api.run(len, num_proc=None)
+    assert [(s.np, s.tasks, s.ranks_per_task, s.use_gpu) for s in specs] == [(4, 2, 2, True), (6, 3, 2, True)]
+    with pytest.raises(InvalidArgumentError, match=r"np \(3\) must be a multiple"):
+        HorovodRunner(np=3).run(len)

@@ -80,15 +80,22 @@ CONTRACT: tuple[Any, ...] = (
     _doc((names.OMP_NUM_THREADS,), "`1`",
          "`cores // LOCAL_WORLD_SIZE` (at least 1) when the user has not set it, so N ranks do not each spin an "
          "N-core OpenMP pool (torchrun does the same)"),
+    _doc((names.TORCH_NCCL_TRACE_BUFFER_SIZE,), "`2000`",
+         "torch's Flight Recorder keeps each rank's last 2000 NCCL / gloo collectives, which the hang report shows "
+         "(docs/torch.md); unless the user set it or `TORCH_FR_BUFFER_SIZE` (`0` turns it off)"),
 )
 
 #: Set by particular launchers or jobs (read_by: who sets it).
 LAUNCHER_SET: tuple[Any, ...] = (
     *settings.LAUNCHER_SET,
-    _doc((names.CUDA_VISIBLE_DEVICES,), "", "the GPUs Spark gave the tasks of this host "
-         "(`TaskContext.resources()[\"gpu\"]`), in local-rank order, so `cuda:LOCAL_RANK` is the rank's own; in "
-         "local mode, the driver's GPUs",
-         read_by="`TorchDistributor(use_gpu=True)`, `phalanx.spark` tasks with GPUs"),
+    _doc((names.CUDA_VISIBLE_DEVICES,), "", "the GPUs Spark gave the ranks of this host "
+         "(`TaskContext.resources()[\"gpu\"]`, one per rank when a task of `k` GPUs runs `k` ranks; read through "
+         "the executor's own `CUDA_VISIBLE_DEVICES` when a cluster manager set it), in local-rank order, so "
+         "`cuda:LOCAL_RANK` is the rank's own; in local mode, the driver's GPUs",
+         read_by="`TorchDistributor(use_gpu=True)`, `HorovodRunner` / `run` when tasks hold GPUs"),
+    _doc((names.NCCL_SOCKET_IFNAME, names.GLOO_SOCKET_IFNAME), "",
+         "the NICs NCCL's and gloo's own sockets use, unless the user set them for the ranks",
+         read_by="`phalanxrun --network-interfaces`, `phalanx.run(network_interfaces=)`, `phalanx.spark.run(nics=)`"),
     _doc((names.HOROVOD_TIMELINE, names.HOROVOD_TIMELINE_MARK_CYCLES), "", "see the knobs below",
          read_by="`phalanxrun --timeline-filename F [--timeline-mark-cycles]`"),
 )

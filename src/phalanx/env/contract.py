@@ -169,6 +169,27 @@ def process_name(run_id: str) -> str:
     return "phx-" + run_id[-11:]
 
 
+#: Flight Recorder entries every rank keeps unless told otherwise (torch's recommended size): the hang report
+#: shows each rank's last ones.
+FLIGHT_RECORDER_ENTRIES = 2000
+
+
+def nic_env(interfaces: Sequence[str], user: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME`` for the ranks of a job given ``interfaces``
+    (``--network-interfaces``, ``network_interfaces=``, ``nics=``), so that NCCL's and gloo's own sockets use the
+    NICs the user chose on a multi-NIC node; a variable the user set for the ranks is left as it is.
+
+    Args:
+        interfaces: the NIC names, in order (empty: nothing is set).
+        user: the user's variables for the ranks.
+    """
+    names = ",".join(n.strip() for n in interfaces if n.strip())
+    if not names:
+        return {}
+    given = user or {}
+    return {key: names for key in (env_names.NCCL_SOCKET_IFNAME, env_names.GLOO_SOCKET_IFNAME) if key not in given}
+
+
 def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contract: Mapping[str, str],
                 cpu_count: int | None = None) -> dict[str, str]:
     """Lay the user's variables, then the contract, over a base environment.
@@ -193,6 +214,8 @@ def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contrac
     if cpu_count is not None and env_names.OMP_NUM_THREADS not in env:
         local_size = max(1, int(contract.get(env_names.LOCAL_WORLD_SIZE, "1")))
         env[env_names.OMP_NUM_THREADS] = str(max(1, cpu_count // local_size))
+    if env_names.TORCH_NCCL_TRACE_BUFFER_SIZE not in env and env_names.TORCH_FR_BUFFER_SIZE not in env:
+        env[env_names.TORCH_NCCL_TRACE_BUFFER_SIZE] = str(FLIGHT_RECORDER_ENTRIES)
     return env
 
 

@@ -50,6 +50,13 @@ HOROVOD_LOG_LEVEL = "HOROVOD_LOG_LEVEL"
 HOROVOD_LOG_HIDE_TIME = "HOROVOD_LOG_HIDE_TIME"
 # NCCL's own switch: "1" keeps NCCL off InfiniBand (horovodrun --tcp sets it).
 NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
+# The NICs NCCL's and gloo's sockets use: set for the ranks from --network-interfaces (and its equivalents).
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+# torch's Flight Recorder (recent NCCL/gloo collectives of each rank): phalanx's ranks get a buffer by default,
+# which the hang report reads (phalanx.torch._hang).
+TORCH_NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
+TORCH_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 # phalanx timeline knobs: "1" makes every rank write its own trace (path with a ".rankN" suffix) so a
 # straggler shows; the cap (MB, both rotation segments together) bounds the trace for long runs.
 PHALANX_TIMELINE_ALL_RANKS = "PHALANX_TIMELINE_ALL_RANKS"

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from phalanx.env import names as env_names
+from phalanx.env.contract import nic_env
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.records import ErrorRecord
 from phalanx.job.shipping import collect_modules, script_of
@@ -46,6 +47,15 @@ def forwarded_env(environ: dict[str, str] | os._Environ[str], extra: dict[str, s
     ``PYTHONPATH``, then the user's ``extra`` (which wins)."""
     env = {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
     return {**env, **extra}
+
+
+def plan_env(environ: dict[str, str] | os._Environ[str], forward: dict[str, str], interfaces: tuple[str, ...],
+             user: dict[str, str]) -> dict[str, str]:
+    """The variables of an agent's ranks: the forwarded ones (:func:`forwarded_env`), then
+    ``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` naming ``interfaces`` (``--network-interfaces``: over an
+    inherited value, under one the user gave for the ranks), then the user's job variables."""
+    given = {**forward, **user}
+    return {**forwarded_env(environ, forward), **nic_env(interfaces, given), **user}
 
 
 def script_modules(command: tuple[str, ...] | None) -> dict[str, str]:

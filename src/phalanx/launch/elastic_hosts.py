@@ -26,7 +26,7 @@ from phalanx.job.elastic import ElasticMonitor, HostsUpdated
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.launch import warm
-from phalanx.launch.agent_driver import AgentGroup, driver_address, forwarded_env, script_modules
+from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.hosts import check_host_name, is_local, place
@@ -90,7 +90,7 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
             self._host_of.append(host)
         if is_local(host):
             self._agents.local.add(host)
-        env = {**forwarded_env(os.environ, self.hosts.forward_env), **self.spec.env}
+        env = plan_env(os.environ, self.hosts.forward_env, self.hosts.interfaces, self.spec.env)
         plan = AgentPlan(job=self._job, hosts=(host,) * self._channel_size(), ranks=(wid,),
                          command=self.spec.command, env=env, cwd=os.getcwd(), python=self._python,
                          teardown_grace_s=self.spec.teardown_grace_s, over=own,

@@ -18,7 +18,7 @@ from phalanx.env import JobContract
 from phalanx.job.channel import DriverChannel
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
-from phalanx.launch.agent_driver import AgentGroup, driver_address, forwarded_env, script_modules
+from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules
 from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.hosts import HostSlots, is_local, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
@@ -96,7 +96,7 @@ class HostsLauncher(LocalLauncher):
 
     def _plan(self, job: JobContract, host: str) -> AgentPlan:
         ranks = tuple(r for r, h in enumerate(self.placement) if h == host)
-        env = {**forwarded_env(os.environ, self.hosts.forward_env), **self.spec.env}
+        env = plan_env(os.environ, self.hosts.forward_env, self.hosts.interfaces, self.spec.env)
         return AgentPlan(job=job, hosts=tuple(self.placement), ranks=ranks, command=self.spec.command, env=env,
                          cwd=os.getcwd(), python=self._python, teardown_grace_s=self.spec.teardown_grace_s,
                          modules=self._modules if host in self._remote else {})

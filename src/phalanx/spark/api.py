@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
+from phalanx.env.contract import nic_env
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
@@ -13,7 +14,8 @@ from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.spark.connect.client import ConnectLauncher
-from phalanx.spark.connect.session import conf, is_connect
+from phalanx.spark.connect.session import is_connect
+from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
 from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
 from phalanx.spark.session import every_slot, spark_target, wait_for_slots
 
@@ -24,34 +26,13 @@ log = logging.getLogger("phalanx")
 
 #: horovod.spark.run arguments accepted for compatibility and ignored (phalanx uses gloo, no MPI).
 IGNORED_RUN_ARGS = frozenset({
-    "extra_mpi_args", "use_mpi", "use_gloo", "nics", "prefix_output_with_timestamp", "executable",
+    "extra_mpi_args", "use_mpi", "use_gloo", "prefix_output_with_timestamp", "executable",
 })
+#: horovod.spark.run arguments that take effect: ``nics`` (the ranks' NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME).
+EFFECTIVE_RUN_ARGS = frozenset({"nics"})
 _START_HINT = start_timeout_hint("start_timeout=")
 #: A classic launcher, or the one of a Spark Connect session (same attributes: values, log_dir, ...).
 AnyLauncher = SparkLauncher | ConnectLauncher
-
-
-def check_gpu_conf(sc: Any, use_gpu: bool) -> None:
-    """Refuse ``use_gpu=True`` on a cluster whose tasks are given no GPU, before anything starts.
-
-    Raises:
-        InvalidArgumentError: ``spark.task.resource.gpu.amount`` is unset or zero.
-    """
-    if not use_gpu:
-        return
-    key = "spark.task.resource.gpu.amount"
-    amount, master = (conf(sc, key), conf(sc, "spark.master")) if is_connect(sc) else (sc.getConf().get(key), sc.master)
-    try:
-        ok = amount is not None and float(amount) > 0
-    except ValueError:
-        ok = False
-    if not ok:
-        raise InvalidArgumentError(
-            f"use_gpu=True but this Spark cluster ({master}) gives its tasks no GPU "
-            f"(spark.task.resource.gpu.amount={amount!r}); set spark.task.resource.gpu.amount=1 and "
-            "spark.executor.resource.gpu.amount (with spark.executor.resource.gpu.discoveryScript), or pass "
-            "use_gpu=False to train on CPUs"
-        )
 
 
 def launch_spark(spec: SparkJobSpec, sc: Any, launcher: AnyLauncher | None = None) -> AnyLauncher:
@@ -69,7 +50,7 @@ def launch_spark(spec: SparkJobSpec, sc: Any, launcher: AnyLauncher | None = Non
     if is_connect(sc):
         launcher = launcher or ConnectLauncher(spec, sc)
     else:
-        wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint)
+        wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint, spec.ranks_per_task)
         launcher = launcher or SparkLauncher(spec, sc)
     try:
         launcher.run()
@@ -94,14 +75,29 @@ def _note_logs(launcher: AnyLauncher, e: BaseException) -> None:
 
 
 def _check_compat_args(extra: Mapping[str, object]) -> None:
-    unknown = sorted(set(extra) - IGNORED_RUN_ARGS)
+    unknown = sorted(set(extra) - IGNORED_RUN_ARGS - EFFECTIVE_RUN_ARGS)
     if unknown:
         raise InvalidArgumentError(
             f"run() got unexpected argument(s) {unknown}; phalanx.spark.run accepts horovod.spark.run's "
             f"arguments (ignored for compatibility: {sorted(IGNORED_RUN_ARGS)})"
         )
-    if extra:
-        log.debug("phalanx.spark.run ignores %s (phalanx uses gloo, no MPI)", sorted(extra))
+    ignored = sorted(set(extra) - EFFECTIVE_RUN_ARGS)
+    if ignored:
+        log.debug("phalanx.spark.run ignores %s (phalanx uses gloo, no MPI)", ignored)
+
+
+def _nics(value: object) -> tuple[str, ...]:
+    """``nics=`` as NIC names (a list, a set, or a comma-separated string).
+
+    Raises:
+        InvalidArgumentError: not names.
+    """
+    if value is None:
+        return ()
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list | tuple | set | frozenset) or not all(isinstance(n, str) for n in names):
+        raise InvalidArgumentError(f"nics must be network interface names (e.g. ['eth0']); got {value!r}")
+    return tuple(sorted(names) if isinstance(names, set | frozenset) else names)
 
 
 @entry_point("phalanx.spark.run")
@@ -129,7 +125,8 @@ def run(
         stdout: where the ranks' stdout lines go on the driver (default ``sys.stdout``).
         stderr: where the ranks' stderr lines go (default ``sys.stderr``).
         verbose: 0 quiet, 1 normal, 2 debug logging of the launcher.
-        compat: horovod.spark.run arguments without meaning here (``use_mpi``, ``nics``...), ignored.
+        compat: ``nics`` (NIC names: the ranks' ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``, unless ``env``
+            sets them), and horovod.spark.run's arguments without meaning here (``use_mpi``...), ignored.
 
     Returns:
         Every rank's return value, in rank order.
@@ -157,12 +154,18 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     _check_compat_args(compat)
     timeout = resolve_start_timeout(start_timeout)
     user_env = validate_env(env)
+    user_env = {**nic_env(_nics(compat.get("nics")), user_env), **user_env}
     payload = shipped_payload(fn, tuple(args), dict(kwargs or {}))
     if verbose >= 2:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
     sc = spark_target()
-    np = validate_np(num_proc, "num_proc") if num_proc is not None else every_slot(sc, timeout, _START_HINT)
-    spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout,
+    gpus = uses_gpus(sc)
+    if num_proc is None:
+        np = every_slot(sc, timeout, _START_HINT) * gpus_per_task(sc, gpus)
+    else:
+        np = validate_np(num_proc, "num_proc")
+    spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout, use_gpu=gpus,
+                        ranks_per_task=ranks_per_task(sc, np, gpus, "num_proc"),
                         start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
                         description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})",
                         warm_preload=preload_for(fn))

@@ -21,23 +21,31 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
-from phalanx.spark.api import check_gpu_conf
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
+from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_target
+from phalanx.spark.task import task_gpus
 
 _START_HINT = start_timeout_hint(None)
 
 
-def driver_gpus() -> list[str]:
-    """The driver's GPU addresses: Spark's driver resources when a context runs, else CUDA's devices."""
+def driver_gpus(environ: dict[str, str] | None = None) -> list[str]:
+    """The driver's GPUs as device ids of the machine: Spark's driver resources when a context runs, else
+    CUDA's devices; both read through the driver's own ``CUDA_VISIBLE_DEVICES`` when a cluster manager set it
+    (an address or a CUDA index is then a position in that list), so the ranks get the devices the driver
+    was given, never the machine's first ones."""
+    env = dict(os.environ) if environ is None else environ
     if "pyspark" in sys.modules:
         from pyspark import SparkContext
 
         sc = SparkContext._active_spark_context
         gpu = sc.resources.get("gpu") if sc is not None else None
         if gpu is not None and gpu.addresses:
-            return list(gpu.addresses)
+            return task_gpus({"gpu": gpu}, env)
+    restricted = env.get(env_names.CUDA_VISIBLE_DEVICES)
+    if restricted is not None:
+        return [d.strip() for d in restricted.split(",") if d.strip()]
     import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
@@ -60,9 +68,12 @@ class TorchDistributor:
 
     Args:
         num_processes: number of ranks (> 0).
-        local_mode: True: every rank on the driver (no Spark job); False: one barrier task per rank.
-        use_gpu: give each rank GPUs: the task's ``TaskContext.resources()["gpu"]`` (or, in local mode,
-            the driver's GPUs) as ``CUDA_VISIBLE_DEVICES``; an error when there are none.
+        local_mode: True: every rank on the driver (no Spark job); False: one barrier task per rank, or, with
+            ``use_gpu`` and ``k`` GPUs per task (``spark.task.resource.gpu.amount=k``), ``num_processes / k``
+            tasks of ``k`` ranks each (pyspark's rule; ``num_processes`` must be a multiple of ``k``).
+        use_gpu: pin each rank to one GPU: its task's ``TaskContext.resources()["gpu"]`` (or, in local mode,
+            the driver's GPUs) as ``CUDA_VISIBLE_DEVICES`` in local-rank order, so ``cuda:LOCAL_RANK`` is the
+            rank's own GPU; an error when there are none.
 
         min_np: elastic training (phalanx's opt-in; see docs/elastic.md): the fewest ranks the job may go on
             with. Giving any of ``min_np``, ``max_np``, ``reset_limit`` or ``checkpoint_dir`` makes a
@@ -134,6 +145,7 @@ class TorchDistributor:
         name = Path(command[0]).name if command else "function"
         spec = SparkJobSpec(
             np=self.num_processes, payload=payload, command=command, use_gpu=self.use_gpu,
+            ranks_per_task=ranks_per_task(sc, self.num_processes, self.use_gpu, "num_processes"),
             start_timeout_s=resolve_start_timeout(None), start_timeout_hint=_START_HINT,
             description=f"TorchDistributor(num_processes={self.num_processes}).run({name})",
             warm_preload=preload,

@@ -60,6 +60,8 @@ class SparkJobSpec:
         description: shown in the Spark UI.
         teardown_grace_s: seconds between SIGTERM and SIGKILL when the job is aborted.
         warm_preload: modules for the executors' warm-start templates (function jobs); None: cold.
+        ranks_per_task: ranks each barrier task runs, one per GPU of the task (``spark.task.resource.gpu.amount``
+            when it is above 1); ``np`` is a multiple of it (:func:`phalanx.spark.gpus.ranks_per_task`).
     """
 
     np: int
@@ -75,6 +77,12 @@ class SparkJobSpec:
     description: str = "phalanx job"
     teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
+    ranks_per_task: int = 1
+
+    @property
+    def tasks(self) -> int:
+        """Barrier tasks of the job (``np / ranks_per_task``)."""
+        return self.np // self.ranks_per_task
 
 
 class StreamSink:
@@ -197,7 +205,7 @@ class SparkLauncher:
     def _task_spec(self, job: JobContract) -> TaskSpec:
         return TaskSpec(job=job, command=self.spec.command, env=dict(self.spec.env),
                         use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s,
-                        warm_preload=self.spec.warm_preload)
+                        warm_preload=self.spec.warm_preload, ranks_per_task=self.spec.ranks_per_task)
 
     def _unfinished(self) -> list[int]:
         """The ranks (worker ids) still expected to end, when Spark failed the stage."""
@@ -222,7 +230,8 @@ class SparkLauncher:
     def _submit(self, job: JobContract) -> None:
         spec = self._task_spec(job)
         with python_exec(self.sc, executor_python(self.sc)):
-            rdd = self.sc.parallelize(range(self.spec.np), self.spec.np).barrier().mapPartitions(barrier_task(spec))
+            tasks = self.spec.tasks
+            rdd = self.sc.parallelize(range(tasks), tasks).barrier().mapPartitions(barrier_task(spec))
             rdd._jrdd  # noqa: B018 - builds the Python function now, while pythonExec is the right one
         self._job_thread = threading.Thread(target=self._collect, args=(rdd,), name="phalanx-spark-job",
                                             daemon=True)

@@ -13,6 +13,7 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout
 from phalanx.launch.warm import preload_for
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
+from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
 from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import every_slot, spark_target
 
@@ -25,8 +26,11 @@ class HorovodRunner:
     """Run a Horovod training function as a Spark job (or on the driver, for debugging).
 
     Args:
-        np: ``> 0``: that many ranks, one per barrier task on the cluster. ``< 0``: ``-np`` processes on
-            the driver, no Spark job (the debugging mode). ``0``: one rank per task slot (deprecated).
+        np: ``> 0``: that many ranks (processes; on a GPU cluster, GPUs): one per barrier task, or ``k`` per task
+            when each task holds ``k`` GPUs (``spark.task.resource.gpu.amount=k``; ``np`` a multiple of ``k``),
+            each pinned to one of its task's GPUs (``hvd.local_rank()`` is its device index).
+            ``< 0``: ``-np`` processes on the driver, no Spark job (the debugging mode). ``0``: one rank per task
+            slot (deprecated).
         driver_log_verbosity: ``"log_callback_only"`` (default) shows only :func:`log_to_driver`
             messages on the driver and keeps every rank's full output in files, which errors name;
             ``"all"`` streams every rank's output, prefixed ``[rank]<stream>:``.
@@ -84,12 +88,15 @@ class HorovodRunner:
             return run_local(main, kwargs=kwargs, np=-np, **local_elastic_kwargs(self.elastic))[0]
         payload = shipped_payload(main, (), kwargs)
         sc = spark_target()
+        gpus = uses_gpus(sc)
         if np == 0:
             np = every_slot(sc, resolve_start_timeout(None), "the HOROVOD_START_TIMEOUT variable")
+            np *= gpus_per_task(sc, gpus)
             warnings.warn(f"HorovodRunner(np=0) is deprecated: using every task slot ({np}); pass np=N",
                           DeprecationWarning, stacklevel=2)
         spec = SparkJobSpec(
-            np=np, payload=payload, start_timeout_s=resolve_start_timeout(None),
+            np=np, payload=payload, use_gpu=gpus, ranks_per_task=ranks_per_task(sc, np, gpus, "np"),
+            start_timeout_s=resolve_start_timeout(None),
             start_timeout_hint="the HOROVOD_START_TIMEOUT variable", console=self._console(),
             description=f"HorovodRunner(np={np}).run({getattr(main, '__name__', 'main')})",
             warm_preload=preload_for(main),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 from phalanx.spark.connect import session as connect_session
-from phalanx.spark.connect.session import active_connect_session, is_connect
+from phalanx.spark.connect.session import active_connect_session, is_connect, ranks_asked
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
@@ -127,22 +127,24 @@ def _is_local(sc: SparkContext) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def _shortage(sc: SparkContext, np: int, slots: int, waited_s: float, knob: str) -> SlotsUnavailableError:
+def _shortage(sc: SparkContext, np: int, slots: int, waited_s: float, knob: str,
+              ranks_per_task: int = 1) -> SlotsUnavailableError:
     conf = sc.getConf()
     cpus = conf.get("spark.task.cpus", "1")
     gpus = conf.get("spark.task.resource.gpu.amount")
     per_task = f"spark.task.cpus={cpus}" + (f", spark.task.resource.gpu.amount={gpus}" if gpus else "")
     return SlotsUnavailableError(
-        f"{np} ranks were asked for but the Spark cluster ({sc.master}) can run only {slots} task(s) at "
-        f"once ({per_task}; waited {waited_s:.0f} s). A barrier stage needs every rank running together: "
-        f"lower np/num_processes/num_proc to {max(slots, 1)} or less, give the cluster more executors or "
-        f"cores (spark.executor.cores, spark.executor.instances, local[N]), or raise {knob} to wait longer "
-        "for executors to join"
+        f"{ranks_asked(np, ranks_per_task)} were asked for but the Spark cluster ({sc.master}) can run only {slots} "
+        f"task(s) at once ({per_task}; waited {waited_s:.0f} s). A barrier stage needs every rank running "
+        f"together: lower np/num_processes/num_proc to {max(slots, 1) * ranks_per_task} or less, give the "
+        "cluster more executors, cores or GPUs (spark.executor.cores, spark.executor.instances, "
+        f"spark.executor.resource.gpu.amount, local[N]), or raise {knob} to wait longer for executors to join"
     )
 
 
-def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str) -> int:
-    """Wait until the cluster can run ``np`` tasks at once; log a status line while waiting.
+def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str, ranks_per_task: int = 1) -> int:
+    """Wait until the cluster can run the ``np / ranks_per_task`` tasks of ``np`` ranks at once (Spark counts a
+    task's CPUs and GPUs); log a status line while waiting.
 
     Local masters never gain slots, so a shortage there fails at once.
 
@@ -151,6 +153,7 @@ def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str) -> in
         np: ranks needed.
         timeout_s: seconds to wait for executors to join.
         knob: the argument that raises ``timeout_s``, named in the error.
+        ranks_per_task: ranks each task runs (one per GPU of the task).
 
     Returns:
         The slots available.
@@ -160,16 +163,18 @@ def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str) -> in
     """
     started = time.monotonic()
     next_status = started
+    tasks = np // ranks_per_task
     while True:
         slots = task_slots(sc)
         now = time.monotonic()
-        if slots >= np:
+        if slots >= tasks:
             return slots
         if _is_local(sc) or now - started >= timeout_s:
-            raise _shortage(sc, np, slots, now - started, knob)
+            raise _shortage(sc, np, slots, now - started, knob, ranks_per_task)
         if now >= next_status:
-            log.warning("phalanx: waiting for task slots: %d ranks asked for, %d slots available "
-                        "(waited %.0f of %.0f s; %s)", np, slots, now - started, timeout_s, knob)
+            log.warning("phalanx: waiting for task slots: %s asked for, %d slots available "
+                        "(waited %.0f of %.0f s; %s)", ranks_asked(np, ranks_per_task), slots, now - started, timeout_s,
+                        knob)
             next_status = now + SLOT_STATUS_EVERY_S
         time.sleep(0.25)
 

@@ -46,6 +46,9 @@ class TaskSpec:
             None for a plain job.
         worker_ids: for an elastic job, how many worker ids the driver's channel accepts.
         warm_wait_s: seconds a rank waits for a warm-start template still importing before it starts cold.
+        ranks_per_task: ranks each barrier task runs (``spark.task.resource.gpu.amount`` when each task holds
+            several GPUs, as pyspark's ``torchrun --nproc_per_node``): task ``t`` runs ranks ``t*k .. t*k+k-1``,
+            rank ``t*k+j`` on the task's ``j``-th GPU.
     """
 
     job: JobContract
@@ -58,6 +61,7 @@ class TaskSpec:
     elastic_timeout_s: float | None = None
     worker_ids: int = 0
     warm_wait_s: float = warm.READY_WAIT_S
+    ranks_per_task: int = 1
 
     def warm(self) -> bool:
         """True when this job's ranks may be forked from a warm-start template."""
@@ -75,20 +79,71 @@ def task_host(environ: dict[str, str] | None = None) -> str:
     return env.get(env_names.SPARK_LOCAL_HOSTNAME) or env.get(env_names.SPARK_LOCAL_IP) or socket.gethostname()
 
 
-def task_gpus(resources: dict[str, Any]) -> list[str]:
-    """The GPU addresses Spark gave this task (``TaskContext.resources()["gpu"]``), maybe none."""
-    return [str(a) for a in (getattr(resources.get("gpu"), "addresses", None) or [])]
+def task_gpus(resources: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
+    """The GPU addresses Spark gave this task (``TaskContext.resources()["gpu"]``), maybe none, as device ids
+    of the machine.
+
+    When the cluster manager restricted the executor with ``CUDA_VISIBLE_DEVICES`` (YARN, a container), Spark's
+    addresses are indices into that list (pyspark's ``_get_gpus_owned`` reads them so): address ``i`` is the
+    list's ``i``-th entry, so a rank's own ``CUDA_VISIBLE_DEVICES`` names the devices the executor was given.
+
+    Raises:
+        PhalanxError: an address is not an index into the executor's ``CUDA_VISIBLE_DEVICES``.
+    """
+    addresses = [str(a) for a in (getattr(resources.get("gpu"), "addresses", None) or [])]
+    env = os.environ if environ is None else environ
+    restricted = env.get(env_names.CUDA_VISIBLE_DEVICES)
+    if restricted is None or not addresses:
+        return addresses
+    devices = [d.strip() for d in restricted.split(",") if d.strip()]
+    bad = [a for a in addresses if not a.isdigit() or int(a) >= len(devices)]
+    if bad:
+        raise PhalanxError(
+            f"Spark gave this task GPU address(es) {bad}, which are not indices into the executor's "
+            f"CUDA_VISIBLE_DEVICES={restricted!r} (host {task_host(environ)}): make the GPU discovery script report "
+            "indices into the devices the executor may use (0..n-1), or start the executor without "
+            "CUDA_VISIBLE_DEVICES"
+        )
+    return [devices[int(a)] for a in addresses]
+
+
+def task_resources(resources: dict[str, Any]) -> dict[str, Any]:
+    """What this task tells the others in the barrier round: its host, its GPUs, and why it has none when
+    its addresses could not be read (``problem``)."""
+    try:
+        return {"host": task_host(), "gpus": task_gpus(resources)}
+    except PhalanxError as e:
+        return {"host": task_host(), "gpus": [], "problem": str(e)}
+
+
+def rank_layout(hosts: list[str], gpus: list[list[str]], per_task: int) -> tuple[list[str], list[list[str]]]:
+    """Every rank's host and GPUs, from every task's (in partition order) when each task runs ``per_task``
+    ranks: rank ``t * per_task + j`` runs on task ``t``'s host with its ``j``-th GPU (none when the task has
+    fewer GPUs than ranks: that rank's start then fails, naming it). With one rank per task, the rank keeps all
+    of its task's GPUs."""
+    if per_task == 1:
+        return list(hosts), [list(g) for g in gpus]
+    rank_hosts = [host for host in hosts for _ in range(per_task)]
+    rank_gpus = [[task[j]] if j < len(task) else [] for task in gpus for j in range(per_task)]
+    return rank_hosts, rank_gpus
 
 
 def _gpu_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], rank: int) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` for a rank: the GPUs of every task on its host, in local-rank order.
+    """``CUDA_VISIBLE_DEVICES`` for a rank: the GPUs of every rank on its host, in local-rank order.
 
     So ``cuda:LOCAL_RANK`` (``torch.cuda.set_device(hvd.local_rank())``, DDP's ``device_ids=[local_rank]``)
-    is this rank's own GPU when each task has one, as under torchrun or horovodrun on a multi-GPU host.
+    is this rank's own GPU when each rank has one (one GPU per task, or ``k`` ranks on a task of ``k`` GPUs),
+    as under torchrun or horovodrun on a multi-GPU host.
     """
     if not spec.use_gpu:
         return {}
     if not gpus[rank]:
+        if spec.ranks_per_task > 1:
+            raise PhalanxError(
+                f"the task of rank {rank} runs {spec.ranks_per_task} ranks (spark.task.resource.gpu.amount="
+                f"{spec.ranks_per_task}) but Spark gave it fewer GPUs; check the executors' GPU discovery script "
+                "and spark.executor.resource.gpu.amount"
+            )
         raise PhalanxError(
             f"use_gpu=True but Spark gave the task of rank {rank} no GPU; set spark.executor.resource.gpu.amount "
             "and spark.task.resource.gpu.amount (with a GPU discovery script), or pass use_gpu=False"
@@ -143,14 +198,15 @@ def _status(rank: int, returncode: int, reported: bool, error: str = "") -> str:
     return json.dumps({"rank": rank, "exit": returncode, "reported": reported, "error": error})
 
 
-def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]) -> str:
+def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]], problem: str = "") -> str:
     """Run one rank to its end; return a JSON status (rank, exit code, whether the driver heard it).
 
     Args:
         spec: the job's task spec.
-        rank: this task's barrier partition id.
-        hosts: every task's executor host, in partition order.
-        gpus: every task's GPU addresses, in partition order.
+        rank: the rank to run (one of this task's).
+        hosts: every rank's executor host, in rank order (:func:`rank_layout`).
+        gpus: every rank's GPU addresses, in rank order.
+        problem: why this task cannot start its rank (found before the barrier round), or "".
     """
     try:
         channel = WorkerChannel.connect(spec.job.channel, spec.job.secret, rank, Role.SUPERVISOR,
@@ -159,6 +215,8 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]
         return _status(rank, EXIT_NOT_STARTED, False, str(e))
     supervisor = _supervisor(spec, channel, rank)
     try:
+        if problem:
+            raise PhalanxError(problem)
         env = _rank_env(spec, assign_ranks(hosts)[rank], _gpu_env(spec, hosts, gpus, rank))
         returncode = _run_rank(spec, supervisor, env)
     except (PhalanxError, OSError) as e:
@@ -264,18 +322,59 @@ def supervise_slot(spec: TaskSpec, slot: int, hosts: list[str], gpus: list[list[
     return status
 
 
+def supervise_task(spec: TaskSpec, task: int, hosts: list[str], gpus: list[list[str]],
+                   problem: str = "") -> list[str]:
+    """Run this task's ranks (``spec.ranks_per_task`` of them) to their end; return their statuses.
+
+    Each rank is supervised in a thread of its own that lives as long as the rank (its process's parent-death
+    signal follows the thread that started it). A rank that fails is reported to the driver like any other,
+    and the driver's abort then stops the task's other ranks.
+
+    Args:
+        spec: the job's task spec.
+        task: this task's barrier partition id.
+        hosts: every task's executor host, in partition order.
+        gpus: every task's GPU addresses, in partition order.
+        problem: why this task cannot give its ranks their GPUs (its GPU addresses could not be read); each
+            of its ranks then fails with it.
+    """
+    rank_hosts, rank_gpus = rank_layout(hosts, gpus, spec.ranks_per_task)
+    ranks = range(task * spec.ranks_per_task, (task + 1) * spec.ranks_per_task)
+
+    def status(rank: int) -> str:
+        if problem and spec.use_gpu:
+            return supervise(spec, rank, rank_hosts, rank_gpus, problem)
+        if spec.elastic_timeout_s is not None:
+            return supervise_slot(spec, rank, rank_hosts, rank_gpus)
+        return supervise(spec, rank, rank_hosts, rank_gpus)
+
+    if len(ranks) == 1:
+        return [status(ranks[0])]
+    statuses: dict[int, str] = {}
+
+    def one(rank: int) -> None:
+        statuses[rank] = status(rank)
+
+    threads = [threading.Thread(target=one, args=(r,), name=f"phalanx-rank-{r}") for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [statuses.get(r) or _status(r, EXIT_NOT_STARTED, False, "its supervisor thread ended early")
+            for r in ranks]
+
+
 def barrier_task(spec: TaskSpec) -> Any:
-    """The function to pass to ``rdd.barrier().mapPartitions``: it supervises this task's rank."""
+    """The function to pass to ``rdd.barrier().mapPartitions``: it supervises this task's ranks."""
 
     def task(_: Iterator[Any]) -> Iterator[str]:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
         # Every task learns every task's host and GPUs (in partition order) in one barrier round.
-        mine = {"host": task_host(), "gpus": task_gpus(dict(ctx.resources()))}
+        mine = task_resources(dict(ctx.resources()))
         gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
         hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
-        run_task = supervise_slot if spec.elastic_timeout_s is not None else supervise
-        yield run_task(spec, ctx.partitionId(), hosts, gpus)
+        yield from supervise_task(spec, ctx.partitionId(), hosts, gpus, mine.get("problem", ""))
 
     return task

@@ -269,9 +269,11 @@ def mismatch_error(sigs: list[Signature], ranks: list[int], detail: str, me: int
     """
     mine = sigs[ranks.index(me)]
     names = sorted({s.name or "<unnamed>" for s in sigs})
+    devices = ("; a group cannot mix CPU and CUDA tensors (NCCL carries CUDA tensors, gloo CPU ones): move the "
+               "tensor to the same device on every rank") if detail.startswith("device:") else ""
     return CollectiveMismatchError(
         f"ranks disagree on collective {mine.kind} of tensor {' / '.join(repr(n) for n in names)} "
-        f"(process set {mine.process_set_id}, ranks {ranks}): {detail}. Every rank of the process set must "
-        "issue the same collectives in the same order with the same shape, dtype, op, root rank and "
+        f"(process set {mine.process_set_id}, ranks {ranks}): {detail}{devices}. Every rank of the process set "
+        "must issue the same collectives in the same order with the same shape, dtype, op, root rank and "
         "process set; the collective was not run on any rank"
     )

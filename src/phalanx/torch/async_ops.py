@@ -86,6 +86,13 @@ def _allreduce_handle(
 ) -> int:
     for t in tensors:
         reduction.check_op(op, t.dtype)
+    devices = sorted({str(t.device) for t in tensors})
+    if len(devices) > 1:
+        raise InvalidArgumentError(
+            f"grouped allreduce {name or '<unnamed>'!r}: its tensors are on different devices ({', '.join(devices)}); "
+            "one collective runs on one device (NCCL for CUDA tensors, gloo for CPU ones): move them to one "
+            "device, or reduce each device's tensors in a call of its own"
+        )
     kw: dict[str, Any] = {"op": op, "prescale": pre, "postscale": post}
     if grouped:
         kw.update(group_hash=header.group_hash(tensors) or 1, count=len(tensors))

@@ -102,7 +102,7 @@ class ConnectLauncher:
             WorkerFailedError, StartTimeoutError: as for a classic job (root cause first).
             SparkJobError: Spark failed the query (a task or executor died, or Spark refused the stage).
         """
-        check_slots(self.session, self.spec.np)
+        check_slots(self.session, self.spec.np, self.spec.ranks_per_task)
         sinks = self._sinks()
         link = DriverChannel(1, b"", bind_host="0.0.0.0", advertise_host=client_host(self.session))
         self._secret = link.secret  # authenticates the log link and signs the outcome
@@ -138,8 +138,8 @@ class ConnectLauncher:
     def _query(self, link: DriverChannel) -> Any:
         spec = ConnectTaskSpec(job=replace(self.spec, stdout=None, stderr=None), run_id=self.run_id,
                                elastic=self.elastic, client=link.address, secret=link.secret, probe_s=LINK_PROBE_S)
-        np = self.spec.np
-        return self.session.range(0, np, 1, np).mapInArrow(connect_task(spec), connect_wire.SCHEMA, barrier=True)
+        tasks = self.spec.tasks
+        return self.session.range(0, tasks, 1, tasks).mapInArrow(connect_task(spec), connect_wire.SCHEMA, barrier=True)
 
     def _collect(self, query: Any, tag: str, watch: StageWatch, link: DriverChannel) -> None:
         watch.thread_id = threading.get_ident()

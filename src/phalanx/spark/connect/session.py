@@ -72,7 +72,10 @@ def task_slots(session: Any) -> int | None:
         cores = int(cluster.group(1)) * int(cluster.group(2))
     else:
         cores = _static_cluster_cores(session)
-    return None if cores is None else cores // max(per_task, 1)
+    if cores is None:
+        return None
+    gpu_bound = None if local is not None or _dynamic_allocation(session) else _gpu_slots(session)
+    return cores // max(per_task, 1) if gpu_bound is None else min(cores // max(per_task, 1), gpu_bound)
 
 
 def _host_cores(batches: Iterator[Any]) -> Iterator[Any]:
@@ -116,8 +119,30 @@ def _static_cluster_cores(session: Any) -> int | None:
     return int(instances) * int(cores)
 
 
-def check_slots(session: Any, np: int) -> None:
-    """Refuse a job the session's cluster cannot run at once, when its settings say so.
+def _gpu_slots(session: Any) -> int | None:
+    """Tasks the executors' GPUs allow at once on a cluster master (``spark.executor.instances`` x
+    ``spark.executor.resource.gpu.amount`` / ``spark.task.resource.gpu.amount``); None when not bounded."""
+    instances = conf(session, "spark.executor.instances")
+    executor = conf(session, "spark.executor.resource.gpu.amount")
+    task = conf(session, "spark.task.resource.gpu.amount")
+    try:
+        if instances is None or executor is None or task is None or float(task) <= 0:
+            return None
+        return int(instances) * int(float(executor) / float(task))
+    except ValueError:
+        return None
+
+
+def ranks_asked(np: int, ranks_per_task: int) -> str:
+    """How a slot error names the ranks asked for: ``"8 ranks (2 tasks of 4 GPUs each)"``."""
+    if ranks_per_task == 1:
+        return f"{np} ranks"
+    return f"{np} ranks ({np // ranks_per_task} tasks of {ranks_per_task} GPUs each)"
+
+
+def check_slots(session: Any, np: int, ranks_per_task: int = 1) -> None:
+    """Refuse a job the session's cluster cannot run at once (``np / ranks_per_task`` tasks), when its settings
+    say so.
 
     Raises:
         SlotsUnavailableError: fewer slots than ``np``, or dynamic allocation (Spark refuses barrier
@@ -130,14 +155,17 @@ def check_slots(session: Any, np: int) -> None:
             "(BarrierJobRunWithDynamicAllocationException): start the Connect server with "
             "spark.dynamicAllocation.enabled=false and a fixed spark.executor.instances")
     slots = task_slots(session)
-    if slots is None or slots >= np:
+    if slots is None or slots >= np // ranks_per_task:
         return
     master = conf(session, "spark.master")
+    gpus = conf(session, "spark.task.resource.gpu.amount")
+    per_task = f"spark.task.cpus={conf(session, 'spark.task.cpus') or 1}" + (
+        f", spark.task.resource.gpu.amount={gpus}" if gpus else "")
     raise SlotsUnavailableError(
-        f"{np} ranks were asked for but the Spark Connect session's cluster ({master}) can run only {slots} "
-        f"task(s) at once (spark.task.cpus={conf(session, 'spark.task.cpus') or 1}). A barrier stage needs every "
-        f"rank running together: lower np/num_processes/num_proc to {max(slots, 1)} or less, or give the "
-        "cluster more executors or cores"
+        f"{ranks_asked(np, ranks_per_task)} were asked for but the Spark Connect session's cluster ({master}) "
+        f"can run only {slots} task(s) at once ({per_task}). A barrier stage needs every rank running together: "
+        f"lower np/num_processes/num_proc to {max(slots, 1) * ranks_per_task} or less, or "
+        "give the cluster more executors, cores or GPUs"
     )
 
 

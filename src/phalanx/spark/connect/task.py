@@ -22,7 +22,7 @@ from phalanx.launch.supervisor import EXIT_NOT_STARTED
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
 from phalanx.spark.launcher import SparkJobSpec
-from phalanx.spark.task import supervise, supervise_slot, task_gpus, task_host
+from phalanx.spark.task import supervise_task, task_host, task_resources
 
 
 @dataclass(frozen=True)
@@ -76,18 +76,20 @@ def _contract(spec: ConnectTaskSpec, hosted: dict[str, Any]) -> JobContract:
                        start_timeout_s=spec.job.start_timeout_s)
 
 
-def _run_rank(spec: ConnectTaskSpec, rank: int, gathered: list[dict[str, Any]]) -> bytes:
+def _run_ranks(spec: ConnectTaskSpec, task: int, gathered: list[dict[str, Any]]) -> list[bytes]:
+    """Run this task's ranks; return their status bodies."""
     hosted = gathered[0].get("job") or {"failed": "rank 0's task sent no job address"}
+    per_task = spec.job.ranks_per_task
     if "failed" in hosted:
-        return connect_wire.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
-    task = _launcher(spec).task_spec(_contract(spec, hosted))
+        return [connect_wire.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
+                for rank in range(task * per_task, (task + 1) * per_task)]
+    task_spec = _launcher(spec).task_spec(_contract(spec, hosted))
     # The template started with this task imports what a cold rank would: waiting for it beats starting over.
-    task = replace(task, warm_wait_s=max(warm.READY_WAIT_S, spec.job.start_timeout_s / 2))
+    task_spec = replace(task_spec, warm_wait_s=max(warm.READY_WAIT_S, spec.job.start_timeout_s / 2))
     hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
-    run = supervise_slot if spec.elastic is not None else supervise
-    status = json.loads(run(task, rank, hosts, gpus))
-    return connect_wire.status_body(int(status["rank"]), int(status["exit"]), bool(status["reported"]),
-                                    status.get("error") or "")
+    statuses = supervise_task(task_spec, task, hosts, gpus, gathered[task].get("problem", ""))
+    return [connect_wire.status_body(int(s["rank"]), int(s["exit"]), bool(s["reported"]), s.get("error") or "")
+            for s in map(json.loads, statuses)]
 
 
 def _warm_early(job: SparkJobSpec) -> None:
@@ -108,14 +110,14 @@ def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[An
             pass
         _warm_early(spec.job)
         ctx = BarrierTaskContext.get()
-        rank = ctx.partitionId()
-        mine: dict[str, Any] = {"host": task_host(), "gpus": task_gpus(dict(ctx.resources()))}
+        task_id = ctx.partitionId()
+        mine = task_resources(dict(ctx.resources()))
         host = None
-        if rank == 0:
+        if task_id == 0:
             host, mine["job"] = _start_host(spec, ctx)
         gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
-        status = _run_rank(spec, rank, gathered)
-        yield from connect_wire.rows(rank, connect_wire.STATUS, status)
+        for rank, status in enumerate(_run_ranks(spec, task_id, gathered), task_id * spec.job.ranks_per_task):
+            yield from connect_wire.rows(rank, connect_wire.STATUS, status)
         if host is not None:
             yield from connect_wire.rows(0, connect_wire.OUTCOME, connect_wire.sign(host.finish(), spec.secret))
 
