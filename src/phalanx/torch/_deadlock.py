@@ -110,3 +110,38 @@ def describe(stuck: set[int], records: dict[int, Record]) -> str:
         "Every rank must issue the collectives of every process set it belongs to in the same order; the "
         "collectives were abandoned and these process sets cannot be used any more (shut down and restart)." + hint
     )
+
+
+def operation(wait: dict[str, Any]) -> str:
+    """The user's collective a wait serves: ``"allreduce 'loss' (process set 0, ranks [0, 1])"``."""
+    return f"{wait['kind']} {wait['name'] or '<unnamed>'!r} (process set {wait['psid']}, ranks {list(wait['ranks'])})"
+
+
+def missing(me: int, wait: dict[str, Any], records: dict[int, Record]) -> list[tuple[int, str]]:
+    """The ranks of ``wait``'s set that have not reached it, each with what it is doing instead (from the
+    records the blocked ranks published; a rank without one runs outside any phalanx collective)."""
+    ranks = wait["ranks"]
+    out = []
+    for p in ranks:
+        if p == me:
+            continue
+        peer = records.get(p)
+        if peer is None or peer.wait is None:
+            out.append((p, "is not in any phalanx collective (busy elsewhere, it skipped this one, or it has "
+                           "ended)"))
+            continue
+        w = peer.wait
+        count = (peer.issued if wait["phase"] == "control" else peer.rounds).get(ranks, 0)
+        if count >= wait["seq"]:
+            continue  # it has reached this collective: it waits for the others too
+        out.append((p, f"waits in {operation(w)}, its collective #{w['seq']} there"))
+    return out
+
+
+def stalled_text(me: int, wait: dict[str, Any], records: dict[int, Record]) -> str:
+    """One line: the collective ``me`` waits in and the ranks missing from it."""
+    gone = missing(me, wait, records)
+    if not gone:
+        return f"{operation(wait)}: every rank has reached it (a slow transfer)"
+    listed = "; ".join(f"rank {r} {why}" for r, why in gone)
+    return f"{operation(wait)} lacks rank(s) {[r for r, _ in gone]}: {listed}"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,8 +36,8 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, HorovodInternalError
-from phalanx.torch import _generations
-from phalanx.torch._deadlock import Ranks, Record, deadlocked, describe
+from phalanx.torch import _generations, _hang
+from phalanx.torch._deadlock import Ranks, Record, deadlocked, describe, operation, stalled_text
 from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Inspector:
         self.next_verdict = 0.0  # verdicts are looked for every POLL_S, without back-off
         self.candidate: dict[int, int] | None = None
         self.broken: dict[Ranks, str] = {}
+        self.report = ""  # the hang report of the current wait, when this rank wrote one
 
     def start(self, counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]]) -> None:
         """Reset for a new ``hvd.init()`` (before its first collective: every rank clears its record)."""
@@ -83,11 +85,12 @@ class Inspector:
             return
         self.check_td = timedelta(seconds=self.check_s)
         self.poll_td = timedelta(seconds=min(POLL_S, self.check_s))
-        transport.set_wait_hooks(transport.WaitHooks(on_stall, self.resumed, self.verdict))
+        transport.set_wait_hooks(transport.WaitHooks(on_stall, self.resumed, self.verdict, pending_operation))
         self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.store.set(f"rec/{self.rank}", "")
         self.store.set(f"verdict/{self.rank}", "")
+        _hang.WATCHER.start(self.store, self.rank, self.size, self.published_operation)
 
     def stalled(self, wait: dict[str, Any]) -> CollectiveMismatchError | None:
         """Called while a wait has lasted at least ``check_s``: publish once, then poll every ``POLL_S``.
@@ -184,9 +187,38 @@ class Inspector:
         self.resumed()
         return CollectiveMismatchError(msg)
 
+    def published_operation(self) -> str | None:
+        """The collective this rank has been blocked in for at least the check interval (what it published),
+        or None (read by the hang report's watcher thread: no cost on the fast path)."""
+        mine = self.mine
+        return operation(mine.wait) if mine is not None and mine.wait is not None else None
+
+    def missing_text(self, wait: dict[str, Any]) -> str:
+        """``wait``'s collective and the ranks missing from it, from every blocked rank's record (best effort:
+        diagnostics never break the wait they describe)."""
+        mine = self.mine or Record(self.rank, self.version, wait)
+        try:
+            return stalled_text(self.rank, wait, self._records(mine))
+        except Exception:  # a store that fails or a record that does not parse
+            return "the ranks missing from it could not be read from the job's store"
+
+    def hang_report(self, wait: dict[str, Any], waited: float) -> str:
+        """Write the job's hang report for ``wait`` (when this rank is the one to) on stderr; return it."""
+        mine = self.mine or Record(self.rank, self.version, wait)
+        try:
+            text = _hang.report(self.store, self.rank, self.size, wait, self._records(mine), waited,
+                                operation(wait))
+        except Exception:  # best effort, as missing_text
+            return ""
+        if text:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        return text or ""
+
     def resumed(self) -> None:
         """The wait ended (or raised): withdraw the published record."""
         self.warned = False
+        self.report = ""
         if self.mine is not None:
             self.mine = None
             self.candidate = None
@@ -210,6 +242,7 @@ WATCH = _Watch()
 
 def stop() -> None:
     """Turn the inspector off and forget its state (``hvd.shutdown``)."""
+    _hang.WATCHER.stop()
     INSPECTOR.__init__()  # type: ignore[misc]
     WATCH.entry = None
     transport.set_wait_hooks(None)
@@ -269,11 +302,20 @@ def current_wait() -> dict[str, Any] | None:
             "psid": sig.process_set_id}
 
 
+def pending_operation() -> str | None:
+    """The user's collective this rank waits in (``"allreduce 'loss' (process set 0, ranks [0, 1])"``), or
+    None outside an engine wait; the transport names it first when a peer fails it."""
+    wait = current_wait()
+    return None if wait is None else operation(wait)
+
+
 def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | None:
     """A wait has lasted ``waited`` seconds: consult the inspector (the shared-memory channels call this).
 
     A store that fails (its host is gone, as when an elastic job loses ranks) turns the inspector off: the
-    wait goes on and the transport reports the failure, as without the inspector.
+    wait goes on and the transport reports the failure, as without the inspector. At the warning time the
+    rank logs Horovod's stall warning naming the ranks missing from the collective, and the first rank of
+    the collective to get there writes the job's hang report (``_hang``).
     """
     if INSPECTOR.check_s <= 0 or waited < INSPECTOR.check_s:
         return None
@@ -283,13 +325,17 @@ def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | 
     if 0 < INSPECTOR.warn_s <= waited and not INSPECTOR.warned:  # Horovod's stall warning, once per wait
         INSPECTOR.warned = True
         _log.warning("stall check: %s %r on ranks %s has waited %.0f s for the other ranks (rank %d; "
-                     "HOROVOD_STALL_CHECK_TIME_SECONDS)", wait["kind"], wait["name"], list(wait["ranks"]), waited,
-                     INSPECTOR.rank)
+                     "HOROVOD_STALL_CHECK_TIME_SECONDS): %s", wait["kind"], wait["name"], list(wait["ranks"]), waited,
+                     INSPECTOR.rank, INSPECTOR.missing_text(wait))
+        INSPECTOR.report = INSPECTOR.hang_report(wait, waited)
     if 0 < INSPECTOR.shutdown_s <= waited:
+        report = INSPECTOR.report
+        missing_ = INSPECTOR.missing_text(wait)
         INSPECTOR.resumed()
         return HorovodInternalError(
             f"stall check: {wait['kind']} {wait['name']!r} on ranks {list(wait['ranks'])} waited {waited:.0f} s, "
-            f"past {env_names.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={INSPECTOR.shutdown_s:g}: a rank never issued it")
+            f"past {env_names.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={INSPECTOR.shutdown_s:g}: {missing_}"
+            + (f"\n{report}" if report else ""))
     try:
         return INSPECTOR.stalled(wait)
     except (RuntimeError, OSError):
@@ -320,7 +366,19 @@ def wait(work: Any) -> None:
 
     Raises:
         CollectiveMismatchError: this rank is part of a confirmed deadlock.
+        HorovodInternalError: the stall shutdown time passed.
+        Exception: the work's own error (a peer gone), with a note naming the collective and the missing ranks.
     """
+    try:
+        _wait_inspected(work)
+    except (CollectiveMismatchError, HorovodInternalError):
+        raise
+    except Exception as e:
+        _note_failed_wait(e)
+        raise
+
+
+def _wait_inspected(work: Any) -> None:
     inspector = INSPECTOR
     if inspector.check_s <= 0:
         work.wait()
@@ -338,6 +396,15 @@ def wait(work: Any) -> None:
             waited += inspector.poll_td.total_seconds()
     finally:
         inspector.resumed()
+
+
+def _note_failed_wait(error: Exception) -> None:
+    """Add to a transport's own error (gloo's "connection closed by peer") the user's collective that failed
+    and the ranks missing from it."""
+    wait = current_wait()
+    if wait is None or isinstance(error, CollectiveMismatchError) or not hasattr(error, "add_note"):
+        return
+    error.add_note(f"phalanx: this rank was in {INSPECTOR.missing_text(wait)}")
 
 
 def broken(ranks: Ranks) -> CollectiveMismatchError | None:

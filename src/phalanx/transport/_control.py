@@ -36,6 +36,7 @@ class _Hooks:
     stalled: Callable[[float], Exception | None] | None = None
     resumed: Callable[[], None] | None = None
     verdict: Callable[[], Exception | None] | None = None  # a confirmed deadlock, raised instead of a failure
+    pending: Callable[[], str | None] | None = None  # the caller's own operation this wait serves, for errors
     paused = 0
 
 
@@ -176,23 +177,26 @@ class Control:
     def _check(self, j: int, g: int, what: str, waited: float) -> None:
         culprit = self.words[0]
         if culprit:
-            self._fail(f"rank index {culprit - 1} of the channel gave up (see its error)", g, what, signal=False)
+            self._fail(f"{self._peer(culprit - 1)} gave up on it (its own error is the cause)", g, what, signal=False)
         pid, peer = self.words[self._pid(j)], self._peer(j)
         if pid and _pid_dead(pid):
             self._fail(
-                f"{peer} (pid {pid}) has died or exited (a rank that leaves while others still run collectives: "
-                "give every rank the same number of steps, or call hvd.join() when done)", g, what,
+                f"{peer} (pid {pid}) has died or exited before reaching it (a rank that leaves while others still "
+                "run collectives: give every rank the same number of steps, or call hvd.join() when done)", g, what,
             )
         if waited > self.timeout_s:
             self._fail(
-                f"{peer} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s "
-                f"(raise {self.knob} if ranks legitimately run apart that long)", g, what,
+                f"{peer} (pid {pid}) did not reach step {g} within {self.timeout_s:g} s: it is busy elsewhere or "
+                f"issued other collectives (raise {self.knob} if ranks legitimately run apart that long)", g, what,
             )
 
     def _peer(self, j: int) -> str:
         return f"peer rank {self.ranks[j]}" if len(self.ranks) == self.n else f"peer index {j}"
 
     def _fail(self, cause: str, g: int, what: str, signal: bool = True) -> None:
+        """Raise for a peer that died, gave up or never came: the error names the caller's pending operation
+        (when the wait hooks tell it) and that peer. It never suggests turning shared memory off: the peer,
+        not the transport, is the cause."""
         error = HOOKS.verdict() if HOOKS.verdict is not None and self.inspected else None
         if error is not None:
             self.broken = f"shared-memory {what} on {self.label} was abandoned at step {g}: {error}"
@@ -200,9 +204,12 @@ class Control:
         if signal and not self.words[0]:
             self.words[0] = 1 + self.me
         self.broken = f"shared-memory {what} on {self.label} failed at step {g}: {cause}"
+        pending = HOOKS.pending() if HOOKS.pending is not None and self.inspected and not HOOKS.paused else None
+        if pending:
+            raise ShmTransportError(f"{pending} cannot complete: {cause} [shared-memory {what} on {self.label}, "
+                                    f"step {g}]")
         raise ShmTransportError(
-            f"{self.broken}. Every rank of the group must issue the same collectives in the same order; "
-            "set PHALANX_SHM=0 to use gloo instead"
+            f"{self.broken}. Every rank of the group must issue the same collectives in the same order"
         )
 
     def abort(self, cause: str) -> None:

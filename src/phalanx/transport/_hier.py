@@ -78,8 +78,11 @@ class Hierarchy:
             cause = f"the {what} across hosts (gloo among the hosts' leaders) failed: {e}"
             if self.ch is not None:
                 self.ch.abort(cause)
-            hint = "set PHALANX_SHM=0 to use gloo alone"
-            raise ShmTransportError(f"hierarchical collective failed: {cause}; {hint}") from e
+            pending = HOOKS.pending() if HOOKS.pending is not None and not HOOKS.paused else None
+            # A leaders' gloo failure is a peer host's rank that died or diverged, not the transport: no hint to
+            # turn shared memory off.
+            lead = f"{pending} cannot complete" if pending else "hierarchical collective failed"
+            raise ShmTransportError(f"{lead}: {cause}") from e
 
     def allreduce_(self, t: torch.Tensor, op: Any) -> None:
         """Reduce ``t`` in place: within the host, among the leaders, then shared within the host.

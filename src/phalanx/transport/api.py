@@ -89,11 +89,14 @@ class WaitHooks:
         resumed: called once a wait that called ``stalled`` has ended.
         verdict: called before a peer's failure is raised; an error it returns is raised instead (a
             deadlocked peer that raised and exited is not a dead peer).
+        pending: the caller's operation a failing wait served (``"allreduce 'loss' (process set 0, ranks
+            [0, 1])"``), named first in the transport's error; None: the error names the transport's step.
     """
 
     stalled: Callable[[float], Exception | None]
     resumed: Callable[[], None]
     verdict: Callable[[], Exception | None]
+    pending: Callable[[], str | None] | None = None
 
 
 def set_wait_hooks(hooks: WaitHooks | None) -> None:
@@ -101,6 +104,7 @@ def set_wait_hooks(hooks: WaitHooks | None) -> None:
     HOOKS.stalled = hooks.stalled if hooks is not None else None
     HOOKS.resumed = hooks.resumed if hooks is not None else None
     HOOKS.verdict = hooks.verdict if hooks is not None else None
+    HOOKS.pending = hooks.pending if hooks is not None else None
 
 
 def init_process_group(*args: Any, **kwargs: Any) -> None:

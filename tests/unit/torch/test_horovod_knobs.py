@@ -128,7 +128,7 @@ def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
     assert len(published) == 3
     assert [r.getMessage() for r in caplog.records if "stall check" in r.getMessage()] == [
         "stall check: allreduce 'grad' on ranks [0, 1] has waited 2 s for the other ranks (rank 0; "
-        "HOROVOD_STALL_CHECK_TIME_SECONDS)"]
+        "HOROVOD_STALL_CHECK_TIME_SECONDS): the ranks missing from it could not be read from the job's store"]
     assert withdrawn == ["rec/0"] and inspector.mine is None  # the record is withdrawn as the rank gives up
     assert isinstance(error, HorovodInternalError)
     assert "waited 4 s, past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=4" in str(error)

@@ -1,0 +1,75 @@
+"""A collective issued on one rank only: the error names the user's collective and the rank missing from it,
+whether that rank is alive and busy elsewhere (after the stall warning: the hang report with every rank's
+Python stack and Flight Recorder tail) or gone, over the shared-memory transport and over gloo; it never
+suggests turning shared memory off."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import phalanx
+from phalanx.errors import WorkerFailedError
+
+pytestmark = [pytest.mark.multiprocess]
+
+STALL = {"PHALANX_STALL_CHECK_S": "0.5", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
+         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+
+
+def _busy_elsewhere() -> None:
+    time.sleep(60)
+
+
+def _rank_1_skips_val_loss(leaves: bool) -> int:
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    hvd.allreduce(torch.ones(2), name="warmup")
+    if hvd.rank() == 1:
+        if leaves:
+            return 1  # the rank ends without the collective its peer issues
+        _busy_elsewhere()
+    hvd.allreduce(torch.ones(2), name="val_loss")
+    return 0
+
+
+def _failure(shm: str, leaves: bool) -> str:
+    with pytest.raises(WorkerFailedError) as info:
+        phalanx.run(_rank_1_skips_val_loss, args=(leaves,), np=2, env={**STALL, "PHALANX_SHM": shm})
+    root = info.value.root_cause
+    assert root.rank == 0, str(info.value)
+    text = f"{root.summary}\n{root.traceback}\n" + "\n".join(root.log_tail)
+    assert "PHALANX_SHM=0" not in text
+    return text
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "gloo"])
+def test_a_peer_alive_and_busy_is_named_with_every_ranks_stack(shm: str) -> None:
+    text = _failure(shm, leaves=False)
+    assert "allreduce 'val_loss' (process set 0, ranks [0, 1]) lacks rank(s) [1]: rank 1 is not in any " \
+           "phalanx collective" in text, text
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3" in text
+    # the hang report: every rank's section, the busy rank's stack where it is, the Flight Recorder's tail
+    assert "phalanx hang report (rank 0" in text
+    assert "--- rank 0 " in text and "waits in allreduce 'val_loss'" in text
+    assert "--- rank 1 " in text and "not in any phalanx collective" in text
+    rank1 = text[text.index("--- rank 1 "):]
+    assert "_busy_elsewhere" in rank1 and "time.sleep(60)" in rank1, rank1
+    assert "Flight Recorder" in text and "gloo:" in text
+    assert text.count("phalanx hang report") == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shm", "gloo"])
+def test_a_peer_gone_is_named_with_the_pending_collective(shm: str) -> None:
+    text = _failure(shm, leaves=True)
+    assert "allreduce 'val_loss' (process set 0, ranks [0, 1])" in text, text
+    if shm == "1":
+        assert "cannot complete: peer rank 1 (pid " in text and "has died or exited before reaching it" in text
+    else:
+        assert "lacks rank(s) [1]: rank 1 is not in any phalanx collective" in text
