@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.phalanx-installed
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit bench soak clean
+.PHONY: demo test lint typecheck unit bench soak clean gpu-check
 
 # The .pth start-up hooks are copied into site-packages by the (editable) install: a change re-installs.
 $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/_phalanx_startup/*.pth)
@@ -51,5 +51,16 @@ bench: $(VENV)/.bench-installed
 soak: $(STAMP)
 	$(BIN)/python bench/soak.py
 
+# The GPU matrix on a CUDA machine (tools/gpu_check.py, one table); without a GPU it says so in one line and
+# exits 0. Its own venv, with the CUDA build of torch (constraints-gpu.txt); installed only when a GPU is there.
+GPU_VENV := .venv-gpu
+GPU_PIP  := $(GPU_VENV)/bin/python -m pip --disable-pip-version-check -q
+gpu-check:
+	@if ! $(PYTHON) tools/gpu_check.py detect; then exit 0; fi; \
+	set -e; test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV); \
+	$(GPU_PIP) install -c constraints-gpu.txt torch 'tensorflow[and-cuda]'; \
+	$(GPU_PIP) install -c constraints-gpu.txt -e ".[spark]"; \
+	$(GPU_VENV)/bin/python tools/gpu_check.py run
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache .ruff_cache
