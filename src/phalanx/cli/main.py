@@ -49,10 +49,12 @@ class RunConfig:
     warnings: tuple[str, ...] = ()
     hosts: HostsSpec | None = None
     check_hosts_only: bool = False
+    forward_env: tuple[tuple[str, str], ...] = ()
 
     def job_env(self) -> dict[str, str]:
-        """Variables the command's ranks get on top of the contract (the timeline and the flags' knobs)."""
-        env = dict(self.knobs)
+        """Variables the command's ranks get on top of the contract: ``-x``'s (on every host, as mpirun
+        exports them), then the timeline and the flags' knobs (an explicit flag wins over ``-x``)."""
+        env = {**dict(self.forward_env), **dict(self.knobs)}
         if self.timeline:
             env[env_names.HOROVOD_TIMELINE] = os.path.abspath(self.timeline)
             if self.timeline_mark_cycles:
@@ -197,7 +199,8 @@ def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
         config_file.apply(ns, ns.config_file)
     flags.validate(ns)
     np = validate_np(ns.np, "-np")
-    hosts = _hosts_spec(ns, np)
+    forward = _forward_env(ns.forward_env)
+    hosts = _hosts_spec(ns, np, forward)
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
     if not ns.check_hosts:
         _check_command(command, np, prog)
@@ -219,6 +222,7 @@ def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
         warnings=tuple(flags.noop_warnings(ns) + _local_host_warnings(ns, hosts)),
         hosts=hosts,
         check_hosts_only=bool(ns.check_hosts),
+        forward_env=tuple(sorted(forward.items())),
     )
 
 
@@ -234,10 +238,9 @@ def _forward_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _hosts_spec(ns: argparse.Namespace, np: int) -> HostsSpec | None:
+def _hosts_spec(ns: argparse.Namespace, np: int, forward: dict[str, str]) -> HostsSpec | None:
     """The multi-host part of the job, or None when every host is this machine."""
     remote = resolve_hosts(ns.hosts, np, ns.hostfile)
-    forward = _forward_env(ns.forward_env)
     if remote is None:
         return None
     nics = ns.nics or ns.nic

@@ -20,6 +20,19 @@ def test_parse_full_command_line(tmp_path: Path) -> None:
     assert cfg.job_env()["HOROVOD_TIMELINE"].endswith("t.json")
 
 
+@pytest.mark.parametrize("hosts", [[], ["-H", "localhost:2"]])
+def test_x_reaches_the_ranks_on_this_machine(hosts: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-x`` used to reach only ranks on other hosts (issue 32, item 3); mpirun and horovodrun export it
+    everywhere. An explicit flag still wins over ``-x`` for the variable it sets."""
+    monkeypatch.setenv("FROM_HERE", "here")
+    cfg = parse_config(["-np", "2", *hosts, "-x", "NAME=VALUE", "-x", "FROM_HERE",
+                        "-x", "HOROVOD_GLOO_TIMEOUT_SECONDS=9",
+                        "--gloo-timeout-seconds", "2", "true"])
+    env = cfg.to_spec().env
+    assert env["NAME"] == "VALUE" and env["FROM_HERE"] == "here"
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "2"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
