@@ -10,6 +10,8 @@ them show the lines.
 from __future__ import annotations
 
 import codecs
+import logging
+import os
 import sys
 import time
 from collections import deque
@@ -17,7 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol
 
+from phalanx.env import files
 from phalanx.job.records import LogLine, Stream
+
+log = logging.getLogger(__name__)
 
 #: Characters of one log line kept in an error report (the console and files get the whole line).
 TAIL_LINE_CHARS = 1000
@@ -92,37 +97,83 @@ class ConsoleSink:
 
 
 class FileSink:
-    """Keeps each rank's output in ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr`` (horovodrun's layout)."""
+    """Keeps each rank's output in ``DIR/rank.N/stdout`` and ``DIR/rank.N/stderr`` (horovodrun's layout).
 
-    def __init__(self, directory: str | Path) -> None:
+    ``DIR`` must be this user's (it is created 0700 when missing); the files are created 0600 and never
+    through a link or into a FIFO another user planted (:mod:`phalanx.env.files`). A write that fails (a
+    full disk) does not end the job: the sink warns once, naming the directory and ``setting``, and stops
+    writing files; the console still gets every line.
+
+    Args:
+        directory: the output directory.
+        setting: the option that named it, for messages.
+
+    Raises:
+        UnsafePathError: ``directory`` belongs to another user or is not a directory.
+        OSError: it cannot be created.
+    """
+
+    def __init__(self, directory: str | Path, setting: str = "--output-filename") -> None:
         self.directory = Path(directory)
+        self._setting = setting
+        self._dir_fd = files.open_dir(self.directory, setting)
         self._files: dict[tuple[int, Stream], IO[str]] = {}
+        self._failed = False
 
     def _file(self, rank: int, stream: Stream) -> IO[str]:
         key = (rank, stream)
         if key not in self._files:
-            folder = self.directory / f"rank.{rank}"
-            folder.mkdir(parents=True, exist_ok=True)
-            self._files[key] = open(folder / stream.label, "a", encoding="utf-8", errors="replace")
+            rank_fd = files.subdir(self._dir_fd, f"rank.{rank}", self._setting)
+            try:
+                fd = files.open_file(rank_fd, stream.label, self._setting)
+            finally:
+                os.close(rank_fd)
+            self._files[key] = os.fdopen(fd, "a", encoding="utf-8", errors="replace")
         return self._files[key]
 
     def write(self, line: LogLine) -> None:
         """Append one line (or piece) to the rank's file."""
-        f = self._file(line.rank, line.stream)
-        f.write(line.text)
-        if not line.more:
-            f.write("\n")
+        if self._failed:
+            return
+        try:
+            f = self._file(line.rank, line.stream)
+            f.write(line.text)
+            if not line.more:
+                f.write("\n")
+        except OSError as e:
+            self._give_up(e)
 
     def flush(self) -> None:
         """Flush every open file."""
+        if self._failed:
+            return
+        try:
+            for f in self._files.values():
+                f.flush()
+        except OSError as e:
+            self._give_up(e)
+
+    def _give_up(self, e: OSError) -> None:
+        self._failed = True
+        log.warning("could not write the ranks' output files under %s (%s): the job goes on and its output "
+                    "still reaches the console, but the files stop here; free space there or choose another "
+                    "directory with %s", self.directory, e, self._setting)
+        self._close_files()
+
+    def _close_files(self) -> None:
         for f in self._files.values():
-            f.flush()
+            try:
+                f.close()
+            except OSError:  # the buffered tail could not be written either (the disk is still full)
+                pass
+        self._files.clear()
 
     def close(self) -> None:
         """Close every open file."""
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self._close_files()
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
 
 class TailBuffer:

@@ -80,9 +80,9 @@ class LocalLauncher:
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for commands) in rank order."""
         address = self._address()
+        files = FileSink(self.spec.output_dir) if self.spec.output_dir else None  # refused before anything starts
         channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=address)
         store = RendezvousStore(self._channel_size(), channel.secret, bind_host=address)
-        files = FileSink(self.spec.output_dir) if self.spec.output_dir else None
         sinks: list[LogSink] = [ConsoleSink(self.spec.prefix, self.spec.prefix_timestamp)] + ([files] if files else [])
         monitor = self._monitor(channel, sinks)
         try:

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import IO
 
+from phalanx.env import files
 from phalanx.errors import TimelineError
 from phalanx.timeline.activities import CYCLE_START
 
@@ -162,7 +163,9 @@ class _TraceFile:
 
     def _open(self) -> IO[str]:
         try:
-            f = open(self.path, "w", encoding="utf-8")  # closed by close() or _rotate()
+            # never through a link or into a FIFO planted in a shared directory; closed by close() or _rotate()
+            fd = files.open_path(self.path, "the timeline file (--timeline-filename, HOROVOD_TIMELINE)")
+            f = os.fdopen(fd, "w", encoding="utf-8")
             f.write("[\n")
             f.flush()
         except OSError as e:

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from phalanx.env import files, settings
 from phalanx.env import names as env_names
-from phalanx.env import settings
 from phalanx.errors import CheckpointError, HostsUpdatedInterrupt
 from phalanx.torch import basics, functions
 from phalanx.torch.elastic import _rendezvous, handlers
@@ -60,17 +60,19 @@ def write_atomically(path: Path, value: Any) -> None:
         CheckpointError: the file could not be written (a full disk, no permission); the temporary file
             is removed, and the message names the path and the space left.
     """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        fd, tmp = files.create_temporary(path.parent, path.name)  # a random name no one planted a link at
+        with os.fdopen(fd, "wb") as f:
             torch.save(value, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise CheckpointError(
             f"could not write the elastic checkpoint {path} ({_free(path.parent)} free on its filesystem): "
             f"{e}; free some space or point {env_names.PHALANX_ELASTIC_CHECKPOINT_DIR} elsewhere"
