@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "compat": {"torch", "tensorflow", "spark", "estimator", "launch", "lightning", "cli", "env", "errors",
                "__init__"},
     "__init__": {"launch"},
+    "__main__": {"cli"},
     "_phalanx_startup": {"compat", "worker", "lightning"},
 }
 

@@ -1,5 +1,8 @@
-"""The ``phalanx`` command: tools around a job's artifacts.
+"""The ``phalanx`` command (also ``python -m phalanx``): ``run``, ``timeline``, ``doctor``.
 
+``phalanx run ...`` is ``phalanxrun ...`` (same flags). ``phalanx doctor`` prints versions, transports,
+the default backend, whether ``import horovod`` gives phalanx, and the checks that fail with their fixes
+(``cli/doctor.py``).
 ``phalanx timeline summarize TRACE [TRACE ...] [--plot out.png] [--top N]`` prints per activity and tensor:
 count, bytes, total and mean time and effective bandwidth (and per rank, with every rank's traces), and
 draws a PNG. ``phalanx timeline merge OUT TRACE [TRACE ...]`` joins every rank's trace into one file for
@@ -16,8 +19,12 @@ from phalanx.errors import TimelineError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phalanx", description="phalanx tools")
-    tools = parser.add_subparsers(dest="tool", required=True)
+    parser = argparse.ArgumentParser(prog="phalanx", description="phalanx: distributed training with Horovod's "
+                                     "API. 'phalanx COMMAND --help' for each command.")
+    tools = parser.add_subparsers(dest="tool", required=True, metavar="COMMAND")
+    tools.add_parser("run", add_help=False, help="run a command as N ranks: phalanxrun's flags "
+                     "(phalanx run -np 2 python train.py; phalanx run --help)")
+    tools.add_parser("doctor", help="versions, transports, and what to fix before a first job")
     timeline = tools.add_parser("timeline", help="read Chrome traces written by HOROVOD_TIMELINE")
     actions = timeline.add_subparsers(dest="action", required=True)
     summ = actions.add_parser("summarize", help="table per activity and tensor, and an optional picture")
@@ -55,8 +62,20 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``phalanx`` command; return its exit code (2: bad arguments, 1: unreadable trace)."""
+    """Run the ``phalanx`` command; return its exit code (2: bad arguments, 1: unreadable trace or a failed
+    doctor check; ``run``: phalanxrun's)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        from phalanx.cli import main as phalanxrun
+
+        return phalanxrun.main(argv[1:], prog="phalanx run")
     args = _parser().parse_args(argv)
+    if args.tool == "doctor":
+        from phalanx.cli import doctor
+
+        text, failed = doctor.report()
+        print(text)
+        return 1 if failed else 0
     try:
         if args.action == "merge":
             return _merge(args)
