@@ -26,7 +26,7 @@ from phalanx.job.events import EventQueue
 from phalanx.job.framing import FrameWriter, Kind, close_socket, read_body, read_frame, read_header
 from phalanx.job.handshake import Role, new_secret
 from phalanx.job.records import ErrorRecord, Hello, LogLine
-from phalanx.job.spool import SPOOL_BYTES, Spooled
+from phalanx.job.spool import SPOOL_BYTES, Spooled, SpoolError
 
 __all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "WorkerChannel", "new_secret"]
 
@@ -201,7 +201,11 @@ class DriverChannel:
             kind, length = head
             event: Event | None
             if kind is Kind.RESULT and length > SPOOL_BYTES:  # to a file as it arrives, not into memory
-                event = Result(rank=rank, value=Spooled.receive(conn, length))
+                try:
+                    event = Result(rank=rank, value=Spooled.receive(conn, length))
+                except SpoolError as e:  # the rank's failure, with the driver's disk named as its cause
+                    self.events.put(ErrorRecord(rank=rank, exc_type="OSError", message=str(e), traceback=""))
+                    return
             else:
                 event = _decode(rank, kind, read_body(conn, length))
             if isinstance(event, Hello):

@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 from enum import IntEnum
-from typing import BinaryIO
+from typing import Protocol
 
 from phalanx.errors import ChannelError
 
@@ -136,7 +136,14 @@ def read_body(sock: socket.socket, length: int) -> bytes:
     return _recv_exact(sock, length)
 
 
-def copy_body(sock: socket.socket, length: int, out: BinaryIO) -> None:
+class Writable(Protocol):
+    """Where :func:`copy_body` writes (a binary file, or a wrapper of one)."""
+
+    def write(self, data: memoryview, /) -> object:
+        """Take one piece."""
+
+
+def copy_body(sock: socket.socket, length: int, out: Writable) -> None:
     """Write a frame's body of ``length`` bytes to ``out`` as it arrives, one piece at a time (never the
     whole body in memory).
 

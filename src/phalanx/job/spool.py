@@ -9,6 +9,8 @@ is unlinked at creation), so nothing is left behind by a failed or killed driver
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import tempfile
 from typing import Any, BinaryIO
@@ -19,6 +21,44 @@ from phalanx.job.framing import copy_body
 
 #: Results larger than this (bytes) are spooled to a file as they arrive.
 SPOOL_BYTES = 1 << 20
+
+
+class SpoolError(OSError):
+    """A result could not be written to the driver's temporary directory (a full disk, most often); the
+    message names the directory, its free space and ``TMPDIR``."""
+
+
+class _GuardedFile:
+    """``file``'s ``write`` with a failure turned into a :class:`SpoolError` (socket errors stay apart)."""
+
+    def __init__(self, file: BinaryIO, length: int) -> None:
+        self._file, self._length = file, length
+
+    def write(self, data: memoryview) -> object:
+        try:
+            return self._file.write(data)
+        except OSError as e:
+            raise spool_error(self._length, e) from e
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except OSError as e:
+            raise spool_error(self._length, e) from e
+
+
+def spool_error(length: int, e: OSError) -> SpoolError:
+    """The error for a result of ``length`` bytes that could not be spooled because of ``e``."""
+    folder = tempfile.gettempdir()
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    tmpdir = os.environ.get("TMPDIR")
+    return SpoolError(
+        e.errno, f"the driver could not keep a result of {length / 2**20:.1f} MiB: {e.strerror or e} writing a "
+        f"temporary file in {folder} ({free}; TMPDIR={tmpdir if tmpdir is not None else 'unset'}); free space "
+        "there or point TMPDIR at a directory with room for the results")
 
 
 class Spooled:
@@ -39,11 +79,16 @@ class Spooled:
 
         Raises:
             ChannelError: the connection closed before the whole body arrived.
-            OSError: the file could not be written (a full disk).
+            SpoolError: the file could not be written (a full disk).
         """
-        file = tempfile.TemporaryFile(prefix="phalanx-result-")
         try:
-            copy_body(sock, length, file)
+            file = tempfile.TemporaryFile(prefix="phalanx-result-")
+        except OSError as e:
+            raise spool_error(length, e) from e
+        try:
+            guarded = _GuardedFile(file, length)
+            copy_body(sock, length, guarded)
+            guarded.flush()
         except BaseException:
             file.close()
             raise

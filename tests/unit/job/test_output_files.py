@@ -145,3 +145,38 @@ def test_a_full_disk_under_output_filename_warns_once_and_the_job_goes_on(tmp_pa
     warnings = [line for line in proc.stderr.splitlines() if "could not write the ranks' output files" in line]
     assert len(warnings) == 1, proc.stderr
     assert f"{small}/logs" in warnings[0] and "--output-filename" in warnings[0] and "No space left" in warnings[0]
+
+
+_FULL_TMPDIR = textwrap.dedent("""
+    from phalanx.job.channel import DriverChannel, Role, WorkerChannel
+    from phalanx.job.framing import Kind
+    from phalanx.job.records import ErrorRecord
+    ch = DriverChannel(world_size=1, payload=b"p")
+    peer = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=20)
+    peer.send(Kind.RESULT, b"r" * (2 << 20))  # over SPOOL_BYTES: spooled to TMPDIR, a 256 KiB filesystem
+    while True:
+        event = ch.events.get(timeout=20)
+        if isinstance(event, ErrorRecord):
+            print(event.rank, event.message)
+            break
+    peer.close()
+    ch.close()
+""")
+
+
+@as_root
+@pytest.mark.timeout(60)
+def test_a_full_tmpdir_under_a_large_result_is_reported_with_the_disk(tmp_path: Path) -> None:
+    """The ENOSPC used to be logged at debug level only and the job ended as 'rank 1 failed: exit code 143'
+    (issue 32, item 7): the rank's failure now names the driver's disk, its path and TMPDIR."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare")
+    small = tmp_path / "small"
+    small.mkdir()
+    script = f"mount -t tmpfs -o size=256k tmpfs {small} && TMPDIR={small} exec {sys.executable} -c \"$0\""
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, _FULL_TMPDIR],
+                          capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    rank, _, message = proc.stdout.strip().partition(" ")
+    assert rank == "0" and "No space left on device" in message, proc.stdout
+    assert f"in {small} (" in message and f"TMPDIR={small}" in message and "MiB free" in message
