@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -338,3 +339,27 @@ def test_horovod_runner_and_run_keep_np_as_processes_on_a_cluster_of_k_gpu_tasks
     assert [(s.np, s.tasks, s.ranks_per_task, s.use_gpu) for s in specs] == [(4, 2, 2, True), (6, 3, 2, True)]
     with pytest.raises(InvalidArgumentError, match=r"np \(3\) must be a multiple"):
         HorovodRunner(np=3).run(len)
+
+
+def test_a_connect_task_of_k_gpus_reports_a_status_row_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.spark.connect import task as connect_task
+    from phalanx.spark.launcher import SparkJobSpec
+
+    spec: Any = connect_task.ConnectTaskSpec(job=SparkJobSpec(np=4, ranks_per_task=2, use_gpu=True), run_id="r",
+                                             elastic=None, client="", secret="00", probe_s=0.0)
+    failed = [{"host": "a", "gpus": ["3", "5"], "job": {"failed": "no store"}}, {"host": "b", "gpus": ["3", "5"]}]
+    rows = [json.loads(b) for b in connect_task._run_ranks(spec, 1, failed)]
+    assert [(r["rank"], r["error"]) for r in rows] == [(2, "no store"), (3, "no store")]
+    seen: list[tuple[int, list[str], list[list[str]], str]] = []
+
+    def fake_supervise_task(task_spec: Any, task: int, hosts: list[str], gpus: list[list[str]],
+                            problem: str = "") -> list[str]:
+        seen.append((task, hosts, gpus, problem))
+        return [json.dumps({"rank": r, "exit": 0, "reported": True, "error": ""}) for r in (2, 3)]
+
+    monkeypatch.setattr(connect_task, "supervise_task", fake_supervise_task)
+    hosted = {"channel": "h:1", "secret": "00", "addr": "h", "port": 2}
+    gathered = [{"host": "a", "gpus": ["3", "5"], "job": hosted}, {"host": "b", "gpus": [], "problem": "bad"}]
+    rows = [json.loads(b) for b in connect_task._run_ranks(spec, 1, gathered)]
+    assert [r["rank"] for r in rows] == [2, 3]
+    assert seen == [(1, ["a", "b"], [["3", "5"], []], "bad")]

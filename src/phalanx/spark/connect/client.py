@@ -194,13 +194,13 @@ class ConnectLauncher:
         return True
 
     def _not_started(self) -> SlotsUnavailableError:
-        np, timeout = self.spec.np, self.spec.start_timeout_s
+        np, tasks, timeout = self.spec.np, self.spec.tasks, self.spec.start_timeout_s
         return SlotsUnavailableError(
-            f"the barrier stage of job {self.run_id} ({np} tasks) did not start within {timeout:g} s: Spark starts "
-            f"it only when all {np} tasks get a task slot at once, and it keeps retrying that check "
+            f"the barrier stage of job {self.run_id} ({tasks} tasks) did not start within {timeout:g} s: Spark "
+            f"starts it only when all {tasks} tasks get a task slot at once, and it keeps retrying that check "
             "(spark.scheduler.barrier.maxConcurrentTasksCheck.*), so the cluster has fewer free task slots than "
-            f"np={np}. Lower np/num_processes/num_proc, give the cluster more executors or cores, or raise "
-            f"{self.spec.start_timeout_hint}")
+            f"the job's {tasks} tasks (np={np}). Lower np/num_processes/num_proc, give the cluster more executors, "
+            f"cores or GPUs, or raise {self.spec.start_timeout_hint}")
 
     def _outcome(self) -> connect_wire.Outcome:
         """Rank 0's outcome, checked; or the error of Spark failing the query."""
