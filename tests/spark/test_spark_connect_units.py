@@ -126,6 +126,13 @@ def test_client_host_is_the_override_or_the_route_to_the_server() -> None:
     assert connect_session.client_host(session, {}) == "127.0.0.1"
 
 
+def test_the_log_link_listens_where_the_cluster_reaches_the_client_never_everywhere() -> None:
+    """It listened on 0.0.0.0, against docs/design.md (issue 32, item 6)."""
+    session = SimpleNamespace(client=SimpleNamespace(host="127.0.0.1"))
+    assert connect_session.client_bind_host(session, "127.0.0.2") == "127.0.0.2"  # one of this machine's
+    assert connect_session.client_bind_host(session, "192.0.2.7") == "127.0.0.1"  # behind NAT: the route's
+
+
 def test_log_relay_keeps_records_until_the_client_is_reached_then_streams_them() -> None:
     link = DriverChannel(1, b"", bind_host="127.0.0.1")
     relay = LogRelay()

@@ -29,7 +29,7 @@ from phalanx.job.records import LogLine, Stream
 from phalanx.launch.core import DRAIN_WAIT_S, new_run_id
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.spark.connect import wire as connect_wire
-from phalanx.spark.connect.session import StageWatch, check_slots, client_host
+from phalanx.spark.connect.session import StageWatch, check_slots, client_bind_host, client_host
 from phalanx.spark.connect.task import ConnectTaskSpec, connect_task
 from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
 
@@ -104,7 +104,8 @@ class ConnectLauncher:
         """
         check_slots(self.session, self.spec.np, self.spec.ranks_per_task)
         sinks = self._sinks()
-        link = DriverChannel(1, b"", bind_host="0.0.0.0", advertise_host=client_host(self.session))
+        advertise = client_host(self.session)
+        link = DriverChannel(1, b"", bind_host=client_bind_host(self.session, advertise), advertise_host=advertise)
         self._secret = link.secret  # authenticates the log link and signs the outcome
         tag = f"phalanx-{self.run_id}"
         try:

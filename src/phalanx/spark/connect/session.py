@@ -189,15 +189,33 @@ def client_host(session: Any, environ: dict[str, str] | None = None) -> str:
     """The address executors would reach this client at: ``PHALANX_CONNECT_CLIENT_HOST`` when set, else the
     local address of the route to the Connect server (its host as the session was given it)."""
     chosen = settings.CONNECT_CLIENT_HOST.get(environ)
-    if chosen:
-        return chosen
-    server = _server_host(session)
+    return chosen or _route_address(session) or socket.gethostname()
+
+
+def client_bind_host(session: Any, advertise: str) -> str:
+    """The address the client's log link listens on: ``advertise`` (what the cluster reaches the client at)
+    when it is one of this machine's, else the local address of the route to the Connect server (an
+    ``advertise`` behind NAT arrives there), never every interface."""
+    if _is_local(advertise):
+        return advertise
+    return _route_address(session) or "127.0.0.1"
+
+
+def _route_address(session: Any) -> str | None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((socket.gethostbyname(server), 9))  # a UDP "connect" sends nothing
+            probe.connect((socket.gethostbyname(_server_host(session)), 9))  # a UDP "connect" sends nothing
             return str(probe.getsockname()[0])
     except OSError:
-        return socket.gethostname()
+        return None
+
+
+def _is_local(address: str) -> bool:
+    try:
+        with socket.create_server((address, 0)):
+            return True
+    except OSError:
+        return False
 
 
 def _server_host(session: Any) -> str:
