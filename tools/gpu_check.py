@@ -73,13 +73,14 @@ def detect() -> str | None:
 
 # ---- rank functions (run by phalanx in every rank) -------------------------------------------------------
 
-def _device(plan: Plan) -> Any:
+def _device(plan: Plan, local_rank: int | None = None) -> Any:
+    """This rank's device: ``cuda:hvd.local_rank()`` (the pinning under test), or ``local_rank`` when given."""
     import torch
 
     import phalanx.torch as hvd
 
     if plan.device == "cuda":
-        torch.cuda.set_device(hvd.local_rank())  # the pinning under test: local rank = device index
+        torch.cuda.set_device(hvd.local_rank() if local_rank is None else local_rank)
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -177,10 +178,10 @@ def train_rank(plan: Plan, mode: str) -> float:
 
     if mode == "hvd":
         hvd.init()
-    else:
+        dev = _device(plan)
+    else:  # plain torch: no phalanx.torch in this rank (its control blocks need a CPU backend)
         dist.init_process_group("nccl" if plan.device == "cuda" else "gloo")
-        hvd.init()  # local rank for pinning; joins the group DDP made
-    dev = _device(plan)
+        dev = _device(plan, int(os.environ["LOCAL_RANK"]))
     torch.manual_seed(0)
     model = _resnet(plan.width).to(dev)
     opt: Any = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -205,8 +206,9 @@ def train_rank(plan: Plan, mode: str) -> float:
     if dev.type == "cuda":
         torch.cuda.synchronize()
     rate = plan.batch * plan.steps / (time.perf_counter() - start)
-    hvd.shutdown()
-    if dist.is_initialized():
+    if mode == "hvd":
+        hvd.shutdown()
+    else:
         dist.destroy_process_group()
     return rate
 
@@ -361,9 +363,11 @@ def keras_rank() -> float:
 
     import phalanx.tensorflow.keras as hvd
 
+    gpus = tf.config.list_physical_devices("GPU")  # before TensorFlow initializes them: one GPU per rank
+    own = gpus[int(os.environ["LOCAL_RANK"])]
+    tf.config.set_visible_devices(own, "GPU")
+    tf.config.experimental.set_memory_growth(own, True)
     hvd.init()
-    gpus = tf.config.list_physical_devices("GPU")
-    tf.config.set_visible_devices(gpus[hvd.local_rank()], "GPU")
     model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64, activation="relu"),
                                  tf.keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")

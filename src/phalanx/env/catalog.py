@@ -80,9 +80,10 @@ CONTRACT: tuple[Any, ...] = (
     _doc((names.OMP_NUM_THREADS,), "`1`",
          "`cores // LOCAL_WORLD_SIZE` (at least 1) when the user has not set it, so N ranks do not each spin an "
          "N-core OpenMP pool (torchrun does the same)"),
-    _doc((names.TORCH_NCCL_TRACE_BUFFER_SIZE,), "`2000`",
+    _doc((names.TORCH_FR_BUFFER_SIZE,), "`2000`",
          "torch's Flight Recorder keeps each rank's last 2000 NCCL / gloo collectives, which the hang report shows "
-         "(docs/torch.md); unless the user set it or `TORCH_FR_BUFFER_SIZE` (`0` turns it off)"),
+         "(docs/torch.md); unless the user set it or its older name `TORCH_NCCL_TRACE_BUFFER_SIZE` (`0` turns it "
+         "off)"),
 )
 
 #: Set by particular launchers or jobs (read_by: who sets it).

@@ -215,7 +215,7 @@ def compose_env(base: Mapping[str, str], user: Mapping[str, str] | None, contrac
         local_size = max(1, int(contract.get(env_names.LOCAL_WORLD_SIZE, "1")))
         env[env_names.OMP_NUM_THREADS] = str(max(1, cpu_count // local_size))
     if env_names.TORCH_NCCL_TRACE_BUFFER_SIZE not in env and env_names.TORCH_FR_BUFFER_SIZE not in env:
-        env[env_names.TORCH_NCCL_TRACE_BUFFER_SIZE] = str(FLIGHT_RECORDER_ENTRIES)
+        env[env_names.TORCH_FR_BUFFER_SIZE] = str(FLIGHT_RECORDER_ENTRIES)  # torch's name since 2.7
     return env
 
 

@@ -1,7 +1,7 @@
 """The hang report: once a rank has waited in a collective past the stall warning time, one report names the
 collective, the ranks missing from it and what each of them is doing, with every rank's Python stack (every
 thread) and the tail of torch's Flight Recorder (the recent NCCL or gloo collectives of each rank, when
-``TORCH_NCCL_TRACE_BUFFER_SIZE`` / ``TORCH_FR_BUFFER_SIZE`` is set: phalanx's launchers set it).
+``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE`` is set: phalanx's launchers set it).
 
 Every rank runs a watcher thread from ``hvd.init()`` that reads one store key every :func:`watch_interval`
 seconds. The first rank of a stalled collective to reach the warning time (a store counter per collective
@@ -144,7 +144,7 @@ def section(rank: int, wait: str | None, skip: int | None = None) -> str:
     fr = flight_recorder()
     body = [head, "  Python stacks (most recent call last):", python_stacks(skip)]
     if fr:
-        body += ["  Flight Recorder (last collectives; torch's TORCH_NCCL_TRACE_BUFFER_SIZE):", fr]
+        body += ["  Flight Recorder (last collectives; torch's TORCH_FR_BUFFER_SIZE):", fr]
     return "\n".join(body)
 
 
