@@ -310,9 +310,10 @@ MALLOC_TUNE = _bool(names.PHALANX_MALLOC_TUNE, True, EVERY_RANK,
 ELASTIC_TIMEOUT = _seconds(names.PHALANX_ELASTIC_TIMEOUT_S, DEFAULT_ELASTIC_TIMEOUT_S, "elastic jobs",
                            "how long a worker waits for the next round and for one collective "
                            "(`--elastic-timeout`); see [elastic.md](elastic.md)")
-ELASTIC_CHECKPOINT_DIR = _text(names.PHALANX_ELASTIC_CHECKPOINT_DIR, "path", "unset", "elastic jobs",
-                               "`commit()` also writes the state there (temporary file, then rename), so a new "
-                               "rank 0 can load it")
+ELASTIC_CHECKPOINT_DIR = _text(names.PHALANX_ELASTIC_CHECKPOINT_DIR, "path or URL", "unset", "elastic jobs",
+                               "`commit()` also writes the state there (a directory: temporary file, flushed, then "
+                               "rename; an fsspec URL such as `s3://bucket/dir`: one whole object), so a new rank 0 "
+                               "can load it")
 TEARDOWN_GRACE = _seconds(names.PHALANX_TEARDOWN_GRACE_S, DEFAULT_TEARDOWN_GRACE_S,
                           "local, hosts and Spark launchers",
                           "grace between SIGTERM and SIGKILL when a job is torn down (after a failure, a start "

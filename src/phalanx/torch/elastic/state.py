@@ -1,8 +1,9 @@
 """What an elastic job keeps across a lost worker: ``State``, ``ObjectState``, ``TorchState`` (Horovod's).
 
-``commit()`` saves a copy in memory (and, with ``PHALANX_ELASTIC_CHECKPOINT_DIR``, on disk: rank 0
-writes a temporary file, flushes it to the disk, renames it over ``state.pt`` and flushes the directory,
-so a reader never sees half a file and a commit survives a crash of the machine);
+``commit()`` saves a copy in memory (and, with ``PHALANX_ELASTIC_CHECKPOINT_DIR``, a directory or any
+fsspec URL, durably: rank 0 writes a temporary file, flushes it to the disk, renames it over ``state.pt``
+and flushes the directory, so a reader never sees half a file and a commit survives a crash of the machine;
+on an object store one PUT of the whole file);
 ``restore()`` goes back to the last commit; ``sync()`` gives every rank rank 0's state.
 
 A checkpoint is loaded with ``torch.load(weights_only=True)``, torch's own default: tensors, containers
@@ -14,8 +15,8 @@ from __future__ import annotations
 
 import copy
 import enum
+import io
 import logging
-import os
 import pickle
 import queue
 import shutil
@@ -25,10 +26,10 @@ from typing import Any
 
 import torch
 
-from phalanx.env import files, settings
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.errors import CheckpointError, HostsUpdatedInterrupt
-from phalanx.torch import basics, functions
+from phalanx.torch import _durable, basics, functions
 from phalanx.torch.elastic import _rendezvous, handlers
 from phalanx.torch.elastic.handlers import (  # Horovod's names in horovod.torch.elastic.state
     ModelStateHandler,
@@ -46,63 +47,54 @@ log = logging.getLogger(__name__)
 CHECKPOINT_FILE = "state.pt"
 
 
-def checkpoint_path() -> Path | None:
-    """``$PHALANX_ELASTIC_CHECKPOINT_DIR/state.pt``, or None when durable commits are off."""
+def checkpoint_path() -> str | None:
+    """``$PHALANX_ELASTIC_CHECKPOINT_DIR/state.pt`` (a path or an fsspec URL), or None when durable commits
+    are off."""
     folder = settings.ELASTIC_CHECKPOINT_DIR.get()
-    return Path(folder) / CHECKPOINT_FILE if folder else None
+    return f"{folder.rstrip('/')}/{CHECKPOINT_FILE}" if folder else None
 
 
-def write_atomically(path: Path, value: Any) -> None:
-    """``torch.save`` to a temporary file next to ``path``, flushed to the disk, then renamed over ``path``
-    (the directory flushed too, so the rename survives a crash).
+def write_atomically(path: str | Path, value: Any) -> None:
+    """``torch.save`` ``value`` to ``path`` whole and durably (``phalanx.torch._durable``: locally a flushed
+    temporary file renamed over it, on an object store one PUT).
 
     Raises:
-        CheckpointError: the file could not be written (a full disk, no permission); the temporary file
-            is removed, and the message names the path and the space left.
+        CheckpointError: the file could not be written (a full disk, no permission, storage unreachable);
+            no temporary file is left, and the message names the path and, locally, the space left.
     """
-    tmp: Path | None = None
+    target = str(path)
+    buffer = io.BytesIO()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = files.create_temporary(path.parent, path.name)  # a random name no one planted a link at
-        with os.fdopen(fd, "wb") as f:
-            torch.save(value, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        torch.save(value, buffer)
+        _durable.write_whole(target, buffer.getbuffer().tobytes())
+    except Exception as e:  # OSError locally, RuntimeError from torch.save, an object store client's own
         raise CheckpointError(
-            f"could not write the elastic checkpoint {path} ({_free(path.parent)} free on its filesystem): "
+            f"could not write the elastic checkpoint {target} ({_free(target)} free on its filesystem): "
             f"{e}; free some space or point {env_names.PHALANX_ELASTIC_CHECKPOINT_DIR} elsewhere"
         ) from e
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def _free(target: str) -> str:
+    if _durable.is_url(target):
+        return "unknown space"
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _free(folder: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
+        return f"{shutil.disk_usage(Path(_durable.local_path(target)).parent).free / 2**20:.1f} MiB"
     except OSError:
         return "unknown space"
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True``.
+def read_checkpoint(path: str | Path) -> dict[str, Any] | None:
+    """Load a checkpoint with ``weights_only=True``; None when there is none.
 
     Raises:
         CheckpointError: the file holds a class that was not allowed (the message names it and the
             fix), or cannot be read.
     """
+    data = _durable.read_bytes(str(path))
+    if data is None:
+        return None
     try:
-        value: dict[str, Any] = torch.load(path, weights_only=True)
+        value: dict[str, Any] = torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"the elastic checkpoint {path} holds objects torch.load(weights_only=True) does not load: {e}"
@@ -223,9 +215,12 @@ class State:
             True when a checkpoint was loaded.
         """
         path = checkpoint_path()
-        if path is None or not path.exists() or self._rank() != 0:
+        if path is None or self._rank() != 0:
             return False
-        self.load_durable(read_checkpoint(path))
+        saved = read_checkpoint(path)
+        if saved is None:
+            return False
+        self.load_durable(saved)
         self.save()
         log.info("resumed elastic state from %s", path)
         return True

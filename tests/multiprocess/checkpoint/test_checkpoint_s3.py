@@ -1,0 +1,143 @@
+"""Sharded checkpoints on a real S3-compatible server (moto's, through s3fs): reshard, async, keep-last,
+completion markers, and a whole job killed and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+import _ckpt_job as job
+
+import phalanx
+
+HERE = Path(__file__).parent
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+SERVER_START_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """moto's standalone S3 server on loopback, and the environment that points s3fs at it."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"moto's server did not listen on port {port} within {SERVER_START_TIMEOUT_S} s: "
+                                   f"{log.read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("ckpt")
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.terminate()
+    server.wait(10)
+
+
+def _ls(url: str) -> list[str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url.removeprefix("s3://")))
+
+
+@pytest.mark.timeout(120)
+def test_a_zero_style_partition_saved_by_2_ranks_loads_at_3(s3: dict[str, str]) -> None:
+    url = "s3://ckpt/partition"
+    phalanx.run(job.partitioned, (url, True), np=2, env=s3)
+    assert _ls(url) == ["step-0000000001"]
+    assert _ls(f"{url}/step-0000000001") == [".metadata", "COMPLETE", "__0_0.distcp", "__1_0.distcp"]
+    out = phalanx.run(job.partitioned, (url, False), np=3, env=s3)
+    # 10 rows over 3 ranks: 4, 4, 2 (torch's Shard(0) split), each rank holding exactly its own
+    assert [len(rows) // 3 for rows in out] == [4, 4, 2]
+    assert [r for rows in out for r in rows] == [float(i) for i in range(job.PARAM_ROWS * 3)]
+
+
+@pytest.mark.timeout(240)
+def test_a_whole_job_killed_resumes_from_the_latest_complete_step(s3: dict[str, str], tmp_path: Path) -> None:
+    """2 ranks of FSDP2 save asynchronously every 2 steps; the driver is SIGKILLed at step 7 (its ranks die
+    with it); a fresh job of 1 rank with resume=True starts from step 6, the weights of step 6 exactly."""
+    url, record = "s3://ckpt/fsdp", str(tmp_path / "record.jsonl")
+    code = ("import sys, phalanx, _ckpt_job as job\n"
+            f"phalanx.run(job.train, ({url!r}, 10, {record!r}, 7), np=2)\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env={**os.environ, **s3},
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 180
+        while not Path(f"{record}.reached").exists():
+            assert driver.poll() is None, driver.stderr.read().decode()[-3000:] if driver.stderr else ""
+            assert time.monotonic() < deadline, "the job never reached step 7"
+            time.sleep(0.2)
+        os.killpg(driver.pid, signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait(30)
+        if driver.stderr:
+            driver.stderr.close()
+    _wait_gone(int(Path(f"{record}.reached").read_text()))
+    assert _ls(url) == ["step-0000000004", "step-0000000006"]  # keep_last=2
+    weights = {r["step"]: r["sums"] for r in map(json.loads, Path(record).read_text().splitlines())}
+    out = phalanx.run(job.train, (url, 10, record), np=1, env=s3)
+    assert out[0]["start"] == 6 and out[0]["restored"] == weights[6]
+    assert out[0]["steps"] == [8, 10] and _ls(url) == ["step-0000000008", "step-0000000010"]
+    fresh = phalanx.run(job.train, (url, 1, str(tmp_path / "fresh.jsonl")), {"resume": False}, np=1, env=s3)
+    assert fresh[0]["start"] == 0  # resume=False ignores what the storage holds
+
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists(), f"rank 0 (pid {pid}) outlived its killed driver"
+
+
+def test_durable_elastic_commits_to_the_same_storage(s3: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """PHALANX_ELASTIC_CHECKPOINT_DIR as an s3:// URL: rank 0's commit is one whole object, and a restarted
+    job's rank 0 resumes from it."""
+    from phalanx.env import names as env_names
+    from phalanx.torch.elastic.state import ObjectState
+
+    monkeypatch.setenv(env_names.PHALANX_ELASTIC_CHECKPOINT_DIR, "s3://ckpt/elastic")
+    fresh = ObjectState(lambda value: value, lambda: 0, epoch=0, batch=0)
+    assert not fresh.resume_from_checkpoint()
+    fresh.epoch, fresh.batch = 3, 7
+    fresh.commit()
+    assert _ls("s3://ckpt/elastic") == ["state.pt"]
+    restarted = ObjectState(lambda value: value, lambda: 0, epoch=0, batch=0)
+    assert restarted.resume_from_checkpoint() and (restarted.epoch, restarted.batch) == (3, 7)
