@@ -11,6 +11,7 @@ on every rank (a collective) is ``_membership``'s.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from numbers import Integral
@@ -126,10 +127,11 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
         ctrl = data = grad = dist.group.WORLD
     else:
         backend = "cpu:gloo,cuda:nccl" if _state.STATE.cuda_backend else "gloo"
-        ctrl = dist.new_group(list(ranks), backend="gloo")
-        data = dist.new_group(list(ranks), backend=backend)
-        grad = dist.new_group(list(ranks), backend=backend)
-        transport = shm.build(ranks, ctrl)  # same-host ranks: payloads and control blocks in shared memory
+        timeout = _state.gloo_timeout(os.environ)  # the user's, on every group (else torch's 30 min default)
+        ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        data = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        grad = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+        transport = shm.build(ranks, ctrl, timeout)  # same-host ranks: payloads and control blocks in shared memory
         if transport is not None:
             shm.register({"ctrl": ctrl, "data": data, "grad": grad}, transport)
         via_shm = transport is not None

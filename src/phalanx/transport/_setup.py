@@ -21,12 +21,13 @@ import os
 import platform
 import socket
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.env import settings
+from phalanx.env import names, settings
 from phalanx.transport import _segment
 from phalanx.transport._channel import Channel
 from phalanx.transport._control import _pid_dead, layout
@@ -144,8 +145,9 @@ def _world_hosts() -> list[tuple[int, int]]:
     return [(int(h), int(ok)) for h, ok in rows]
 
 
-def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
-    """Set up the transport of the group ``ranks`` (call on every rank of the job, in the same order).
+def build(ranks: tuple[int, ...], ctrl: Any, timeout: timedelta | None = None) -> Transport | None:
+    """Set up the transport of the group ``ranks`` (call on every rank of the job, in the same order);
+    its cross-host groups get ``timeout`` (None: torch's default), as the caller's groups do.
 
     Returns:
         The transport on members whose group has at least two ranks on some host; None otherwise, and
@@ -160,13 +162,14 @@ def build(ranks: tuple[int, ...], ctrl: Any) -> Transport | None:
     if all(len(v) == 1 for v in by_host.values()):
         return None
     firsts = sorted(v[0] for v in by_host.values())
-    leaders = dist.new_group(firsts, backend="gloo") if len(firsts) > 1 else None
-    crosses = [dist.new_group(list(c), backend="gloo") for c in cross_members(sorted(by_host.values()))]
+    leaders = dist.new_group(firsts, backend="gloo", timeout=timeout) if len(firsts) > 1 else None
+    crosses = [dist.new_group(list(c), backend="gloo", timeout=timeout)
+               for c in cross_members(sorted(by_host.values()))]
     me = dist.get_rank()
     if me not in ranks:
         return None
     local = tuple(by_host[hosts[me][0]])
-    transport = _attach_local(ranks, local, ctrl, leaders)
+    transport = _attach_local(ranks, local, ctrl, leaders, timeout)
     if transport is not None:
         transport.hosts = tuple(tuple(ranks.index(r) for r in v) for v in sorted(by_host.values()))
         if crosses:
@@ -186,7 +189,8 @@ def cross_members(hosts: list[list[int]]) -> list[tuple[int, ...]]:
     return out if all(list(c) == sorted(c) for c in out) else []
 
 
-def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any) -> Transport | None:
+def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, leaders: Any,
+                  timeout: timedelta | None) -> Transport | None:
     me = dist.get_rank()
     slot = slot_bytes()
     sizes = {"ctrl": CTRL_SLOT_BYTES, "data": slot, "grad": slot}
@@ -207,7 +211,7 @@ def _attach_local(ranks: tuple[int, ...], local: tuple[int, ...], ctrl: Any, lea
         if len(local) > 1 and ok:
             if transport.seg is None:
                 transport.seg = _segment.attach(records[ranks.index(local[0])][0], total)
-            transport.channels = _channels(transport.seg, local, sizes)
+            transport.channels = _channels(transport.seg, local, sizes, timeout)
     except OSError:
         ok = False
     peers = [records[ranks.index(r)] for r in local]
@@ -273,13 +277,19 @@ def _exchange(ctrl: Any, ranks: tuple[int, ...], name: str) -> list[str]:
     return [bytes(r).rstrip(b"\0").decode() for r in rows]
 
 
-def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, int]) -> dict[str, Channel]:
+def _channels(seg: _segment.Segment, local: tuple[int, ...], sizes: dict[str, int],
+              timeout: timedelta | None) -> dict[str, Channel]:
+    """The group's channels; a wait gives up after the caller's group timeout when it set one (the user's
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS``), else after ``PHALANX_SHM_TIMEOUT_S``."""
     me = local.index(dist.get_rank())
-    timeout = settings.SHM_TIMEOUT.get()
+    seconds, knob = settings.SHM_TIMEOUT.get(), names.PHALANX_SHM_TIMEOUT_S
+    if timeout is not None:
+        seconds, knob = timeout.total_seconds(), names.HOROVOD_GLOO_TIMEOUT_SECONDS
     label = f"ranks {list(local)}"
     channels, base = {}, 0
     for kind in KINDS:
-        channels[kind] = Channel(seg, base, len(local), me, sizes[kind], timeout, f"{label} ({kind})", local)
+        channels[kind] = Channel(seg, base, len(local), me, sizes[kind], seconds, f"{label} ({kind})", local,
+                                 knob=knob)
         base += layout(len(local), sizes[kind])[1]
     return channels
 

@@ -203,3 +203,36 @@ def test_a_rank_that_skips_an_optimizer_step_gets_a_mismatch_at_once() -> None:
     for error in phalanx.run(_skipped_step_job, np=2, env={"PHALANX_SHM_TIMEOUT_S": "60"}):
         assert error.startswith("CollectiveMismatchError: ranks disagree on collective"), error
         assert "kind: rank 0=optimizer step, rank 1=allreduce" in error, error
+
+
+def _rank_1_stays_away(done: str) -> str:
+    import time
+
+    import torch
+
+    import phalanx.torch as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:  # alive, but never issues the allreduce: only the timeout can end rank 0's wait
+        for _ in range(600):
+            if os.path.exists(done):
+                return "stayed away"
+            time.sleep(0.1)
+        return "rank 0 never gave up"
+    try:
+        hvd.allreduce(torch.ones(1), name="never")
+        return "no error"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        open(done, "w").close()
+
+
+@pytest.mark.timeout(120)
+def test_the_users_gloo_timeout_bounds_every_groups_wait(tmp_path: Any) -> None:
+    """HOROVOD_GLOO_TIMEOUT_SECONDS reached only the default group: the groups hvd's collectives use waited
+    torch's 30 min (or PHALANX_SHM_TIMEOUT_S, 10 min) for a silent peer (issue 32, item 10)."""
+    out = phalanx.run(_rank_1_stays_away, args=(str(tmp_path / "done"),), np=2,
+                      env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "3"})
+    assert out[1] == "stayed away"
+    assert "within 3 s" in out[0] and "HOROVOD_GLOO_TIMEOUT_SECONDS" in out[0], out[0]
