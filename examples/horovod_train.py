@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 import horovod.torch as hvd
@@ -27,7 +28,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--out", default="digits_horovod.pt")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "digits_horovod.pt"),
+                        help="where rank 0 saves the model (default: the temporary directory)")
     args = parser.parse_args()
 
     hvd.init()

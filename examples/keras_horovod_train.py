@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 
@@ -49,7 +50,8 @@ def train(epochs: int = 4, batch_size: int = 32, out: str | None = None) -> dict
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--out", default="digits_keras.keras", help="where rank 0 saves the model")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "digits_keras.keras"),
+                        help="where rank 0 saves the model (default: the temporary directory)")
     args = parser.parse_args(argv)
     result = train(epochs=args.epochs, out=os.path.abspath(args.out))
     if result["rank"] == 0:

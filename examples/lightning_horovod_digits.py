@@ -22,6 +22,7 @@ import importlib
 import os
 import re
 import sys
+import tempfile
 from typing import Any
 
 FLAVOURS = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}
@@ -66,7 +67,7 @@ def _weights_agree(trainer: Any, model: Any) -> bool:
 
 
 def train(epochs: int = 4, lr: float = 0.005, batch_size: int = 32, flavour: str = "lightning",
-          ckpt_dir: str = "lightning_horovod_ckpt") -> dict[str, Any]:
+          ckpt_dir: str = os.path.join(tempfile.gettempdir(), "lightning_horovod_ckpt")) -> dict[str, Any]:
     """What every rank runs: fit with ``strategy="horovod"``; rank 0 writes ``ckpt_dir/digits.ckpt``."""
     from _digits import accuracy, load_digits_split
     from torch.utils.data import DataLoader, TensorDataset
@@ -134,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--spark", action="store_true", help="distributor: local_mode=False (Spark tasks)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--flavour", choices=sorted(FLAVOURS), default="lightning")
-    parser.add_argument("--ckpt-dir", default="lightning_horovod_ckpt", help="where rank 0 writes digits.ckpt")
+    parser.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "lightning_horovod_ckpt"),
+                        help="where rank 0 writes digits.ckpt (default: in the temporary directory)")
     args = parser.parse_args(argv)
     if args.launcher == "none":
         result = train(args.epochs, flavour=args.flavour, ckpt_dir=args.ckpt_dir)

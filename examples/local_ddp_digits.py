@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 import phalanx
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--out", default="digits_ddp.pt")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "digits_ddp.pt"))
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out)
     results: list[dict[str, float]] = phalanx.run(train, args=(args.epochs, out), np=args.np)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 from spark_digits import train_hvd
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--remote", default="local[2]", help="Spark Connect URL (default: a local server)")
     parser.add_argument("--np", type=int, default=2, help="ranks (barrier tasks; default 2)")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--out", default="digits_cnn.pt", help="where rank 0 saves the model (on its executor)")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "digits_cnn.pt"),
+                        help="where rank 0 saves the model (on its executor; default: its temporary directory)")
     args = parser.parse_args(argv)
     session = connect_session(args.remote)
     print(f"Spark Connect session {type(session).__module__} ({args.remote})")

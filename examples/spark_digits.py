@@ -9,19 +9,21 @@ parameters and optimizer state from rank 0; rank 0 saves the model (atomically).
 embedded ``local[*]`` one); ``--np -2`` runs 2 processes on the driver without Spark (the debugging mode).
 Nothing is downloaded.
 
-    .venv/bin/python examples/spark_digits.py [--np 2] [--epochs 10] [--out digits_cnn.pt]
+    .venv/bin/python examples/spark_digits.py [--np 2] [--epochs 10] [--out /tmp/digits_cnn.pt]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from typing import Any
 
 from phalanx.spark import HorovodRunner
 
 
-def train_hvd(epochs: int = 10, out: str = "digits_cnn.pt", batch_size: int = 32, lr: float = 1e-3) -> dict[str, Any]:
+def train_hvd(epochs: int = 10, out: str = os.path.join(tempfile.gettempdir(), "digits_cnn.pt"), batch_size: int = 32,
+              lr: float = 1e-3) -> dict[str, Any]:
     """The training function every rank runs (Horovod API); rank 0's return value reaches the driver."""
     import torch
     import torch.nn.functional as F
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=2, help="ranks: N on Spark, -N on the driver (default 2)")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--out", default="digits_cnn.pt", help="where rank 0 saves the model")
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "digits_cnn.pt"),
+                        help="where rank 0 saves the model (default: the temporary directory)")
     args = parser.parse_args(argv)
     out = os.path.abspath(args.out)
     result: dict[str, Any] = HorovodRunner(np=args.np).run(train_hvd, epochs=args.epochs, out=out)

@@ -3,6 +3,7 @@ accuracy floor on scikit-learn's digits (a 2-3 epoch run reaches 0.85-0.95; chan
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ pytestmark = [pytest.mark.multiprocess]
 
 FLOOR = 0.8
 EPOCHS = "3"
+#: Where the examples save by default: never the working directory (a user runs them from the repository).
+TMP = Path(tempfile.gettempdir())
 
 
 @pytest.mark.timeout(90)
@@ -38,7 +41,7 @@ def test_unchanged_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     proc = phalanxrun("horovod_train.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=80)
     found = rank0_line(proc.stdout, r"test accuracy: ([0-9.]+)")
     assert float(found.group(1)) > FLOOR
-    assert (tmp_path / "digits_horovod.pt").is_file()
+    assert (TMP / "digits_horovod.pt").is_file() and not list(tmp_path.iterdir())  # nothing left in the cwd
 
 
 @pytest.mark.timeout(90)
@@ -74,7 +77,8 @@ def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=220)
     found = rank0_line(proc.stdout, LIGHTNING_SUMMARY)
     assert float(found.group(1)) > FLOOR and float(found.group(2)) > FLOOR
-    assert found.group(3) == str(tmp_path / "lightning_horovod_ckpt" / "digits.ckpt") and Path(found.group(3)).is_file()
+    assert found.group(3) == str(TMP / "lightning_horovod_ckpt" / "digits.ckpt") and Path(found.group(3)).is_file()
+    assert not list(tmp_path.iterdir())  # the examples leave nothing in the working directory
     assert "[1]<stdout>:test accuracy" not in proc.stdout  # rank 0 reports
 
 
@@ -103,7 +107,7 @@ def test_classic_horovod_keras_script_under_phalanxrun(tmp_path: Path) -> None:
     found = rank0_line(proc.stdout, r"test accuracy: ([0-9.]+); weights identical on 2 ranks: True")
     assert float(found.group(1)) > FLOOR
     assert "experimental_run_tf_function" not in proc.stdout + proc.stderr  # dropped silently on every rank
-    assert (tmp_path / "digits_keras.keras").is_file()
+    assert (TMP / "digits_keras.keras").is_file() and not list(tmp_path.iterdir())
 
 
 @pytest.mark.timeout(120)

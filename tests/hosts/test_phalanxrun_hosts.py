@@ -120,7 +120,8 @@ def test_unchanged_horovod_script_trains_to_the_local_accuracy(cluster: Cluster,
     """examples/horovod_train.py on 2 hosts x 2 ranks reaches the floor tests/examples asserts locally."""
     script = str(cluster.workdir / "examples" / "horovod_train.py")
     done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable, script,
-                                              "--epochs", "3"), timeout=170, cwd=tmp_path)
+                                              "--epochs", "3", "--out", str(tmp_path / "digits_horovod.pt")),
+                           timeout=170, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", done.stdout)
     assert found is not None, done.stdout[-3000:]
