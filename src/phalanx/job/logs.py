@@ -10,6 +10,7 @@ them show the lines.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import logging
 import os
 import sys
@@ -70,11 +71,25 @@ class LineJoiner:
         return out if line.more else out + "\n"
 
 
+def render_carriage_returns(text: str) -> str:
+    """What a terminal shows for ``text`` once written: each ``\\r`` returns to the line's start and what
+    follows overwrites it (a Keras or tqdm progress bar redrawn in place shows as its last state)."""
+    if "\r" not in text:
+        return text
+    screen = ""
+    for part in text.split("\r"):
+        screen = part + screen[len(part):]
+    return screen
+
+
 class ConsoleSink:
     """Writes ``[rank]<stdout>:text`` lines (horovodrun's prefix) to the driver's own streams.
 
     With ``timestamp`` the prefix starts with the local time as horovodrun's
-    ``--prefix-output-with-timestamp`` writes it (``time.asctime``: ``Tue Nov 24 22:40:05 2026[0]<stdout>:``).
+    ``--prefix-output-with-timestamp`` writes it (``time.asctime``: ``Tue Nov 24 22:40:05 2026[0]<stdout>:``;
+    without the rank prefix a space separates it from the text). A line redrawn with ``\\r`` shows as a
+    terminal would show it (:func:`render_carriage_returns`); the ``--output-filename`` files keep it as
+    written.
     """
 
     def __init__(self, prefix: bool = True, timestamp: bool = False) -> None:
@@ -87,7 +102,9 @@ class ConsoleSink:
         out = sys.stdout if line.stream is Stream.STDOUT else sys.stderr
         head = f"[{line.rank}]<{line.stream.label}>:" if self.prefix else ""
         if self.timestamp:
-            head = time.asctime() + head
+            head = time.asctime() + (head or " ")
+        if "\r" in line.text:
+            line = dataclasses.replace(line, text=render_carriage_returns(line.text))
         out.write(self._joiner.piece(line, head))
 
     def flush(self) -> None:

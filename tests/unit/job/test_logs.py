@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,15 @@ def test_tail_is_bounded() -> None:
     got = tail.tail(0)
     assert got[:2] == ("8", "9") and got[2].startswith("z" * 1000) and "4000 more characters" in got[2]
     assert tail.tail(7) == ()
+
+
+def test_console_renders_carriage_returns_and_spaces_a_bare_timestamp(capsys: pytest.CaptureFixture[str]) -> None:
+    from phalanx.job.logs import render_carriage_returns
+
+    assert render_carriage_returns("1/3 [==>   ] loss 0.9\r2/3 [=====>] loss 0.5\r3/3 [done]") == \
+        "3/3 [done]>] loss 0.5"  # as a terminal: the last state over what it did not overwrite
+    ConsoleSink().write(LogLine(rank=1, stream=Stream.STDOUT, text="1/2 [=>  ]\r2/2 [===]"))
+    ConsoleSink(prefix=False, timestamp=True).write(LogLine(rank=0, stream=Stream.STDOUT, text="hello"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[1]<stdout>:2/2 [===]"
+    assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4} hello", out[1]), out[1]
