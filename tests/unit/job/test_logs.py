@@ -52,8 +52,8 @@ def test_console_renders_carriage_returns_and_spaces_a_bare_timestamp(capsys: py
 
     assert render_carriage_returns("1/3 [==>   ] loss 0.9\r2/3 [=====>] loss 0.5\r3/3 [done]") == \
         "3/3 [done]>] loss 0.5"  # as a terminal: the last state over what it did not overwrite
-    ConsoleSink().write(LogLine(rank=1, stream=Stream.STDOUT, text="1/2 [=>  ]\r2/2 [===]"))
+    ConsoleSink().write(LogLine(rank=1, stream=Stream.STDOUT, text="1/2 [=>  ]\r2/2 [===]\r"))
     ConsoleSink(prefix=False, timestamp=True).write(LogLine(rank=0, stream=Stream.STDOUT, text="hello"))
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "[1]<stdout>:2/2 [===]"
+    assert out[0] == "[1]<stdout>:2/2 [===]]"  # the longer first state shows through, as in a terminal
     assert re.fullmatch(r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4} hello", out[1]), out[1]
