@@ -13,7 +13,7 @@ import importlib.util
 if importlib.util.find_spec("tensorflow") is None:
     raise ImportError("phalanx.tensorflow needs TensorFlow, which is not installed: pip install 'phalanx[tensorflow]'")
 
-from phalanx.tensorflow import elastic
+from phalanx.tensorflow import _pools, _session, elastic
 from phalanx.tensorflow.basics import init
 from phalanx.tensorflow.collectives import (
     allgather,
@@ -79,6 +79,9 @@ from phalanx.torch import (
     start_timeline,
     stop_timeline,
 )
+
+_pools.widen()
+_session.install()
 
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",

@@ -13,6 +13,7 @@ XLA cannot compile it, so functions that call it must run with ``jit_compile=Fal
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,8 @@ import tensorflow as tf
 import torch
 
 import phalanx.torch as ptorch
-from phalanx.errors import CollectiveMismatchError
+from phalanx.env import settings
+from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
 from phalanx.torch import frontend
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
@@ -65,6 +67,63 @@ def _same_threads_in_this_thread() -> None:
 _FAILED: list[BaseException | None] = [None]
 
 
+class TFCollectiveMismatchError(CollectiveMismatchError, tf.errors.FailedPreconditionError):
+    """Ranks disagree on a collective: phalanx's ``CollectiveMismatchError`` (a ``RuntimeError``) that is also
+    the ``tf.errors.FailedPreconditionError`` Horovod's TensorFlow ops raise for it."""
+
+    def __init__(self, message: str, node_def: Any = None, op: Any = None) -> None:
+        CollectiveMismatchError.__init__(self, message)
+        tf.errors.FailedPreconditionError.__init__(self, node_def, op, message)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.message,))
+
+
+class TFInvalidArgumentError(InvalidArgumentError, tf.errors.InvalidArgumentError):
+    """A bad argument to a collective: phalanx's ``InvalidArgumentError`` (a ``ValueError``) that is also the
+    ``tf.errors.InvalidArgumentError`` Horovod's TensorFlow ops raise for it."""
+
+    def __init__(self, message: str, node_def: Any = None, op: Any = None) -> None:
+        InvalidArgumentError.__init__(self, message)
+        tf.errors.InvalidArgumentError.__init__(self, node_def, op, message)
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.message,))
+
+
+def as_tf_error(error: BaseException, node_def: Any = None, op: Any = None) -> BaseException:
+    """``error`` with TensorFlow's error type as well, as Horovod's ops raise it (unchanged when it has one,
+    or is not a mismatch or a bad argument)."""
+    if isinstance(error, tf.errors.OpError):
+        return error
+    if isinstance(error, CollectiveMismatchError):
+        return TFCollectiveMismatchError(str(error), node_def, op)
+    if isinstance(error, InvalidArgumentError):
+        return TFInvalidArgumentError(str(error), node_def, op)
+    return error
+
+
+def eager(fn: Any) -> Any:
+    """Run an eager collective; its mismatch and bad-argument errors get TensorFlow's types too."""
+    try:
+        return fn()
+    except (CollectiveMismatchError, InvalidArgumentError) as e:
+        raise as_tf_error(e) from e
+
+
+def typed_op_error(error: Exception) -> Exception:
+    """The error ``Session.run`` raises when a collective failed inside the graph: TensorFlow reports any
+    Python exception in a ``tf.numpy_function`` as ``UnknownError`` (a bad argument as
+    ``InvalidArgumentError``); a mismatch becomes the ``FailedPreconditionError`` Horovod's ops raise (also a
+    ``CollectiveMismatchError``). Anything else is returned as it is."""
+    if not isinstance(error, tf.errors.OpError) or ERROR_MARK not in error.message:
+        return error
+    original = take_error()
+    if not isinstance(original, CollectiveMismatchError):
+        return error
+    return TFCollectiveMismatchError(error.message.replace(f"{ERROR_MARK} ", ""), error.node_def, error.op)
+
+
 def take_error() -> BaseException | None:
     """The exception a collective raised inside a graph in the last failed call (once), so that the caller
     can re-raise it by its own type instead of TensorFlow's ``OpError`` around it."""
@@ -72,12 +131,36 @@ def take_error() -> BaseException | None:
     return error
 
 
+# When a rank last started a collective inside a graph (monotonic seconds): a rank whose graph collectives
+# all wait and that has started none for the stall-warning time counts as blocked (see ``_rank_blocked``).
+_LAST_START = [time.monotonic()]
+
+
+def _rank_blocked() -> bool:
+    """Whether this rank's graph can be taken to issue nothing more: none of TensorFlow's threads started a
+    collective for the stall-warning time (``HOROVOD_STALL_CHECK_TIME_SECONDS``, 60 s by default). Until
+    then another executor thread may still issue the collective a peer waits for."""
+    quiet = settings.STALL_CHECK_TIME.get()
+    return time.monotonic() - _LAST_START[0] > (60.0 if quiet is None or quiet <= 0 else quiet)
+
+
+def _sync(handle: int) -> Any:
+    """The result of a started collective: eagerly as ``hvd.synchronize``; inside a graph through the
+    background thread, so that TensorFlow's executor threads, which start a graph's independent collectives
+    in a different order on each rank, never use the engine at once and never wait for each other."""
+    if getattr(_THREAD, "graph", False):
+        return frontend.synchronize_shared(handle, _rank_blocked)
+    return ptorch.synchronize(handle)
+
+
 def _guard(fn: Any) -> Any:
-    """Run a collective; a phalanx error keeps its text but gets ``ERROR_MARK`` (TF wraps it in an OpError),
-    and the original exception is kept for :func:`take_error`."""
+    """Run a collective inside a graph; a phalanx error keeps its text but gets ``ERROR_MARK`` (TF wraps it
+    in an OpError), and the original exception is kept for :func:`take_error`."""
 
     def call(*args: Any) -> Any:
         _same_threads_in_this_thread()
+        _LAST_START[0] = time.monotonic()
+        _THREAD.graph = True
         try:
             return fn(*args)
         except CollectiveMismatchError as e:
@@ -86,8 +169,26 @@ def _guard(fn: Any) -> Any:
         except Exception as e:
             _FAILED[0] = e
             raise
+        finally:
+            _THREAD.graph = False
 
     return call
+
+
+def numpy_op(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None) -> Any:
+    """``body(name, *arrays)`` as one stateful ``tf.numpy_function`` named ``op_name`` in the graph being
+    built. An unnamed collective takes the TF op's name (unique in its graph, and the same on every rank,
+    which builds the same graph), as Horovod names its ops: ranks whose executors start a graph's
+    collectives in different orders still match them."""
+    cell = [name]
+
+    def fn(*arrays: np.ndarray) -> Any:
+        return body(cell[0], *arrays)
+
+    out = tf.numpy_function(_guard(fn), inputs, Tout=tout, stateful=True, name=op_name)
+    if cell[0] is None:
+        cell[0] = (out[0] if isinstance(out, (list, tuple)) else out).op.name
+    return out
 
 
 def np_allreduce(array: np.ndarray, name: str | None, op: int, pre: float, post: float,
@@ -95,19 +196,19 @@ def np_allreduce(array: np.ndarray, name: str | None, op: int, pre: float, post:
     """Allreduce a numpy array through phalanx.torch; returns a new array of the same dtype and shape."""
     handle = ptorch.allreduce_async(to_torch(array), name=name, op=op, prescale_factor=pre, postscale_factor=post,
                                     process_set=process_set)
-    return to_numpy(ptorch.synchronize(handle), array.dtype)
+    return to_numpy(_sync(handle), array.dtype)
 
 
 def np_allgather(array: np.ndarray, name: str | None, process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every rank's array along dim 0."""
-    out = ptorch.synchronize(ptorch.allgather_async(to_torch(array), name=name, process_set=process_set))
+    out = _sync(ptorch.allgather_async(to_torch(array), name=name, process_set=process_set))
     return to_numpy(out, array.dtype)
 
 
 def np_broadcast(array: np.ndarray, root_rank: int, name: str | None,
                  process_set: ProcessSet = global_process_set) -> np.ndarray:
     """``root_rank``'s array on every rank."""
-    out = ptorch.synchronize(ptorch.broadcast_async(to_torch(array), root_rank, name=name, process_set=process_set))
+    out = _sync(ptorch.broadcast_async(to_torch(array), root_rank, name=name, process_set=process_set))
     return to_numpy(out, array.dtype)
 
 
@@ -115,12 +216,12 @@ def tf_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float = 1.0,
                  process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Allreduce a dense TF tensor (eagerly or inside a graph); the result keeps its static shape."""
     if tf.executing_eagerly():
-        return tf.convert_to_tensor(np_allreduce(tensor.numpy(), name, op, pre, post, process_set))
+        return tf.convert_to_tensor(eager(lambda: np_allreduce(tensor.numpy(), name, op, pre, post, process_set)))
 
-    def fn(a: np.ndarray) -> np.ndarray:
-        return np_allreduce(a, name, op, pre, post, process_set)
+    def fn(op_name: str, a: np.ndarray) -> np.ndarray:
+        return np_allreduce(a, op_name, op, pre, post, process_set)
 
-    out = tf.numpy_function(_guard(fn), [tensor], Tout=tensor.dtype, stateful=True, name="phalanx_allreduce")
+    out = numpy_op(fn, [tensor], tensor.dtype, "phalanx_allreduce", name)
     out.set_shape(tensor.shape)
     return out
 
@@ -128,12 +229,12 @@ def tf_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float = 1.0,
 def tf_allgather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Allgather a TF tensor along dim 0 (dim 0 may differ between ranks)."""
     if tf.executing_eagerly():
-        return tf.convert_to_tensor(np_allgather(tensor.numpy(), name, process_set))
+        return tf.convert_to_tensor(eager(lambda: np_allgather(tensor.numpy(), name, process_set)))
 
-    def fn(a: np.ndarray) -> np.ndarray:
-        return np_allgather(a, name, process_set)
+    def fn(op_name: str, a: np.ndarray) -> np.ndarray:
+        return np_allgather(a, op_name, process_set)
 
-    out = tf.numpy_function(_guard(fn), [tensor], Tout=tensor.dtype, stateful=True, name="phalanx_allgather")
+    out = numpy_op(fn, [tensor], tensor.dtype, "phalanx_allgather", name)
     out.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
     return out
 
@@ -142,12 +243,12 @@ def tf_broadcast(tensor: tf.Tensor, root_rank: int, name: str | None,
                  process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Broadcast a TF tensor from ``root_rank`` (a global rank)."""
     if tf.executing_eagerly():
-        return tf.convert_to_tensor(np_broadcast(tensor.numpy(), root_rank, name, process_set))
+        return tf.convert_to_tensor(eager(lambda: np_broadcast(tensor.numpy(), root_rank, name, process_set)))
 
-    def fn(a: np.ndarray) -> np.ndarray:
-        return np_broadcast(a, root_rank, name, process_set)
+    def fn(op_name: str, a: np.ndarray) -> np.ndarray:
+        return np_broadcast(a, root_rank, op_name, process_set)
 
-    out = tf.numpy_function(_guard(fn), [tensor], Tout=tensor.dtype, stateful=True, name="phalanx_broadcast")
+    out = numpy_op(fn, [tensor], tensor.dtype, "phalanx_broadcast", name)
     out.set_shape(tensor.shape)
     return out
 
@@ -241,7 +342,7 @@ def np_fused_allreduce(arrays: list[np.ndarray], name: str, op: int, pre: float,
         handle = ptorch.allreduce_async_(to_torch(buffer), name=group.name, op=op, prescale_factor=pre,
                                          postscale_factor=post if scale is None else post * n,
                                          process_set=process_set)
-        ptorch.synchronize(handle)
+        _sync(handle)
         for i, start in zip(group.idx, group.starts):
             out[i] = buffer[start : start + arrays[i].size].reshape(arrays[i].shape)
     return out
@@ -251,14 +352,13 @@ def tf_fused_allreduce(tensors: list[tf.Tensor], name: str, op: int, pre: float 
                        process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allreduce dense TF tensors with one ``tf.numpy_function`` call (one collective per dtype inside)."""
     if tf.executing_eagerly():
-        arrays = np_fused_allreduce([t.numpy() for t in tensors], name, op, pre, post, process_set)
+        arrays = eager(lambda: np_fused_allreduce([t.numpy() for t in tensors], name, op, pre, post, process_set))
         return [tf.convert_to_tensor(a) for a in arrays]
 
-    def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-        return np_fused_allreduce(list(arrays), name, op, pre, post, process_set)
+    def fn(op_name: str, *arrays: np.ndarray) -> list[np.ndarray]:
+        return np_fused_allreduce(list(arrays), op_name, op, pre, post, process_set)
 
-    outs = tf.numpy_function(_guard(fn), tensors, Tout=[t.dtype for t in tensors], stateful=True,
-                             name="phalanx_fused_allreduce")
+    outs = numpy_op(fn, tensors, [t.dtype for t in tensors], "phalanx_fused_allreduce", name)
     for out, t in zip(outs, tensors):
         out.set_shape(t.shape)
     return list(outs)
@@ -270,14 +370,14 @@ def np_reducescatter(array: np.ndarray, name: str | None, op: int, pre: float, p
     extra rows when dim 0 does not divide evenly)."""
     handle = ptorch.reducescatter_async(to_torch(array), name=name, op=op, process_set=process_set,
                                         prescale_factor=pre, postscale_factor=post)
-    return to_numpy(ptorch.synchronize(handle), array.dtype)
+    return to_numpy(_sync(handle), array.dtype)
 
 
 def np_alltoall(array: np.ndarray, splits: np.ndarray | None, name: str | None,
                 process_set: ProcessSet = global_process_set) -> tuple[np.ndarray, np.ndarray]:
     """Send ``splits[i]`` rows of ``array`` to the i-th member; returns (received rows, received splits)."""
     counts = None if splits is None or splits.size == 0 else [int(s) for s in splits.reshape(-1)]
-    result = ptorch.synchronize(ptorch.alltoall_async(to_torch(array), splits=counts, name=name,
+    result = _sync(ptorch.alltoall_async(to_torch(array), splits=counts, name=name,
                                                       process_set=process_set))
     out, received = result if isinstance(result, tuple) else (result, None)
     if received is None:
@@ -289,13 +389,14 @@ def np_grouped_allgather(arrays: list[np.ndarray], name: str | None,
                          process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     """Allgather each array along dim 0, as one grouped collective."""
     handle = ptorch.grouped_allgather_async([to_torch(a) for a in arrays], name=name, process_set=process_set)
-    return [to_numpy(t, a.dtype) for t, a in zip(ptorch.synchronize(handle), arrays)]
+    return [to_numpy(t, a.dtype) for t, a in zip(_sync(handle), arrays)]
 
 
-def graph_call(fn: Any, inputs: list[tf.Tensor], tout: Any, op_name: str) -> Any:
-    """``fn`` over ``inputs``: eagerly on numpy arrays, or as one stateful ``tf.numpy_function`` in a graph
-    (a phalanx error inside it keeps its text and gets ``ERROR_MARK``)."""
+def graph_call(fn: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None) -> Any:
+    """``fn(name, *arrays)`` over ``inputs``: eagerly on numpy arrays, or as one stateful
+    ``tf.numpy_function`` in a graph (see :func:`numpy_op`; a phalanx error inside it keeps its text and gets
+    ``ERROR_MARK``)."""
     if tf.executing_eagerly():
-        out = fn(*[t.numpy() for t in inputs])
+        out = eager(lambda: fn(name, *[t.numpy() for t in inputs]))
         return [tf.convert_to_tensor(o) for o in out] if isinstance(out, (list, tuple)) else tf.convert_to_tensor(out)
-    return tf.numpy_function(_guard(fn), inputs, Tout=tout, stateful=True, name=op_name)
+    return numpy_op(fn, inputs, tout, op_name, name)

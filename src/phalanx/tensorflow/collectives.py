@@ -68,10 +68,10 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             return [_own_slice(dy, x, _grad_name(name, str(i)), process_set) for i, (dy, x) in enumerate(zip(dys, xs))]
 
-        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-            return _bridge.np_grouped_allgather(list(arrays), name, process_set)
+        def fn(op_name: str | None, *arrays: np.ndarray) -> list[np.ndarray]:
+            return _bridge.np_grouped_allgather(list(arrays), op_name, process_set)
 
-        outs = _bridge.graph_call(fn, list(xs), [x.dtype for x in xs], "phalanx_grouped_allgather")
+        outs = _bridge.graph_call(fn, list(xs), [x.dtype for x in xs], "phalanx_grouped_allgather", name)
         for out, x in zip(outs, xs):
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return list(outs), grad
@@ -134,12 +134,12 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
 
 
 def _alltoall(x: tf.Tensor, splits: tf.Tensor, name: str | None, process_set: ProcessSet) -> Any:
-    def fn(array: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return _bridge.np_alltoall(array, counts, name, process_set)
+    def fn(op_name: str | None, array: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return _bridge.np_alltoall(array, counts, op_name, process_set)
 
     @tf.custom_gradient
     def exchange(x: tf.Tensor) -> Any:
-        out, received = _bridge.graph_call(fn, [x, splits], [x.dtype, tf.int32], "phalanx_alltoall")
+        out, received = _bridge.graph_call(fn, [x, splits], [x.dtype, tf.int32], "phalanx_alltoall", name)
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         received.set_shape([process_set.size()])
 
@@ -182,12 +182,12 @@ def reducescatter(
 
 def _reducescatter(x: tf.Tensor, op: int, name: str | None, pre: float, post: float,
                    process_set: ProcessSet) -> tf.Tensor:
-    def fn(array: np.ndarray) -> np.ndarray:
-        return _bridge.np_reducescatter(array, name, op, pre, post, process_set)
+    def fn(op_name: str | None, array: np.ndarray) -> np.ndarray:
+        return _bridge.np_reducescatter(array, op_name, op, pre, post, process_set)
 
     @tf.custom_gradient
     def scatter(x: tf.Tensor) -> Any:
-        out = _bridge.graph_call(fn, [x], x.dtype, "phalanx_reducescatter")
+        out = _bridge.graph_call(fn, [x], x.dtype, "phalanx_reducescatter", name)
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
         def grad(dy: tf.Tensor) -> tf.Tensor:

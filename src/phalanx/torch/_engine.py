@@ -155,6 +155,19 @@ def _await_parked(entry: Entry) -> None:
         _send_wait(entry.groups, entry, blocked=True)
 
 
+def step_parked(handle: int, blocked: bool) -> bool:
+    """One round for the parked collective of ``handle``, on the background thread, for a caller that is one
+    of several threads issuing collectives (``async_ops.synchronize_shared``): True once it is no longer
+    parked. ``blocked`` says whether this rank can still issue anything (the deadlock rule of ``_names``)."""
+    entry = _lookup(handle)
+    advance()
+    if entry.state == "parked":
+        assert entry.groups is not None
+        _send_wait(entry.groups, entry, blocked)
+        advance()
+    return entry.state != "parked"
+
+
 def _speculate(coll: Collective, groups: _Groups) -> tuple[speculation.Key, torch.Tensor, Any] | None:
     key = _rounds.predictor(ENGINE, groups.ranks).predict()
     if key is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -283,6 +284,36 @@ def synchronize(handle: int) -> Any:
         result = _background.wait(handle)
         return _engine.synchronize(result.handle) if isinstance(result, _engine.Parked) else result
     return _engine.synchronize(handle)
+
+
+def synchronize_shared(handle: int, blocked: Callable[[], bool]) -> Any:
+    """:func:`synchronize` for a thread that is one of several issuing and awaiting collectives at once
+    (TensorFlow's executor threads running a graph's independent collectives): the engine is then used by
+    the background thread only. While the collective is parked (the peers have not issued its name yet) the
+    caller queues one round at a time behind the other threads' collectives, so they keep reaching the
+    engine and can complete it, whatever order each rank issued them in.
+
+    Args:
+        handle: from an ``*_async`` call made on this thread.
+        blocked: whether this rank can issue nothing more (then a round in which every rank is blocked
+            fails the pending collectives instead of waiting forever).
+    """
+    subs = _GROUPS.pop(handle, None)
+    if subs is not None:
+        return [synchronize_shared(h, blocked) for h in subs]
+    if not _background.is_handle(handle):
+        return _engine.synchronize(handle)
+    result = _background.wait(handle)
+    if not isinstance(result, _engine.Parked):
+        return result
+    parked, pause = result.handle, 0.0
+    while not _background.wait(_background.start(lambda: _engine.step_parked(parked, blocked()), "", _engine.busy)):
+        time.sleep(pause)  # no progress: the peers' threads are busy elsewhere; do not spin rounds
+        pause = min(_MAX_PAUSE_S, pause * 2 or 0.0005)
+    return _background.wait(_background.start(lambda: _engine.synchronize(parked), "", _engine.busy))
+
+
+_MAX_PAUSE_S = 0.02
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -40,12 +40,92 @@ def _elastic_sync_saves(me: int) -> dict[str, Any]:
     return out
 
 
+def _staggered(tf: Any, value: Any, delay_s: float) -> Any:
+    """``value`` once ``delay_s`` has passed when the graph runs: makes a graph's independent collectives
+    start in an order of the test's choosing on each rank."""
+    import time
+
+    def wait(x: Any) -> Any:
+        time.sleep(delay_s)
+        return x
+
+    out = tf.numpy_function(wait, [value], Tout=value.dtype, stateful=True)
+    out.set_shape(value.shape)
+    return out
+
+
+def _graph_checks(me: int) -> dict[str, Any]:
+    """Independent collectives in one TF1 graph, their inputs ready in the opposite order on the two ranks
+    (rank 0 first issues the first ones, rank 1 the last ones): Horovod matches them by name whatever the
+    order, and names the unnamed ones from their TF op names, which both ranks' graphs share."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    out: dict[str, Any] = {}
+    graph = tf.Graph()
+    with graph.as_default():
+        dtypes = [tf.uint8, tf.int32, tf.float64, tf.float32, tf.int64, tf.float16]
+        n = len(dtypes)
+        delays = [0.05 * (i if me == 0 else n - 1 - i) for i in range(n)]
+        ones = [_staggered(tf, tf.ones([3 + i], dtype=d), delays[i]) for i, d in enumerate(dtypes)]
+        unnamed = [hvd.allreduce(x, op=hvd.Sum) for x in ones]
+        named = [hvd.allgather(_staggered(tf, tf.fill([2], float(me)), delays[i]), name=f"g{i}") for i in range(n)]
+        bad = hvd.allreduce(tf.ones([4 + me]), name="shapes differ")
+        good = hvd.broadcast(tf.fill([2], float(me)), root_rank=1)
+        with tf.compat.v1.Session(graph=graph) as session:
+            sums, gathered = session.run([unnamed, named])
+            out["graph unnamed sums"] = [s.tolist() for s in sums]
+            out["graph named gathers"] = [g.tolist() for g in gathered]
+            try:
+                session.run(bad)
+                out["graph error"] = "no error"
+            except tf.errors.FailedPreconditionError as e:  # Horovod's type for a mismatch (also phalanx's)
+                out["graph error"] = f"{type(e).__name__}: {e}"
+            out["graph after error"] = session.run(good).tolist()
+    return out
+
+
+def _tf_function_checks(me: int) -> dict[str, Any]:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    @tf.function
+    def step(x: Any) -> Any:
+        return [hvd.allreduce(tf.cast(x, d), op=hvd.Sum) for d in (tf.int32, tf.float64, tf.uint8)] + [
+            hvd.allgather(x, name=f"f{i}") for i in range(4)]
+
+    results = [step(tf.constant([me + 1] * 2)) for _ in range(2)]
+    return {"tf.function": [[t.numpy().tolist() for t in r] for r in results]}
+
+
+def _eager_errors(me: int) -> dict[str, Any]:
+    """Expected errors, then the next collective on every rank: small (inline) and large (shared memory)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    from phalanx.errors import CollectiveMismatchError
+
+    out: dict[str, Any] = {}
+    for label, bad in (("shape", lambda: hvd.allreduce(tf.ones([5 + me]))),
+                       ("big shape", lambda: hvd.allreduce(tf.ones([300_000 + me]))),
+                       ("dtype", lambda: hvd.allreduce(tf.ones([300_000], dtype=tf.float32 if me else tf.float64))),
+                       ("root", lambda: hvd.broadcast(tf.ones([3]), root_rank=me)),
+                       ("gather", lambda: hvd.allgather(tf.ones([2, 3 + me])))):
+        try:
+            bad()
+            out[f"{label} error"] = "no error"
+        except tf.errors.FailedPreconditionError as e:  # Horovod's type, and phalanx's RuntimeError
+            out[f"{label} error"] = type(e).__name__ if isinstance(e, CollectiveMismatchError) else "other"
+        out[f"after {label}"] = float(hvd.allreduce(tf.ones([200_000]), op=hvd.Sum).numpy()[-1])
+    return out
+
+
 def _job() -> dict[str, Any]:
     import horovod.tensorflow as hvd
 
     hvd.init()
     me = hvd.rank()
-    out = _elastic_sync_saves(me)
+    out = {**_graph_checks(me), **_tf_function_checks(me), **_eager_errors(me), **_elastic_sync_saves(me)}
     hvd.shutdown()
     return out
 
@@ -54,6 +134,13 @@ def _job() -> dict[str, Any]:
 def test_tensorflow_conformance_on_two_ranks() -> None:
     r0, r1 = phalanx.run(_job, np=2, env=ENV)
     for r in (r0, r1):
+        assert r["graph unnamed sums"] == [[2] * (3 + i) for i in range(6)]
+        assert r["graph named gathers"] == [[0.0, 0.0, 1.0, 1.0]] * 6
+        assert r["graph error"].startswith("TFCollectiveMismatchError") and "shape" in r["graph error"]
+        assert r["graph after error"] == [1.0, 1.0]
+        assert r["tf.function"] == [[[3, 3], [3.0, 3.0], [3, 3], *[[1, 1, 2, 2]] * 4]] * 2
+        for label in ("shape", "big shape", "dtype", "root", "gather"):
+            assert r[f"{label} error"] == "TFCollectiveMismatchError" and r[f"after {label}"] == 2.0
         # Horovod's sync() saves after broadcasting: a restore() keeps rank 0's values on every rank
         assert r["tf state restore after sync"] == ([1.0, 1.0], 0)
         assert r["keras state restore after sync"] == [1.0, 1.0]
