@@ -143,3 +143,44 @@ def test_a_checkpoint_loads_weights_only_and_names_a_class_to_allow(tmp_path: Pa
         read_checkpoint(path)
     with torch.serialization.safe_globals([Progress]):
         assert read_checkpoint(path)["objects"]["progress"].epoch == 3
+
+
+@pytest.mark.parametrize("error", [TimeoutError("user's"), OSError("user's"), RuntimeError("user's")])
+def test_a_users_exception_propagates_even_while_a_new_round_is_published(
+        single: None, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """Horovod re-forms only on its own collective errors (and HostsUpdatedInterrupt): a user's exception
+    propagates, so the driver stops the job instead of this rank rolling back alone."""
+    from phalanx.torch.elastic import _rendezvous, _run
+
+    monkeypatch.setattr(_rendezvous.ROUND, "store", object())
+    monkeypatch.setattr(_rendezvous, "new_round_published", lambda wait_s=0.0: True)
+    monkeypatch.setattr(_run, "reset", lambda deadline_s: pytest.fail("re-formed on a user's exception"))
+    monkeypatch.setattr(_rendezvous, "mark_synced", lambda: None)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState) -> None:
+        raise error
+
+    with pytest.raises(type(error), match="user's"):
+        train(hvd.elastic.ObjectState(n=0))
+
+
+def test_phalanxs_own_collective_error_re_forms_when_a_new_round_is_published(
+        single: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.errors import ShmTransportError
+    from phalanx.torch.elastic import _rendezvous, _run
+
+    monkeypatch.setattr(_rendezvous.ROUND, "store", object())
+    monkeypatch.setattr(_rendezvous, "new_round_published", lambda wait_s=0.0: True)
+    monkeypatch.setattr(_rendezvous, "mark_synced", lambda: None)
+    monkeypatch.setattr(_run, "reset", lambda deadline_s: None)
+    calls = [0]
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ShmTransportError("shared-memory allreduce failed at step 3: slot reuse")
+        return calls[0]
+
+    assert train(hvd.elastic.ObjectState(n=0)) == 2

@@ -20,6 +20,8 @@ TORCH_PARAMS: dict[str, tuple[Any, str]] = {
     "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
     "loss_constructors": (None, "functions that return the loss(es); instead of loss"),
     "train_minibatch_fn": (None, "not supported: phalanx runs the standard step"),
+    "backward_passes_per_step": (1, "batches whose gradients are accumulated locally before each allreduce "
+                                    "and optimizer step (the loss is divided by it, as in Horovod)"),
 }
 
 
@@ -39,7 +41,7 @@ class TorchEstimator(PhalanxEstimator):
 
     @classmethod
     def extra_params(cls) -> dict[str, tuple[Any, str]]:
-        """``input_shapes``, ``loss_constructors``, ``train_minibatch_fn``."""
+        """``input_shapes``, ``loss_constructors``, ``train_minibatch_fn``, ``backward_passes_per_step``."""
         return TORCH_PARAMS
 
     def check_framework(self, values: dict[str, Any]) -> None:
@@ -59,6 +61,9 @@ class TorchEstimator(PhalanxEstimator):
                                        "model.parameters()")
         if (values.get("loss") is None) == (values.get("loss_constructors") is None):
             raise InvalidArgumentError("give exactly one of loss= and loss_constructors=")
+        passes = values.get("backward_passes_per_step")
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise InvalidArgumentError(f"backward_passes_per_step={passes!r}: give an int >= 1")
         if values.get("train_minibatch_fn") is not None:
             raise InvalidArgumentError("train_minibatch_fn is not supported by phalanx's TorchEstimator")
         if values.get("loss_constructors") is not None:

@@ -27,20 +27,44 @@ def tensors(batch: Batch, specs: Sequence[ColumnSpec], shapes: Sequence[Any] | N
     return out
 
 
+def shaped_labels(outputs: Any, labels: list[torch.Tensor], given: bool) -> list[torch.Tensor]:
+    """Horovod's rule: without ``label_shapes``, a label takes its output's shape when their element counts
+    match (a ``[batch]`` label column against a ``[batch, 1]`` output)."""
+    if given:
+        return labels
+    outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    return [label.reshape(out.shape) if hasattr(out, "shape") and out.shape.numel() == label.numel() else label
+            for out, label in zip(outs, labels)]
+
+
 def compute_loss(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor], weights: torch.Tensor | None) -> Any:
     """Horovod's rule: one loss per label (or one for all), weighted by ``loss_weights``; with sample weights
-    each loss must return one value per row (``reduction='none'``), which are weighted and averaged."""
+    each loss is called with ``reduction='none'`` (``F.binary_cross_entropy``, ``torch.nn.MSELoss()``...),
+    its per-element values flattened, multiplied by the rows' weights and averaged."""
     outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     fns = spec.params["loss"]
     fns = list(fns) if isinstance(fns, (list, tuple)) else [fns] * len(labels)
     factors = spec.params.get("loss_weights") or [1.0] * len(labels)
     total: Any = 0.0
     for fn, out, label, factor in zip(fns, outs, labels, factors):
-        value = fn(out, label)
-        if weights is not None:
-            value = (value * weights.reshape(value.shape[0], *[1] * (value.dim() - 1))).mean()
+        if weights is None:
+            value = fn(out, label)
+        else:
+            value = (_unreduced(fn, out, label).flatten() * weights.flatten()).mean()
         total = total + factor * value
     return total
+
+
+def _unreduced(fn: Any, out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    """``fn(out, label, reduction='none')``, or a loss module's own ``reduction`` set to ``'none'``."""
+    if isinstance(fn, torch.nn.Module) and hasattr(fn, "reduction"):
+        kept = fn.reduction
+        setattr(fn, "reduction", "none")  # noqa: B010 (a loss module's attribute, typed str by torch)
+        try:
+            return fn(out, label)
+        finally:
+            setattr(fn, "reduction", kept)  # noqa: B010
+    return fn(out, label, reduction="none")
 
 
 def _metrics(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor]) -> dict[str, float]:
@@ -59,20 +83,27 @@ def run_epoch(spec: TrainSpec, model: torch.nn.Module, optimizer: Any, epoch: in
     model.train(not validation)
     sums: dict[str, float] = {}
     steps = 0
+    passes = int(spec.params.get("backward_passes_per_step") or 1)
+    shapes = spec.params.get("label_shapes")
     for batch in spec.batches(hvd.rank(), hvd.size(), epoch, validation):
         inputs = tensors(batch, data.features, spec.params.get("input_shapes"), device)
-        labels = tensors(batch, data.labels, spec.params.get("label_shapes"), device)
+        labels = tensors(batch, data.labels, shapes, device)
         weights = tensors(batch, [data.weight], None, device)[0] if data.weight else None
         with torch.set_grad_enabled(not validation):
             outputs = model(*inputs)
+            labels = shaped_labels(outputs, labels, bool(shapes))
             loss = compute_loss(spec, outputs, labels, weights)
         if not validation:
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            if steps % passes == 0:
+                optimizer.zero_grad()
+            (loss / passes if passes > 1 else loss).backward()
+            if (steps + 1) % passes == 0:
+                optimizer.step()
         for name, value in {"loss": float(loss.detach()), **_metrics(spec, outputs.detach(), labels)}.items():
             sums[name] = sums.get(name, 0.0) + value
         steps += 1
+    if not validation and steps % passes:
+        optimizer.step()  # the epoch's last, incomplete group of backward passes
     means = {k: v / steps for k, v in sums.items()}
     averaged = hvd.allreduce(torch.tensor(list(means.values()), dtype=torch.float64), op=hvd.Average,
                              name=f"estimator.{'val' if validation else 'train'}.{epoch}")
@@ -117,7 +148,9 @@ def train(spec: TrainSpec) -> dict[str, Any]:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = spec.params.get("gradient_compression") or hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         backward_passes_per_step=int(spec.params.get("backward_passes_per_step")
+                                                                      or 1))
     epochs, steps = int(spec.params["epochs"]), []
     for epoch in range(spec.resume_epoch + 1, epochs):
         record: dict[str, Any] = {"epoch": epoch}

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from phalanx.errors import ElasticTimeoutError, HorovodInternalError, HostsUpdatedInterrupt
+from phalanx.errors import ElasticTimeoutError, HorovodInternalError, HostsUpdatedInterrupt, PhalanxError
 from phalanx.torch import basics
 from phalanx.torch.elastic import _rendezvous
 from phalanx.torch.elastic.state import State
@@ -18,8 +18,11 @@ from phalanx.torch.elastic.state import State
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-#: Seconds to wait for the driver to announce a new world after an error that does not look like a lost
-#: peer (another transport's error type): if a round comes, the error was the loss; if not, it is raised.
+#: Seconds to wait for the driver to announce a new world after one of phalanx's own collective errors that
+#: does not look like a lost peer: if a round comes, the error was the loss; if not, it is raised. The user's
+#: exceptions (``OSError``, ``TimeoutError``, ``ValueError``...) are never taken for a loss: as in Horovod,
+#: only a failed collective (``HorovodInternalError``) or ``HostsUpdatedInterrupt`` re-forms the world, and
+#: anything else propagates (the driver then stops the job, releasing the ranks blocked in the old round).
 LOSS_CONFIRM_S = 5.0
 #: Words gloo puts in the errors it raises when a peer went away (its socket closed or timed out).
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "timed out", "gloo", "peer")
@@ -34,7 +37,7 @@ def is_peer_loss(error: BaseException) -> bool:
 
 
 def _confirmed_loss(error: Exception) -> bool:
-    return isinstance(error, (RuntimeError, OSError)) and _rendezvous.new_round_published(LOSS_CONFIRM_S)
+    return isinstance(error, PhalanxError) and _rendezvous.new_round_published(LOSS_CONFIRM_S)
 
 
 def reset(deadline_s: float) -> None:
