@@ -58,8 +58,10 @@ GPU_PIP  := $(GPU_VENV)/bin/python -m pip --disable-pip-version-check -q
 gpu-check:
 	@if ! $(PYTHON) tools/gpu_check.py detect; then exit 0; fi; \
 	set -e; test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV); \
-	$(GPU_PIP) install -c constraints-gpu.txt torch 'tensorflow[and-cuda]'; \
+	$(GPU_PIP) install -c constraints-gpu.txt torch; \
 	$(GPU_PIP) install -c constraints-gpu.txt -e ".[spark]"; \
+	$(GPU_PIP) install -c constraints-gpu.txt 'tensorflow[and-cuda]' || \
+	  echo "gpu-check: TensorFlow's CUDA build did not install beside torch's; the Keras row is skipped"; \
 	$(GPU_VENV)/bin/python tools/gpu_check.py run
 
 clean:
