@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def summarize(spans: Sequence[Span]) -> dict[str, list[Row]]:
     for (activity, tensor), (count, nbytes, total) in acc.items():
         table.setdefault(activity, []).append(Row(activity, tensor, int(count), int(nbytes), total))
     for rows in table.values():
-        rows.sort(key=lambda r: (r.tensor != ALL_TENSORS, -r.total_us, r.tensor))
+        rows.sort(key=lambda r: (r.tensor != ALL_TENSORS, -r.total_us, natural_key(r.tensor)))
     return {a: table[a] for a in sorted(table, key=_activity_order)}
 
 
@@ -126,7 +127,17 @@ def _size(nbytes: int) -> str:
 
 
 def _fit(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 3] + "..."
+    """``text`` in ``width`` characters, shortened in the middle: a tensor's op and its last part (the
+    layer, the step number) both stay readable."""
+    if len(text) <= width:
+        return text
+    tail = (width - 3) // 2
+    return text[: width - 3 - tail] + "..." + text[len(text) - tail:]
+
+
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders the numbers in names as numbers (``noname.2`` before ``noname.10``)."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", text) if part)
 
 
 def render_table(table: dict[str, list[Row]], top: int = 10) -> str:

@@ -8,12 +8,12 @@ NEGOTIATE = {
     "allreduce": timeline.NEGOTIATE_ALLREDUCE, "allgather": timeline.NEGOTIATE_ALLGATHER,
     "broadcast": timeline.NEGOTIATE_BROADCAST, "alltoall": timeline.NEGOTIATE_ALLTOALL,
     "reducescatter": timeline.NEGOTIATE_REDUCESCATTER, "barrier": timeline.BARRIER,
-    "join": timeline.BARRIER, "optimizer step": timeline.BARRIER,
+    "join": timeline.BARRIER, "optimizer step": timeline.NEGOTIATE_ALLREDUCE,
 }
 RUN = {
     "allreduce": timeline.ALLREDUCE, "allgather": timeline.ALLGATHER, "broadcast": timeline.BROADCAST,
     "alltoall": timeline.ALLTOALL, "reducescatter": timeline.REDUCESCATTER, "barrier": timeline.BARRIER,
-    "join": timeline.BARRIER, "optimizer step": timeline.BARRIER,
+    "join": timeline.BARRIER, "optimizer step": timeline.WAIT_FOR_DATA,
 }
 
 

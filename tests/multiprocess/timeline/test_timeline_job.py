@@ -92,6 +92,12 @@ def test_trace_has_every_collective_and_bucket(tmp_path: Path) -> None:
         buckets = [s for s in mine if s.row.startswith("DistributedOptimizer.bucket")]
         assert [s.name for s in buckets][:2] == ["MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE"], buckets
         assert sum(s.name == "ALLREDUCE" for s in buckets) >= 2 and all(s.nbytes > 0 for s in buckets)
+        # Rows are stable per tensor: 2 optimizer steps and a barrier make one row each, with the activities
+        # docs/timeline.md names for them (the step is not a BARRIER).
+        assert {s.row for s in mine if "noname" in s.row} == set(), sorted({s.row for s in mine})
+        steps = [s for s in mine if s.row == "optimizer.step"]
+        assert [s.name for s in steps] == ["NEGOTIATE_ALLREDUCE", "WAIT_FOR_DATA"] * 2, steps
+        assert {s.row for s in mine if s.name == "BARRIER"} == {"barrier"}
         # One CYCLE_START per negotiation round, each before its negotiation begins.
         cycles = sorted(float(e["ts"]) for e in trace.instants if e.get("pid") == rank and e["name"] == "CYCLE_START")
         negotiations = sorted(s.start_us for s in mine if s.name.startswith("NEGOTIATE_"))

@@ -79,3 +79,23 @@ def test_render(tmp_path: Path) -> None:
     tl = Timeline(str(path))
     tl.close()
     assert "no finished operations" in render(load_trace([str(path)]))
+
+
+def test_names_sort_numerically_and_long_ones_shorten_in_the_middle() -> None:
+    from phalanx.timeline.summary import _fit
+
+    spans = [_span("ALLREDUCE", f"allreduce.noname.{i}", i, 5.0) for i in (10, 2, 1)]
+    rows = summarize(spans)["ALLREDUCE"]
+    assert [r.tensor for r in rows] == [ALL_TENSORS, "allreduce.noname.1", "allreduce.noname.2",
+                                        "allreduce.noname.10"]
+    long = "allreduce.module.encoder.layers.11.attention.output.dense.weight"
+    shown = _fit(long, 34)
+    assert len(shown) == 34 and shown.startswith("allreduce.module.") and shown.endswith("dense.weight")
+
+
+def test_per_step_control_collectives_keep_one_row() -> None:
+    from phalanx.torch._engine import timeline_row
+
+    assert {timeline_row("optimizer step", None, h) for h in range(230)} == {"optimizer.step"}
+    assert timeline_row("barrier", None, 7) == "barrier" and timeline_row("allreduce", "w", 3) == "allreduce.w"
+    assert timeline_row("allreduce", None, 3) == "allreduce.noname.3"  # Horovod's name for unnamed tensors
