@@ -174,3 +174,22 @@ def test_a_dropped_ssh_connection_ends_the_job_naming_the_host(cluster: Cluster)
     assert "[on host hostb]" in stderr.split("Also failed")[0], stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}
 
+
+
+def test_a_killed_agent_is_the_root_cause_named_first(cluster: Cluster) -> None:
+    """SIGKILL of hostb's agent mid-training used to be blamed on a survivor's collective error, hostb
+    appearing lower down as 'exit code 255; ssh could not connect or lost the connection' though ssh was
+    fine (issue 32, items 9 and 12)."""
+    argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable,
+                                               "tests/hosts/job_lifetime.py", "train"))
+    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _until_ready(driver, 4)
+    agents = [p for p in cluster.hosts["hostb"].pids() if "phalanx.launch.host_agent" in cmdline(p)]
+    assert len(agents) == 1, [cmdline(p) for p in cluster.hosts["hostb"].pids()]
+    os.kill(agents[0], signal.SIGKILL)
+    _, stderr = driver.communicate(timeout=120)
+    assert driver.returncode != 0
+    first = stderr.split("Also failed")[0]
+    assert "the agent on host hostb died while its ranks ran" in first, stderr[-3000:]
+    assert "ssh could not connect" not in stderr, stderr[-3000:]
+    assert cluster.wait_clean(10.0) == {}

@@ -83,6 +83,7 @@ class DriverChannel:
         self._closed = {r: threading.Event() for r in range(world_size)}
         self._closed_at: dict[tuple[int, Role], float] = {}
         self._hosts: dict[int, str] = {}
+        self._seen: set[int] = set()
         self._conns: dict[tuple[int, Role], socket.socket] = {}
         self._stopping = False
         self._server = AuthServer(self.secret, bind_host, self._admits, self._serve, name="phalanx-channel",
@@ -101,6 +102,11 @@ class DriverChannel:
         """True once rank's worker process has authenticated."""
         with self._lock:
             return (rank, Role.WORKER) in self._peers or self._closed[rank].is_set()
+
+    def ever_connected(self, rank: int) -> bool:
+        """True once any peer (the rank's process or its supervisor) authenticated for ``rank``."""
+        with self._lock:
+            return rank in self._seen
 
     def abort_all(self) -> None:
         """Ask every connected peer to stop now (best effort; the launcher still kills processes)."""
@@ -149,6 +155,7 @@ class DriverChannel:
             if who in self._peers or self._stopping:
                 return False
             self._peers[who] = FrameWriter(conn)
+            self._seen.add(who[0])
             self._conns[who] = conn
             self._closed_at.pop(who, None)
             return True

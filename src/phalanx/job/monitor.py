@@ -146,7 +146,7 @@ class JobMonitor:
             state.result = event.value
         elif isinstance(event, ErrorRecord):
             state.error = event
-            self._fail(state)
+            self._fail(state, event.at)
         elif isinstance(event, RankExit):
             self._exited(state, event.returncode, event.ended_at)
         elif isinstance(event, Custom) and self.on_custom is not None:

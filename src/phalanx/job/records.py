@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 
 _LOG_HEADER = struct.Struct(">IB")
@@ -86,6 +86,9 @@ class ErrorRecord:
     exc_type: str
     message: str
     traceback: str
+    #: ``time.monotonic()`` on the driver when the failure happened, for a failure the driver itself
+    #: observed (an agent's death); None: when the driver hears of it. Never sent over the wire.
+    at: float | None = field(default=None, compare=False)
 
     @classmethod
     def from_exception(cls, rank: int, exc: BaseException) -> ErrorRecord:
@@ -103,7 +106,7 @@ class ErrorRecord:
 
     def encode(self) -> bytes:
         """JSON frame body."""
-        return json.dumps(asdict(self)).encode()
+        return json.dumps({k: v for k, v in asdict(self).items() if k != "at"}).encode()
 
     @classmethod
     def decode(cls, body: bytes) -> ErrorRecord:

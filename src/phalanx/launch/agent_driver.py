@@ -37,8 +37,11 @@ FORWARDED_PREFIXES = ("HOROVOD_", "NCCL_", "PHALANX_")
 FORWARDED_NAMES = (env_names.PYTHONPATH,)
 #: Seconds an agent that ended cleanly may take for its ranks' exit reports to be read.
 REPORT_WAIT_S = 30.0
-#: ssh's exit code when it could not connect or lost the connection.
+#: ssh's exit code when it could not connect or lost the connection (also: the remote command was killed).
 SSH_LOST = 255
+#: How much earlier than the driver heard of it an agent's death counts, when its ranks were running: the
+#: survivors' errors about the lost ranks reach the driver first, within this margin.
+HOST_LOSS_LEAD_S = 2.0
 _AGENT_TAIL_LINES = 20
 
 
@@ -153,24 +156,52 @@ class AgentGroup:
     def _await(self, host: str, proc: subprocess.Popen[bytes], ranks: tuple[int, ...],
                reader: threading.Thread) -> None:
         returncode = proc.wait()
+        ended_at = time.monotonic()
+        running = self._ranks_ran(ranks)
+        # ssh's 255 after the ranks ran is a session that ended without an exit status: the agent was killed
+        # (an agent the launcher stops ends with its own status); it stays the cause even if survivors' errors
+        # about its lost ranks have already made the launcher stop the job.
+        killed = returncode == SSH_LOST and running
+        quiet = proc.pid in self._quiet or (self._stopping.is_set() and not killed)
         reader.join(DRAIN_WAIT_S)
-        quiet = proc.pid in self._quiet or self._stopping.is_set()
         if returncode == SSH_LOST and host not in self.local and not quiet and self.on_lost is not None:
             self.on_lost(host)
         deadline = time.monotonic() + (REPORT_WAIT_S if returncode == 0 else DRAIN_WAIT_S)
         while time.monotonic() < deadline and not self.exits.reported(ranks) and not self._stopping.is_set():
             time.sleep(0.05)
         missing = [r for r in ranks if not self.exits.reported([r])]
-        if missing and not quiet and not self._stopping.is_set():
+        if missing and not quiet:
             assert self._channel is not None
-            tail = "\n".join(self._tails[proc.pid]) or "(no output)"
-            how = "ssh could not connect or lost the connection" if returncode == SSH_LOST else "it ended"
+            # The driver hears of a dead agent after the survivors' errors about its lost ranks (ssh's end,
+            # the drain above): a death while its ranks ran is dated back so that it is the root cause.
+            at = ended_at - HOST_LOSS_LEAD_S if running else ended_at
             self._channel.events.put(ErrorRecord(
                 rank=missing[0], exc_type="phalanx.errors.PhalanxError",
-                message=f"the agent on host {host} ended (exit code {returncode}; {how}) before rank(s) "
-                        f"{missing} reported their end:\n{tail}", traceback=""))
+                message=self._death(host, returncode, running, missing, self._tails[proc.pid]), traceback="",
+                at=at))
         for rank in missing:
             self.exits.post(rank, returncode or 1)
+
+    def _ranks_ran(self, ranks: tuple[int, ...]) -> bool:
+        """Whether any of an agent's ranks reached the channel (then ssh had connected: its 255 means the
+        session ended without an exit status, the agent or its host killed)."""
+        return self._channel is not None and any(self._channel.ever_connected(r) for r in ranks)
+
+    @staticmethod
+    def _death(host: str, returncode: int, running: bool, missing: list[int], tail: deque[str]) -> str:
+        """Why an agent ended before its ranks reported: the cause on the first line (the agent's last line
+        when it said why), then its last lines."""
+        if running:
+            how = (f"the agent on host {host} died while its ranks ran (exit code {returncode}: it was killed, "
+                   "or the host went down or off the network)")
+        elif returncode == SSH_LOST:
+            how = f"ssh to host {host} could not connect or lost the connection (exit code {returncode})"
+        else:
+            how = f"the agent on host {host} ended (exit code {returncode})"
+        last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+        lines = "\n".join(tail) or "(no output)"
+        cause = f"{how}: {last}" if last else how
+        return f"{cause}; rank(s) {missing} never reported their end. Its last lines:\n{lines}"
 
     def stop(self, grace_s: float) -> None:
         """Stop every agent's ranks: ABORT on the channel, every stdin closed; wait for the agents up to

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import math
+import os
 import shlex
 import socket
 import struct
@@ -55,13 +56,18 @@ def agent_command(python: str, cwd: str) -> str:
     return f"cd {shlex.quote(cwd)} && exec {shlex.quote(python)} -m phalanx.launch.host_agent"
 
 
-def _probe_command(python: str) -> str:
+#: The host check's exit code when the job's working directory is missing on the host.
+NO_WORKDIR = 97
+
+
+def _probe_command(python: str, cwd: str) -> str:
     code = "import phalanx.launch.host_agent, socket; print(socket.gethostname())"
-    return f"exec {shlex.quote(python)} -c {shlex.quote(code)}"
+    return f"cd {shlex.quote(cwd)} 2>/dev/null || exit {NO_WORKDIR}; exec {shlex.quote(python)} -c {shlex.quote(code)}"
 
 
 def _check_one(host: str, options: SshOptions, python: str, timeout_s: float) -> str | None:
-    argv = ssh_argv(host, options, _probe_command(python))
+    cwd = os.getcwd()
+    argv = ssh_argv(host, options, _probe_command(python, cwd))
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -70,6 +76,10 @@ def _check_one(host: str, options: SshOptions, python: str, timeout_s: float) ->
         return f"the ssh client could not be started for host {host!r}: {e}"
     if done.returncode == 0:
         return None
+    if done.returncode == NO_WORKDIR:
+        return (f"host {host!r}: the working directory {cwd} does not exist there (each rank starts in the "
+                "driver's working directory: create it on that host, or start phalanxrun from a directory every "
+                "host has)")
     tail = "\n    ".join(done.stderr.strip().splitlines()[-_ERROR_LINES:]) or "(no error output)"
     cause = ("ssh could not connect or log in" if done.returncode == 255
              else f"{python} -m phalanx.launch.host_agent cannot run there "
@@ -78,7 +88,8 @@ def _check_one(host: str, options: SshOptions, python: str, timeout_s: float) ->
 
 
 def host_problems(hosts: Sequence[str], options: SshOptions, python: str, timeout_s: float) -> dict[str, str]:
-    """Check, in parallel, that every host answers over ssh and imports phalanx with ``python``.
+    """Check, in parallel, that every host answers over ssh, has the working directory and imports phalanx
+    with ``python``.
 
     Returns:
         host -> what failed there (the host named, the cause and ssh's last error lines), for the hosts that
@@ -92,7 +103,8 @@ def host_problems(hosts: Sequence[str], options: SshOptions, python: str, timeou
 
 
 def check_hosts(hosts: Sequence[str], options: SshOptions, python: str, timeout_s: float) -> None:
-    """Check, in parallel, that every host answers over ssh and imports phalanx with ``python``.
+    """Check, in parallel, that every host answers over ssh, has the working directory and imports phalanx
+    with ``python``.
 
     Raises:
         PhalanxError: one message naming every host that failed and why, within ``timeout_s``.

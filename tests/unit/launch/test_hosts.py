@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,33 @@ def test_host_check_names_each_host_and_its_cause(tmp_path: Path, monkeypatch: p
     assert got["silent"] == "host 'silent' did not answer over ssh within 0.3 s (raise --start-timeout)"
     with pytest.raises(PhalanxError, match="host check failed:\n  host 'refused'"):
         check_hosts(["good", "refused"], SshOptions(), "/no/python", 30.0)
+
+
+def test_the_host_check_names_a_working_directory_missing_on_a_host(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job used to start and fail 6 s later with 'cd: ...: No such file or directory' (issue 32, item 12)."""
+    from phalanx.launch import ssh
+
+    monkeypatch.setattr(ssh, "ssh_argv", lambda host, options, command: ["sh", "-c", command])
+    missing = tmp_path / "gone"
+    monkeypatch.chdir(tmp_path)
+    assert host_problems(["h1"], SshOptions(), sys.executable, 30) == {}  # the directory exists: a real probe
+    monkeypatch.setattr(ssh.os, "getcwd", lambda: str(missing))
+    problems = host_problems(["h1"], SshOptions(), sys.executable, 30)
+    assert f"the working directory {missing} does not exist there" in problems["h1"]
+
+
+def test_an_agents_end_is_told_by_what_happened_with_its_own_last_line_first() -> None:
+    """An agent that died was reported as 'ssh could not connect or lost the connection' though ssh was fine,
+    and the root-cause line kept only the first line, not the agent's own error (issue 32, item 12)."""
+    from collections import deque
+
+    from phalanx.launch.agent_driver import AgentGroup
+
+    tail = deque(["Warning: Permanently added 'hostb'", "sh: 1: cd: /tmp/job: No such file or directory"])
+    ended = AgentGroup._death("hostb", 2, False, [2, 3], tail).splitlines()[0]
+    assert ended.startswith("the agent on host hostb ended (exit code 2): sh: 1: cd: /tmp/job: No such file")
+    killed = AgentGroup._death("hostb", 255, True, [2], deque()).splitlines()[0]
+    assert "died while its ranks ran" in killed and "ssh" not in killed
+    refused = AgentGroup._death("hostb", 255, False, [2], deque(["Connection refused"])).splitlines()[0]
+    assert refused.startswith("ssh to host hostb could not connect") and "Connection refused" in refused
