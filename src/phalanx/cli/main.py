@@ -20,7 +20,14 @@ from phalanx.cli import build_info, config_file, flags
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.job.shipping import script_of
-from phalanx.launch.api import elastic_spec, hosts_spec, resolve_hosts, resolve_start_timeout, validate_np
+from phalanx.launch.api import (
+    discovered_hosts,
+    elastic_spec,
+    hosts_spec,
+    resolve_hosts,
+    resolve_start_timeout,
+    validate_np,
+)
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
@@ -241,6 +248,8 @@ def _forward_env(items: Sequence[str]) -> dict[str, str]:
 def _hosts_spec(ns: argparse.Namespace, np: int, forward: dict[str, str]) -> HostsSpec | None:
     """The multi-host part of the job, or None when every host is this machine."""
     remote = resolve_hosts(ns.hosts, np, ns.hostfile)
+    if remote is None and ns.hosts is None and ns.hostfile is None and ns.host_discovery_script:
+        remote = discovered_hosts(ns.host_discovery_script)  # as horovodrun: ranks go to the discovered hosts
     if remote is None:
         return None
     nics = ns.nics or ns.nic

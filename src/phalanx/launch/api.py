@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,10 +17,10 @@ from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch import warm
 from phalanx.launch.core import start_timeout_hint
-from phalanx.launch.discovery import check_script
+from phalanx.launch.discovery import HostDiscovery, check_script
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
-from phalanx.launch.hosts import HostSlots, only_this_machine, parse_hostfile, parse_hosts, place
+from phalanx.launch.hosts import HostSlots, check_host_name, only_this_machine, parse_hostfile, parse_hosts, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 from phalanx.launch.ssh import SshOptions
@@ -96,6 +97,32 @@ def resolve_hosts(hosts: str | None, np: int, hostfile: str | None = None) -> li
     parsed = parse_hosts(hosts) if hosts is not None else parse_hostfile(str(hostfile))
     place(parsed, np)
     return None if only_this_machine(parsed) else parsed
+
+
+def discovered_hosts(script: str) -> list[HostSlots] | None:
+    """The hosts of an elastic job given ``--host-discovery-script`` and no ``-H`` (horovodrun's usual
+    command): the script's first listing, as ``-H`` would give it; None when every host listed is this
+    machine. A host that does not resolve is left to the launcher, which checks every host discovery adds
+    and leaves a failing one out with one warning naming it.
+
+    Raises:
+        InvalidArgumentError: the script failed or listed no host with slots.
+    """
+    found = HostDiscovery(script, lambda _hosts: None).poll() or {}
+    hosts = [HostSlots(check_host_name(h, "host discovery"), n) for h, n in found.items() if n > 0]
+    if not hosts:
+        raise InvalidArgumentError(f"--host-discovery-script {script}: its first run listed no host with slots "
+                                   "(it must print host:slots lines; its failure, if any, is logged above)")
+    usable = [h for h in hosts if _resolves(h.host)]
+    return None if only_this_machine(usable) else usable
+
+
+def _resolves(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return True
 
 
 def hosts_spec(hosts: list[HostSlots], ssh_port: int | None, identity_file: str | None,
