@@ -112,11 +112,17 @@ def _chatty(tag: str) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_log_callback_only_shows_only_log_to_driver(capsys: pytest.CaptureFixture[str]) -> None:
+def test_log_callback_only_shows_only_log_to_driver(capsys: pytest.CaptureFixture[str],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
     assert HorovodRunner(np=2).run(_chatty, tag="cb") == "cb"
     out = capsys.readouterr().out
     assert "[0]<stdout>:callback cb from rank 0" in out and "[1]<stdout>:callback cb from rank 1" in out
     assert "plain output" not in out
+    # HorovodRunner's default hides print(): the driver says where it went, and the files have it.
+    said = [r.getMessage() for r in caplog.records if "driver_log_verbosity='all' shows them here" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("phalanx: driver_log_verbosity='log_callback_only'"), said
+    log_dir = said[0].split("go to ")[1].split("/rank.N")[0]
+    assert "plain output cb from rank 1" in (Path(log_dir) / "rank.1" / "stdout").read_text()
 
 
 @pytest.mark.timeout(120)

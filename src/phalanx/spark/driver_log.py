@@ -31,3 +31,17 @@ def log_to_driver(message: object) -> None:
             pass
     sys.stdout.write(f"{message}\n")
     sys.stdout.flush()
+
+
+def rank_log_dir(run_id: str) -> str:
+    """A new directory for every rank's full output under ``driver_log_verbosity="log_callback_only"``,
+    announced on the driver: HorovodRunner's documented default shows only :func:`log_to_driver`, so the
+    user is told where the ranks' ``print()`` and logging went (one ``phalanx`` warning)."""
+    import logging
+    import tempfile
+
+    path = tempfile.mkdtemp(prefix=f"{run_id}-logs-")
+    logging.getLogger("phalanx").warning(
+        "phalanx: driver_log_verbosity='log_callback_only': the ranks' print() and logging go to "
+        "%s/rank.N/{stdout,stderr} (driver_log_verbosity='all' shows them here)", path)
+    return path

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
@@ -28,6 +27,7 @@ from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch.core import monitor_config, new_run_id
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.supervisor import ExitReports
+from phalanx.spark.driver_log import rank_log_dir
 from phalanx.spark.session import bind_address, driver_host, executor_python, python_exec
 from phalanx.spark.task import TaskSpec, barrier_task
 
@@ -221,10 +221,9 @@ class SparkLauncher:
         if self.spec.console == "all":
             sinks.append(self._console)
         else:
-            self.log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}-logs-")
+            self.log_dir = rank_log_dir(self.run_id)
             self._files = FileSink(self.log_dir)
             sinks.append(self._files)
-            log.info("phalanx: full logs of every rank in %s", self.log_dir)
         return sinks
 
     def _submit(self, job: JobContract) -> None:

@@ -14,7 +14,6 @@ import json
 import logging
 import pickle
 import queue
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -31,6 +30,7 @@ from phalanx.launch.elastic import ElasticSpec
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.session import StageWatch, check_slots, client_bind_host, client_host
 from phalanx.spark.connect.task import ConnectTaskSpec, connect_task
+from phalanx.spark.driver_log import rank_log_dir
 from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
 
 log = logging.getLogger("phalanx")
@@ -132,8 +132,7 @@ class ConnectLauncher:
         console = StreamSink(self.spec.stdout, self.spec.stderr)
         if self.spec.console == "all":
             return _Sinks(console, None)
-        self.log_dir = tempfile.mkdtemp(prefix=f"{self.run_id}-logs-")
-        log.info("phalanx: full logs of every rank in %s", self.log_dir)
+        self.log_dir = rank_log_dir(self.run_id)
         return _Sinks(console, FileSink(self.log_dir))
 
     def _query(self, link: DriverChannel) -> Any:
