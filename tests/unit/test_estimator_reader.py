@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,3 +120,52 @@ def test_store_layout_checkpoints_and_create(tmp_path: Path) -> None:
     assert store.spark_url("/x") == "file:///x"
     memory = Store.create("memory://estimator-test")
     assert type(memory).__name__ == "FilesystemStore" and memory.spark_url("/p") == "memory:///p"
+
+
+def test_prefetched_keeps_order_raises_in_place_and_stops_with_the_consumer() -> None:
+    import threading
+
+    from phalanx.spark.estimator.reader import prefetched
+
+    assert list(prefetched(iter(range(10)), 3)) == list(range(10))
+
+    def failing() -> Any:
+        yield 1
+        raise OSError("disk")
+
+    got = []
+    with pytest.raises(OSError, match="disk"):
+        for item in prefetched(failing(), 2):
+            got.append(item)
+    assert got == [1]
+    started = threading.active_count()
+    stream = prefetched(iter(range(1000)), 2)
+    assert next(stream) == 0
+    stream.close()  # the consumer stops early (fit took steps_per_epoch batches): the thread ends
+    for _ in range(50):
+        if threading.active_count() < started + 1:
+            break
+        threading.Event().wait(0.05)
+    assert threading.active_count() <= started
+
+
+def test_hdfs_and_dbfs_stores_take_horovods_paths() -> None:
+    from phalanx.spark.common.store import DBFSLocalStore, HDFSStore, Store
+
+    full = HDFSStore("hdfs://namenode01:8020/user/test/runs", user="me")
+    assert full.storage_options["host"] == "namenode01" and full.storage_options["port"] == 8020
+    assert full.storage_options["user"] == "me" and full.spark_url("/user/test/runs/x") == (
+        "hdfs://namenode01:8020/user/test/runs/x")
+    bare = HDFSStore("/user/test/runs", host="nn", port=9000)
+    assert (bare.storage_options["host"], bare.storage_options["port"], bare.prefix_path) == (
+        "nn", 9000, "hdfs:///user/test/runs")
+    assert HDFSStore("hdfs:///user/x").storage_options["host"] == "default"
+    for bad in ("s3://bucket/x", "relative/path"):
+        with pytest.raises(InvalidArgumentError, match="HDFSStore"):
+            HDFSStore(bad)
+    for spelling in ("dbfs:/ml/runs", "/dbfs/ml/runs", "file:/dbfs/ml/runs", "file:///dbfs/ml/runs"):
+        assert DBFSLocalStore(spelling).prefix_path == "/dbfs/ml/runs"
+        assert type(Store.create(spelling)) is DBFSLocalStore
+    with pytest.raises(InvalidArgumentError, match="not a DBFS path"):
+        DBFSLocalStore("dbfs://host/x")
+    assert type(Store.create("hdfs://nn:8020/x")) is HDFSStore

@@ -82,3 +82,18 @@ def test_backward_passes_per_step_is_a_parameter_and_checked() -> None:
     for bad in (0, 1.5, True):
         with pytest.raises(InvalidArgumentError, match="backward_passes_per_step"):
             est.check_framework({**values, "backward_passes_per_step": bad})
+
+
+def test_keras_estimator_takes_the_prefetch_buffer_size() -> None:
+    pytest.importorskip("pyspark")
+    keras = pytest.importorskip("keras")
+    from phalanx.spark.estimator.keras import KerasEstimator
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    est = KerasEstimator(model=model, optimizer=keras.optimizers.SGD(), loss="mse",
+                         tensorflow_dataset_prefetch_buffer_size=4)
+    assert est.getTensorflowDatasetPrefetchBufferSize() == 4
+    values = {"model": model, "optimizer": keras.optimizers.SGD(), "loss": "mse"}
+    est.check_framework({**values, "tensorflow_dataset_prefetch_buffer_size": 0})
+    with pytest.raises(InvalidArgumentError, match="tensorflow_dataset_prefetch_buffer_size"):
+        est.check_framework({**values, "tensorflow_dataset_prefetch_buffer_size": -1})

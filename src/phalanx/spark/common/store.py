@@ -1,7 +1,8 @@
-"""``horovod.spark.common.store`` on phalanx: ``Store``, ``LocalStore``, ``FilesystemStore``."""
+"""``horovod.spark.common.store`` on phalanx: ``Store``, ``LocalStore``, ``FilesystemStore``, ``HDFSStore``,
+``DBFSLocalStore``."""
 
 from __future__ import annotations
 
-from phalanx.spark.estimator.store import FilesystemStore, LocalStore, Store
+from phalanx.spark.estimator.store import DBFSLocalStore, FilesystemStore, HDFSStore, LocalStore, Store
 
-__all__ = ["FilesystemStore", "LocalStore", "Store"]
+__all__ = ["DBFSLocalStore", "FilesystemStore", "HDFSStore", "LocalStore", "Store"]

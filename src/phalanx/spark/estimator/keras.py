@@ -20,6 +20,8 @@ KERAS_PARAMS: dict[str, tuple[Any, str]] = {
     "custom_objects": ({}, "custom Keras objects the model needs to load"),
     "checkpoint_callback": (None, "ignored: phalanx checkpoints every epoch into the store"),
     "backend_env": (None, "ignored: use the ranks' env of phalanx.spark.run"),
+    "tensorflow_dataset_prefetch_buffer_size": (None, "batches each rank reads ahead on a background thread "
+                                                      "while the model trains (None or 0: none)"),
 }
 
 
@@ -36,7 +38,8 @@ class KerasEstimator(PhalanxEstimator):
 
     @classmethod
     def extra_params(cls) -> dict[str, tuple[Any, str]]:
-        """``input_shapes``, ``custom_objects``, ``checkpoint_callback``, ``backend_env``."""
+        """``input_shapes``, ``custom_objects``, ``checkpoint_callback``, ``backend_env``,
+        ``tensorflow_dataset_prefetch_buffer_size``."""
         return KERAS_PARAMS
 
     def check_framework(self, values: dict[str, Any]) -> None:
@@ -49,6 +52,10 @@ class KerasEstimator(PhalanxEstimator):
             raise InvalidArgumentError(f"optimizer={values.get('optimizer')!r}: give a keras optimizer instance")
         if values.get("loss") is None:
             raise InvalidArgumentError("loss=None: give the Keras loss (a name, a function or a Loss object)")
+        depth = values.get("tensorflow_dataset_prefetch_buffer_size")
+        if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+            raise InvalidArgumentError(
+                f"tensorflow_dataset_prefetch_buffer_size={depth!r}: give an int >= 0 (or None)")
 
     def model_blob(self, values: dict[str, Any]) -> bytes:
         """The model's ``.keras`` bytes, the optimizer's config, the loss and the metrics."""

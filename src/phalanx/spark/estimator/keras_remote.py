@@ -14,7 +14,7 @@ import numpy as np
 
 from phalanx.spark.driver_log import log_to_driver
 from phalanx.spark.estimator.job import TrainSpec, epoch_line
-from phalanx.spark.estimator.reader import Batch
+from phalanx.spark.estimator.reader import Batch, prefetched
 
 
 def load_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
@@ -60,9 +60,11 @@ def _xy(batch: Batch, spec: TrainSpec, model: Any) -> tuple[Any, ...]:
 
 def _batches(spec: TrainSpec, model: Any, rank: int, size: int, epoch: int, validation: bool,
              counter: list[int]) -> Iterator[tuple[Any, ...]]:
-    for batch in spec.batches(rank, size, epoch, validation):
+    depth = int(spec.params.get("tensorflow_dataset_prefetch_buffer_size") or 0)
+    batches = (_xy(batch, spec, model) for batch in spec.batches(rank, size, epoch, validation))
+    for item in prefetched(batches, depth) if depth else batches:
         counter[0] += 1
-        yield _xy(batch, spec, model)
+        yield item
 
 
 def _checkpoint(spec: TrainSpec, model: Any, epoch: int, history: list[Any]) -> None:

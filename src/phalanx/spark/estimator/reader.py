@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -141,3 +143,47 @@ def _offsets(pieces: Sequence[Piece]) -> dict[Piece, int]:
 
 def _rows(chunk: Batch) -> int:
     return len(next(iter(chunk.values()))) if chunk else 0
+
+
+T = TypeVar("T")
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+PREFETCH_POLL_S = 0.1
+
+
+def prefetched(items: Iterator[T], depth: int) -> Iterator[T]:
+    """``items`` read up to ``depth`` ahead on a daemon thread (Horovod's ``prefetch`` of the TF dataset),
+    in order; an error while reading is raised where its item would have come. When the consumer stops
+    early (``fit`` takes ``steps_per_epoch`` batches), the thread stops at its next item."""
+    ready: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def fill() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        ready.put(item, timeout=PREFETCH_POLL_S)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ready.put(_END)
+        except BaseException as e:  # handed to the consumer, in order
+            ready.put(_Failed(e))
+
+    threading.Thread(target=fill, name="phalanx-prefetch", daemon=True).start()
+    try:
+        while (item := ready.get()) is not _END:
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stop.set()

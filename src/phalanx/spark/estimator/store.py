@@ -2,7 +2,8 @@
 
 ``LocalStore(prefix)`` is a directory every executor sees (a shared mount, or local disk in local mode);
 ``Store.create(url)`` picks the store for any filesystem fsspec reaches (``file://``, ``hdfs://``,
-``s3://``, ``gs://``, ``dbfs:/``...). Everything a run writes lives under ``<prefix>/runs/<run_id>/``::
+``s3://``, ``gs://``...); ``HDFSStore`` and ``DBFSLocalStore`` are Horovod's HDFS and Databricks stores.
+Everything a run writes lives under ``<prefix>/runs/<run_id>/``::
 
     data/train/*.parquet   data/val/*.parquet   checkpoints/epoch-0003.pt   logs/history.jsonl
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import urllib.parse
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
@@ -54,8 +56,13 @@ class Store:
 
     @staticmethod
     def create(prefix_path: str, *args: Any, **kwargs: Any) -> Store:
-        """The store for ``prefix_path``: a :class:`LocalStore` for a path or ``file://`` URL, else a
-        :class:`FilesystemStore` (any fsspec protocol)."""
+        """The store for ``prefix_path`` (Horovod's rule): a :class:`DBFSLocalStore` for a DBFS path
+        (``dbfs:/``, ``/dbfs/``), an :class:`HDFSStore` for ``hdfs://``, a :class:`LocalStore` for a path or
+        ``file://`` URL, else a :class:`FilesystemStore` (any fsspec protocol)."""
+        if DBFSLocalStore.matches_dbfs(prefix_path):
+            return DBFSLocalStore(prefix_path, *args, **kwargs)
+        if prefix_path.startswith("hdfs://"):
+            return HDFSStore(prefix_path, *args, **kwargs)
         if "://" not in prefix_path or prefix_path.startswith("file://"):
             return LocalStore(prefix_path, *args, **kwargs)
         return FilesystemStore(prefix_path, *args, **kwargs)
@@ -189,3 +196,80 @@ class LocalStore(Store):
     def spark_url(self, path: str) -> str:
         """A local path as a ``file://`` URL (Spark would otherwise resolve it against HDFS)."""
         return f"file://{path}"
+
+
+class HDFSStore(FilesystemStore):
+    """Horovod's ``HDFSStore``: a store on HDFS through fsspec (pyarrow's ``HadoopFileSystem``, which needs
+    the cluster's ``libhdfs`` and Hadoop ``CLASSPATH`` where the ranks run).
+
+    Args:
+        prefix_path: ``hdfs://namenode:8020/user/me/runs``, ``hdfs:///user/me/runs`` or ``/user/me/runs``.
+        host: the namenode (default: the URL's, else ``"default"``: Hadoop's configured one).
+        port: its port (default: the URL's, else 0).
+        user: the HDFS user.
+        kerb_ticket: a Kerberos ticket cache path.
+        driver: Horovod's choice of HDFS driver; accepted (pyarrow has only ``libhdfs``).
+        extra_conf: extra Hadoop settings.
+        temp_dir: accepted for Horovod compatibility (nothing is staged locally).
+        storage_options: further fsspec options.
+
+    Raises:
+        InvalidArgumentError: the path is not an HDFS URL or an absolute path.
+    """
+
+    def __init__(self, prefix_path: str, host: str | None = None, port: int | None = None, user: str | None = None,
+                 kerb_ticket: str | None = None, driver: str = "libhdfs", extra_conf: dict[str, str] | None = None,
+                 temp_dir: str | None = None, storage_options: dict[str, Any] | None = None) -> None:
+        del driver, temp_dir
+        parts = urllib.parse.urlsplit(prefix_path if isinstance(prefix_path, str) else "")
+        if parts.scheme not in ("", "hdfs") or not parts.path.startswith("/"):
+            raise InvalidArgumentError(
+                f"HDFSStore prefix_path={prefix_path!r}: give hdfs://namenode:port/path, hdfs:///path or /path")
+        self.url_prefix = f"hdfs://{parts.netloc}"  # what Spark's writers are given, host and port included
+        options = {"host": host or parts.hostname or "default", "port": int(port or parts.port or 0), "user": user,
+                   "kerb_ticket": kerb_ticket, "extra_conf": extra_conf, **(storage_options or {})}
+        super().__init__(f"hdfs://{parts.path}", options)
+
+    def spark_url(self, path: str) -> str:
+        """``path`` with the store's ``hdfs://host:port`` (Spark's writers resolve it themselves)."""
+        return f"{self.url_prefix}{path}"
+
+
+class DBFSLocalStore(LocalStore):
+    """Horovod's ``DBFSLocalStore``: Databricks' DBFS through its local mount (``/dbfs/...``), which every
+    executor of a Databricks cluster sees.
+
+    Args:
+        prefix_path: ``dbfs:/path``, ``/dbfs/path``, ``file:/dbfs/path`` or ``file:///dbfs/path``.
+
+    Raises:
+        InvalidArgumentError: any other path.
+    """
+
+    def __init__(self, prefix_path: str, storage_options: dict[str, Any] | None = None) -> None:
+        super().__init__(self.normalize_path(prefix_path), storage_options)
+
+    @staticmethod
+    def matches_dbfs(path: str) -> bool:
+        """Whether ``path`` is one of DBFS's spellings."""
+        return ((path.startswith("dbfs:/") and not path.startswith("dbfs://")) or path.startswith("/dbfs/")
+                or path.startswith("file:///dbfs/") or path.startswith("file:/dbfs/"))
+
+    @staticmethod
+    def normalize_path(path: str) -> str:
+        """``path`` as the local mount's ``/dbfs/...``.
+
+        Raises:
+            InvalidArgumentError: ``path`` is not a DBFS path.
+        """
+        if not isinstance(path, str) or not DBFSLocalStore.matches_dbfs(path):
+            raise InvalidArgumentError(
+                f"DBFSLocalStore prefix_path={path!r} is not a DBFS path: give dbfs:/..., /dbfs/..., "
+                "file:/dbfs/... or file:///dbfs/...")
+        if path.startswith("dbfs:/"):
+            return "/dbfs" + path[len("dbfs:"):]
+        if path.startswith("file:///"):
+            return path[len("file://"):]
+        if path.startswith("file:/"):
+            return path[len("file:"):]
+        return path
