@@ -146,3 +146,9 @@ def test_hf_trainer_with_deepspeed_under_phalanxrun(tmp_path: Path) -> None:
     proc = phalanxrun("hf_trainer_tiny.py", "--steps", "20", cwd=tmp_path, timeout=170, env={"HF_HUB_OFFLINE": "1"})
     found = rank0_line(proc.stdout, r"ranks: 2; loss first step: ([0-9.]+); last step: ([0-9.]+);")
     assert float(found.group(2)) < 0.6 * float(found.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_distributor_local_mode() -> None:
+    """DeepspeedTorchDistributor(numGpus=2, localMode=True): ZeRO-2 with the dict config as pyspark's flags."""
+    assert load_example("deepspeed_digits").main(["--epochs", EPOCHS]) > FLOOR

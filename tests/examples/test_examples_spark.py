@@ -63,12 +63,6 @@ def test_torch_distributor_ddp_function_on_spark(local_spark: Any) -> None:
     assert load_example("torch_distributor_ddp").main(["--spark", "--epochs", EPOCHS]) > FLOOR
 
 
-@pytest.mark.timeout(180)
-def test_deepspeed_distributor_on_spark(local_spark: Any) -> None:
-    """DeepspeedTorchDistributor(localMode=False): one barrier task per rank, ZeRO-2, the config as pyspark's."""
-    assert load_example("deepspeed_digits").main(["--spark", "--epochs", EPOCHS]) > FLOOR
-
-
 @pytest.mark.timeout(300)  # includes the session fixture when run alone
 def test_lightning_horovod_runner_on_spark(local_spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """HorovodRunner(np=2) running Trainer(strategy="horovod") in 2 barrier tasks; rank 0's checkpoint."""

@@ -208,3 +208,22 @@ def test_connect_digits_example_reaches_its_accuracy(tmp_path: Path) -> None:
 
     result = spark_connect_digits.main(["--np", "2", "--epochs", "3", "--out", str(tmp_path / "model.pt")])
     assert result["size"] == 2 and result["accuracy"] > 0.8
+
+
+def _deepspeed_flags() -> dict[str, Any]:
+    import json
+
+    argv = sys.argv[1:]
+    with open(argv[argv.index("--deepspeed_config") + 1], encoding="utf-8") as f:
+        config = json.load(f)
+    return {"argv": argv[:2], "config": config, "rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"]}
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_distributor_gives_every_rank_pyspark_s_flags_and_the_config() -> None:
+    from phalanx.spark import DeepspeedTorchDistributor
+
+    config = {"zero_optimization": {"stage": 3}}
+    out = DeepspeedTorchDistributor(numGpus=1, nnodes=2, localMode=False, useGpu=False,
+                                    deepspeedConfig=config).run(_deepspeed_flags)
+    assert out == {"argv": ["--deepspeed", "--deepspeed_config"], "config": config, "rank": "0", "world": "2"}

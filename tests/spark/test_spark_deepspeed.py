@@ -1,6 +1,7 @@
-"""DeepSpeed on a real ``local[2]`` Spark: DeepspeedTorchDistributor on the cluster (a script with a config
-file), an unchanged DeepSpeed script under TorchDistributor, a DeepSpeed function under HorovodRunner; ZeRO
-1-3 in each job (tests/multiprocess/deepspeed/_zero_job.py)."""
+"""DeepSpeed on a real ``local[2]`` Spark: DeepspeedTorchDistributor on the cluster (an unchanged script with a
+config file; TorchDistributor's Spark path underneath), a DeepSpeed function under HorovodRunner; ZeRO 1-3 in
+each job (tests/multiprocess/deepspeed/_zero_job.py). A script as a command rank is phalanxrun's path
+(tests/multiprocess/deepspeed, tests/hosts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 from phalanx.errors import SlotsUnavailableError
-from phalanx.spark import DeepspeedTorchDistributor, HorovodRunner, TorchDistributor
+from phalanx.spark import DeepspeedTorchDistributor, HorovodRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "multiprocess" / "deepspeed"))
 import _zero_job as job
@@ -42,13 +43,6 @@ def test_deepspeed_distributor_runs_a_script_on_the_cluster_with_a_config_file(
 def test_more_ranks_than_the_cluster_has_fail_before_launch() -> None:
     with pytest.raises(SlotsUnavailableError, match=r"numGpus=2, nnodes=2\) needs 4 ranks"):
         DeepspeedTorchDistributor(numGpus=2, nnodes=2, localMode=False, useGpu=False).run(job.train)
-
-
-def test_torch_distributor_runs_an_unchanged_deepspeed_script() -> None:
-    out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(SCRIPT)
-    got = records(out)
-    job.check(got, world=2, ranks=[0])
-    assert got[0]["env"]["LOCAL_WORLD_SIZE"] == "2" and not got[0]["deepspeed_flag"]
 
 
 def test_horovod_runner_runs_a_deepspeed_function() -> None:

@@ -1,6 +1,7 @@
-"""Hugging Face training as users write it, for the launchers' tests: an ``accelerate.Accelerator`` loop, then
-``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)`` (ZeRO 2), on a 2-layer GPT-2 built from a
-config in code and a character tokenizer written here: nothing is downloaded (``HF_HUB_OFFLINE=1``).
+"""Hugging Face training as users write it, for the launchers' tests: an ``accelerate.Accelerator`` loop on a
+2-layer GPT-2 built from a config in code and a character tokenizer written here: nothing is downloaded
+(``HF_HUB_OFFLINE=1``). ``transformers.Trainer`` with ``TrainingArguments(deepspeed=...)`` is
+examples/hf_trainer_tiny.py, tested in the examples tier.
 
 Run as a script it prints one ``HF {json}`` line per rank.
 """
@@ -10,15 +11,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from typing import Any
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 8
 CHARS = sorted(set(TEXT))
 BLOCK = 16
 #: The variables accelerate and transformers read to place a rank (accelerate.utils.environment, state.py).
-PLACEMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU")
+PLACEMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def encode(text: str) -> list[int]:
@@ -71,30 +70,8 @@ def with_accelerate(steps: int = 3) -> dict[str, Any]:
             "losses": losses, "param_sums": sums, "batches": len(loader)}
 
 
-def with_trainer(steps: int = 3) -> dict[str, Any]:
-    from transformers import Trainer, TrainingArguments
-
-    ds = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
-          "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 2},
-          "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}}}
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-2,
-                                 logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, deepspeed=ds,
-                                 disable_tqdm=True)
-        trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=blocks())
-        result = trainer.train()
-    return {"world_size": args.world_size, "process_index": args.process_index,
-            "local_process_index": args.local_process_index, "steps": result.global_step,
-            "loss": result.training_loss, "deepspeed": trainer.is_deepspeed_enabled}
-
-
 def main() -> None:
-    accelerate = with_accelerate()
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)  # the Trainer builds its own, with DeepSpeed
-    record = {"accelerate": accelerate, "trainer": with_trainer(),
-              "env": {k: os.environ.get(k) for k in PLACEMENT}}
+    record = {"accelerate": with_accelerate(), "env": {k: os.environ.get(k) for k in PLACEMENT}}
     print("HF " + json.dumps(record), flush=True)
 
 

@@ -1,5 +1,5 @@
 """DeepSpeed and Hugging Face scripts unchanged under phalanx's local launchers: ZeRO 1-3 in one job per
-launcher; accelerate and transformers.Trainer (with DeepSpeed) in one job.
+launcher; an accelerate script. (Trainer with DeepSpeed: examples/hf_trainer_tiny.py.)
 
 The phalanxrun job also starts with an empty torch extensions cache: DeepSpeed must not JIT-build its CPU
 shared-memory op in every rank (phalanx.worker.deepspeed_ops).
@@ -40,20 +40,9 @@ def test_phalanxrun_zero_1_2_3_with_an_empty_extensions_cache(tmp_path: Path) ->
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in got} == {"2"}
 
 
-def test_deepspeed_distributor_local_function_with_a_dict_config() -> None:
-    """phalanx.run underneath; the function finds pyspark's flags in sys.argv and the dict in the file."""
-    from phalanx.spark import DeepspeedTorchDistributor
-
-    extra = {"gradient_clipping": 1.0, "wall_clock_breakdown": False}
-    got = DeepspeedTorchDistributor(numGpus=2, nnodes=1, localMode=True, useGpu=False,
-                                    deepspeedConfig=extra).run(job.train_from_argv)
-    assert got["rank"] == 0 and got["deepspeed_flag"] and got["base"] == extra
-    assert got["env"]["WORLD_SIZE"] == "2"
-    job.check([got], world=2, ranks=[0])
-
-
-def test_phalanxrun_accelerate_and_trainer_with_deepspeed() -> None:
-    """Hugging Face scripts unchanged: accelerate and transformers place the rank from torchrun's variables."""
+def test_phalanxrun_accelerate() -> None:
+    """An accelerate script unchanged: accelerate places the rank from torchrun's variables (and sizes its
+threads by LOCAL_WORLD_SIZE)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run([sys.executable, "-m", "phalanx.cli.main", "-np", "2", sys.executable, str(HF_JOB)],
                           env=env, capture_output=True, text=True, timeout=220)
@@ -66,8 +55,4 @@ def test_phalanxrun_accelerate_and_trainer_with_deepspeed() -> None:
     assert {a["distributed_type"] for a in acc} == {"DistributedType.MULTI_CPU"}
     assert acc[0]["param_sums"] == acc[1]["param_sums"] and len(acc[0]["param_sums"]) == 2  # in sync
     assert acc[0]["batches"] == 11  # the sampler shards 22 blocks over 2 ranks
-    trainer = [r["trainer"] for r in got]
-    assert [(t["world_size"], t["process_index"], t["steps"], t["deepspeed"]) for t in trainer] == [
-        (2, 0, 3, True), (2, 1, 3, True)]
-    assert trainer[0]["loss"] == trainer[1]["loss"]
     assert {r["env"]["LOCAL_WORLD_SIZE"] for r in got} == {"2"}
