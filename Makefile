@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.phalanx-installed
 PIP    := $(BIN)/python -m pip --disable-pip-version-check -q
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit bench soak clean gpu-check
+.PHONY: demo test lint typecheck browser unit bench soak clean gpu-check
 
 # The .pth start-up hooks are copied into site-packages by the (editable) install: a change re-installs.
 $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/_phalanx_startup/*.pth)
@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/_phalanx_startup/*.p
 	# make test covers phalanx.tensorflow.keras and phalanx.spark on a Connect session too.
 	# phalanx[estimator]: pyarrow, pandas and fsspec for the Spark estimators. phalanx[deepspeed] and [hf]:
 	# DeepSpeed (built from its sdist: DS_BUILD_OPS=0 compiles no op, ~15 s) and transformers/accelerate.
-	DS_BUILD_OPS=0 $(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect,estimator,deepspeed,hf]"
+	# phalanx[observe]: prometheus_client for the job page's /metrics.
+	DS_BUILD_OPS=0 $(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect,estimator,deepspeed,hf,observe]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -31,8 +32,13 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 # The hosts and Spark tiers run in pytest processes of their own beside the rest (tools/test_tiers.py).
-test: $(STAMP) lint typecheck
+test: $(STAMP) lint typecheck browser
 	$(BIN)/python tools/test_tiers.py $(PYTEST_ARGS)
+
+# The job page's browser test needs Debian's chromium and its driver (a fresh machine has neither).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)

@@ -33,6 +33,8 @@ from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
+from phalanx.observe import ObserveOptions
+from phalanx.observe import resolve as resolve_observe
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -57,6 +59,7 @@ class RunConfig:
     hosts: HostsSpec | None = None
     check_hosts_only: bool = False
     forward_env: tuple[tuple[str, str], ...] = ()
+    observe: ObserveOptions | None = None
 
     def job_env(self) -> dict[str, str]:
         """Variables the command's ranks get on top of the contract: ``-x``'s (on every host, as mpirun
@@ -79,6 +82,7 @@ class RunConfig:
             prefix=self.prefix,
             prefix_timestamp=self.prefix_timestamp,
             output_dir=self.output_dir,
+            observe=self.observe,
         )
 
 
@@ -142,6 +146,12 @@ def build_parser(prog: str = "phalanxrun") -> argparse.ArgumentParser:
                    help="also keep each rank's output in DIR/rank.N/{stdout,stderr}")
     p.add_argument("--no-prefix", action="store_true", help="do not prefix output lines with [rank]<stream>:")
     p.add_argument("--timeline-filename", default=None, help="write a Horovod timeline to this file")
+    p.add_argument("--dashboard", nargs="?", const="1", default=None, metavar="[HOST:]PORT",
+                   help="serve the job's live page and /metrics (default: a free port on 127.0.0.1); the address "
+                        "is printed once (docs/observe.md)")
+    p.add_argument("--mlflow", action="store_const", const=True, default=None,
+                   help="log the job's metrics and timeline summary to MLflow (a run must be active: "
+                        "MLFLOW_RUN_ID)")
     p.add_argument("--timeline-mark-cycles", action="store_const", const=True, default=None,
                    help="mark cycles in the timeline")
     p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=None,
@@ -230,6 +240,7 @@ def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
         hosts=hosts,
         check_hosts_only=bool(ns.check_hosts),
         forward_env=tuple(sorted(forward.items())),
+        observe=resolve_observe(ns.dashboard, ns.mlflow),
     )
 
 

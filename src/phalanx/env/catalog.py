@@ -126,4 +126,7 @@ KNOBS: tuple[Any, ...] = (
          "`hvd.init()` (`phalanx.env.foreign`)"),
     _doc((names.CUDA_VISIBLE_DEVICES,), "—",
          "set by phalanx on Spark with `use_gpu=True` (see above); otherwise yours", "GPU list", "torch"),
+    _doc((names.MLFLOW_RUN_ID,), "unset",
+         "with `PHALANX_MLFLOW=1` / `--mlflow`: the run to log to when none is active in the driver's thread "
+         "(`phalanxrun --mlflow`)", "id", "driver (MLflow's own variable)"),
 )

@@ -77,6 +77,10 @@ PHALANX_ELASTIC_WORKER_ID = "PHALANX_ELASTIC_WORKER_ID"
 PHALANX_ELASTIC_TIMEOUT_S = "PHALANX_ELASTIC_TIMEOUT_S"
 PHALANX_ELASTIC_CHECKPOINT_DIR = "PHALANX_ELASTIC_CHECKPOINT_DIR"
 
+#: Seconds between two stats records a rank sends the driver (steps, collective waits: the live page, metrics
+#: and MLflow); set by a launcher only when one of those is on, unset otherwise (no records, no cost).
+PHALANX_STATS_INTERVAL_S = "PHALANX_STATS_INTERVAL_S"
+
 # --- phalanx.spark: "1" when log_to_driver() should send its message on the channel (Spark jobs).
 PHALANX_LOG_TO_DRIVER = "PHALANX_LOG_TO_DRIVER"
 
@@ -108,6 +112,13 @@ PHALANX_STALL_CHECK_S = "PHALANX_STALL_CHECK_S"
 PHALANX_TEARDOWN_GRACE_S = "PHALANX_TEARDOWN_GRACE_S"
 #: "0" turns warm starts (ranks forked from a pre-imported template) off.
 PHALANX_WARM_START = "PHALANX_WARM_START"
+
+#: The job's live page on the driver: "1" (a free port on 127.0.0.1), a port, or host:port; "0"/unset: off.
+PHALANX_DASHBOARD = "PHALANX_DASHBOARD"
+#: "1": log the job's metrics and timeline summary to the driver's active MLflow run.
+PHALANX_MLFLOW = "PHALANX_MLFLOW"
+#: MLflow's own: the run to log to where none was started in the driver's thread (``phalanxrun --mlflow``).
+MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
 
 #: Spark Connect: the address the executors reach this client at (for live logs); default: the local address
 #: of the route to the Connect server.

@@ -206,6 +206,10 @@ ELASTIC_WORKER_ID: Setting[int | None] = Setting(
     "elastic jobs (`phalanx.run(min_np=...)`, `phalanxrun --min-np`)",
     "the worker's stable id (its channel rank; its torch rank changes from round to round); see "
     "[elastic.md](elastic.md)")
+STATS_INTERVAL = _maybe_seconds(
+    names.PHALANX_STATS_INTERVAL_S, "unset (off)", "launchers with a live page, metrics or MLflow on",
+    "a rank running phalanx.torch sends the driver its steps and collective waits this often (see "
+    "[observe.md](observe.md))", positive=True)
 
 # --- knobs a user may set.
 HOROVOD_START_TIMEOUT = _seconds(
@@ -318,6 +322,13 @@ TEARDOWN_GRACE = _seconds(names.PHALANX_TEARDOWN_GRACE_S, DEFAULT_TEARDOWN_GRACE
                           "local, hosts and Spark launchers",
                           "grace between SIGTERM and SIGKILL when a job is torn down (after a failure, a start "
                           "timeout or Ctrl-C)", positive=False)
+DASHBOARD = _text(names.PHALANX_DASHBOARD, "port", "unset (off)", "driver (every launcher)",
+                  "the job's live page and `/metrics`: `1` (a free port on 127.0.0.1), `PORT`, or `HOST:PORT`; "
+                  "`0`: off (`phalanx.run(dashboard=)` and `phalanxrun --dashboard` override it); see "
+                  "[observe.md](observe.md)")
+MLFLOW = _bool(names.PHALANX_MLFLOW, False, "driver (every launcher)",
+               "`1`: log the job's metrics (rank 0's) and timeline summary to the driver's active MLflow run "
+               "(`phalanx.run(mlflow=True)`, `phalanxrun --mlflow`); see [observe.md](observe.md)")
 CONNECT_CLIENT_HOST = _text(names.PHALANX_CONNECT_CLIENT_HOST, "address",
                             "the local address of the route to the Connect server",
                             "`phalanx.spark` on a Spark Connect client",
@@ -327,12 +338,12 @@ CONNECT_CLIENT_HOST = _text(names.PHALANX_CONNECT_CLIENT_HOST, "address",
 #: The worker contract's phalanx variables, in docs/env.md's order.
 CONTRACT: tuple[Setting[Any], ...] = (HOSTNAME, RUN_ID, CHANNEL, SECRET, START_TIMEOUT, PARENT_PID)
 #: Variables particular launchers or jobs set.
-LAUNCHER_SET: tuple[Setting[Any], ...] = (LOG_TO_DRIVER, ELASTIC_WORKER_ID)
+LAUNCHER_SET: tuple[Setting[Any], ...] = (LOG_TO_DRIVER, ELASTIC_WORKER_ID, STATS_INTERVAL)
 #: Knobs a user may set, in docs/env.md's order.
 KNOBS: tuple[Setting[Any], ...] = (
     HOROVOD_START_TIMEOUT, FUSION_THRESHOLD, CYCLE_TIME, TIMELINE, TIMELINE_MARK_CYCLES, TIMELINE_ALL_RANKS,
     TIMELINE_MAX_MB, DYNAMIC_PROCESS_SETS, WARM_START, SHM, SHM_TIMEOUT, SHM_SLOT_BYTES, SHM_NATIVE, SHM_CMA,
     SHM_THP, SHM_GRAD_ASYNC, SHM_EARLY_REDUCE, STALL_CHECK_DISABLE, STALL_CHECK_TIME, STALL_SHUTDOWN_TIME,
     GLOO_TIMEOUT, LOG_LEVEL, NCCL_IB_DISABLE, LOG_HIDE_TIME, STALL_CHECK, MALLOC_TUNE, ELASTIC_TIMEOUT,
-    ELASTIC_CHECKPOINT_DIR, TEARDOWN_GRACE, CONNECT_CLIENT_HOST,
+    ELASTIC_CHECKPOINT_DIR, TEARDOWN_GRACE, CONNECT_CLIENT_HOST, DASHBOARD, MLFLOW,
 )

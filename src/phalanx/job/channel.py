@@ -27,6 +27,7 @@ from phalanx.job.framing import FrameWriter, Kind, close_socket, read_body, read
 from phalanx.job.handshake import Role, new_secret
 from phalanx.job.records import ErrorRecord, Hello, LogLine
 from phalanx.job.spool import SPOOL_BYTES, Spooled, SpoolError
+from phalanx.job.stats import RankStats
 
 __all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "WorkerChannel", "new_secret"]
 
@@ -58,7 +59,7 @@ class Custom:
     body: bytes
 
 
-Event = Hello | LogLine | Result | ErrorRecord | Closed | Custom
+Event = Hello | LogLine | Result | ErrorRecord | Closed | Custom | RankStats
 
 
 class DriverChannel:
@@ -237,6 +238,11 @@ def _decode(rank: int, kind: Kind, body: bytes) -> Event | None:
         event = ErrorRecord.decode(body)
     elif kind is Kind.EVENT:
         event = Custom(rank=rank, body=body)
+    elif kind is Kind.STATS:
+        try:
+            event = RankStats.decode(body)
+        except (ValueError, KeyError, TypeError, IndexError):  # malformed: dropped, the job is not judged by it
+            return None
     else:
         raise ChannelError(f"a worker may not send {kind.name} frames")
     if getattr(event, "rank", rank) != rank:

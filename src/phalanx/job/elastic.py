@@ -16,6 +16,7 @@ from typing import Any
 from phalanx.errors import InvalidArgumentError, WorkerFailedError
 from phalanx.job.channel import Event
 from phalanx.job.monitor import JobMonitor, RankExit, _RankState
+from phalanx.job.observation import Reformed
 from phalanx.job.records import ErrorRecord
 
 
@@ -127,7 +128,7 @@ class ElasticMonitor(JobMonitor):
         self._spawned_at.append(time.monotonic())
         return len(self._ranks) - 1
 
-    def run(self) -> list[Any]:
+    def _judge(self) -> list[Any]:
         """Block until the final world is done; return its values in rank order.
 
         Raises:
@@ -211,6 +212,8 @@ class ElasticMonitor(JobMonitor):
     def _reform_to(self, alive: list[int], size: int) -> None:
         self.resets += 1
         self.world = self.reform(alive, size)
+        if self.observer is not None:
+            self.observer(Reformed(self.resets, tuple(self.world)))
         while len(self._ranks) <= max(self.world):
             self.add_worker()
 

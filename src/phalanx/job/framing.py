@@ -39,6 +39,7 @@ class Kind(IntEnum):
     EVENT = 9
     PROOF = 10
     REFUSED = 11
+    STATS = 12
 
 
 def encode(kind: Kind, body: bytes = b"") -> bytes:

@@ -8,6 +8,7 @@ there (notebook friendly) and a KeyboardInterrupt lands in it.
 from __future__ import annotations
 
 import queue
+import reprlib
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -16,12 +17,21 @@ from typing import Any
 
 import cloudpickle
 
-from phalanx.errors import PayloadError, RankFailure, StartTimeoutError, WorkerFailedError, describe_exit
-from phalanx.job.channel import Closed, Custom, Event, Result
+from phalanx.errors import (
+    PayloadError,
+    PhalanxError,
+    RankFailure,
+    StartTimeoutError,
+    WorkerFailedError,
+    describe_exit,
+)
+from phalanx.job.channel import Custom, Event, Result
 from phalanx.job.logs import LogSink, TailBuffer
+from phalanx.job.observation import JobEnded, Observer, RankEnded, RankStarted
 from phalanx.job.records import ErrorRecord, Hello, LogLine
 from phalanx.job.report import read_failure
 from phalanx.job.spool import Spooled
+from phalanx.job.stats import RankStats
 
 _POLL_S = 0.05
 #: Exit codes a worker uses when it was stopped on purpose (SIGTERM's shell code, and the watchdog's).
@@ -91,6 +101,8 @@ class JobMonitor:
     stop_all: Callable[[], None]
     on_custom: Callable[[Custom], None] | None = None
     tail: TailBuffer = field(default_factory=TailBuffer)
+    #: Told of each rank's start, stats, log lines and end, and of the verdict (:mod:`phalanx.job.observation`).
+    observer: Observer | None = None
     _ranks: list[_RankState] = field(init=False)
     _stopped_at: float | None = field(init=False, default=None)
 
@@ -104,6 +116,17 @@ class JobMonitor:
             WorkerFailedError: a rank raised, exited non-zero or died by a signal.
             StartTimeoutError: some ranks did not start within the start timeout.
         """
+        if self.observer is None:
+            return self._judge()
+        try:
+            values = self._judge()
+        except PhalanxError as e:
+            self.observer(JobEnded(ok=False, report=str(e)))
+            raise
+        self.observer(JobEnded(ok=True, report=_result_summary(values), ranks=range(len(values))))
+        return values
+
+    def _judge(self) -> list[Any]:
         started = time.monotonic()
         while not all(r.exited for r in self._ranks):
             self._drain(timeout=_POLL_S)
@@ -138,7 +161,12 @@ class JobMonitor:
             for sink in self.sinks:
                 sink.write(event)
             self.tail.write(event)
-            return
+        else:
+            self._record(event)
+        if self.observer is not None:
+            self._tell(self.observer, event)
+
+    def _record(self, event: Event | RankExit) -> None:
         state = self._ranks[event.rank]
         if isinstance(event, Hello):
             state.hello = True
@@ -151,8 +179,22 @@ class JobMonitor:
             self._exited(state, event.returncode, event.ended_at)
         elif isinstance(event, Custom) and self.on_custom is not None:
             self.on_custom(event)
-        elif isinstance(event, Closed):
-            pass
+
+    def _tell(self, observer: Observer, event: Event | RankExit) -> None:
+        """Pass what an observer sees of ``event`` on (after the monitor judged it)."""
+        if isinstance(event, (LogLine, RankStats)):
+            observer(event)
+        elif isinstance(event, Hello):
+            observer(RankStarted(event.rank, event.pid, event.host, time.monotonic()))
+        elif isinstance(event, RankExit):
+            state = self._ranks[event.rank]
+            if state.failed_at is None:
+                observer(RankEnded(event.rank, event.returncode, False))
+                return
+            others = [s.failed_at for s in self._ranks if s is not state and s.failed_at is not None]
+            stopped = bool(others) and min(others) < state.failed_at and self._was_stopped(state, min(others))
+            cause = self._describe(event.rank, state, stopped).summary
+            observer(RankEnded(event.rank, event.returncode, True, cause, stopped))
 
     def _exited(self, state: _RankState, returncode: int, ended_at: float | None) -> None:
         state.exited = True
@@ -244,3 +286,16 @@ class JobMonitor:
                 f"rank {rank}'s return value cannot be unpickled on the driver: {type(e).__name__}: {e}. "
                 "Return plain Python objects or tensors; types defined only on the workers cannot be loaded."
             ) from e
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 200
+
+
+def _result_summary(values: list[Any]) -> str:
+    """What the job returned, in a line an observer can show (rank 0's value, shortened)."""
+    if not values:
+        return "the job finished"
+    first = values[0]
+    shown = f"{len(first)} bytes" if isinstance(first, (bytes, bytearray)) else _SHORT.repr(first)
+    return f"every rank finished; rank 0 returned {shown}"

@@ -24,6 +24,7 @@ from phalanx.launch.hosts import HostSlots, check_host_name, only_this_machine, 
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 from phalanx.launch.ssh import SshOptions
+from phalanx.observe import resolve as resolve_observe
 
 #: The most ranks one job may have: a bound far above any real job, checked before anything is allocated
 #: per rank (``np=10**20`` would otherwise grow the driver by gigabytes before failing).
@@ -174,6 +175,8 @@ def run(
     ssh_port: int | None = None,
     ssh_identity_file: str | None = None,
     network_interfaces: str | Sequence[str] | None = None,
+    dashboard: bool | int | str | None = None,
+    mlflow: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``np`` local processes; the contract of ``horovod.run``.
 
@@ -212,6 +215,11 @@ def run(
         network_interfaces: with ``hosts`` naming other machines: the NIC (a name, a comma-separated
             list or a list; the first is used) whose address the job's channel and store listen on
             (default: this machine's address on the route to the first other host).
+        dashboard: serve the job's live page and its Prometheus ``/metrics`` from this process: ``True`` (a
+            free port on 127.0.0.1), a port, or ``"HOST:PORT"``; the address, with its token, is printed once
+            (default: ``PHALANX_DASHBOARD``, else off; see docs/observe.md).
+        mlflow: log the job's metrics (rank 0's) and timeline summary to this thread's active MLflow run
+            (default: ``PHALANX_MLFLOW``, else off).
 
     Returns:
         Every rank's return value, in rank order (for an elastic job: the final world's).
@@ -235,6 +243,7 @@ def run(
         prefix=prefix_output,
         output_dir=output_filename,
         warm_preload=warm.preload_for(fn),
+        observe=resolve_observe(dashboard, mlflow),
     )
     if verbose:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)

@@ -14,7 +14,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
@@ -30,6 +30,8 @@ from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id, spawn_
 from phalanx.launch.proctree import terminate_tree
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.warm import RankProcess
+from phalanx.observe import ObserveOptions, open_watch
+from phalanx.observe import resolve as resolve_observe
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class LocalJobSpec:
         teardown_grace_s: seconds between SIGTERM and SIGKILL on teardown.
         warm_preload: for function jobs, the modules a warm-start template should import; None turns
             warm starts off for this job.
+        observe: the job's live page and MLflow logging (docs/observe.md); None: neither (default:
+            ``PHALANX_DASHBOARD`` / ``PHALANX_MLFLOW``).
     """
 
     np: int
@@ -65,13 +69,15 @@ class LocalJobSpec:
     output_dir: str | None = None
     teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
+    observe: ObserveOptions | None = field(default_factory=resolve_observe)
 
 
 class LocalLauncher:
     """Starts, watches and tears down one local job. Use :meth:`run` once."""
 
     def __init__(self, spec: LocalJobSpec) -> None:
-        self.spec = spec
+        # An observed job's ranks send stats records (every launcher built on this one lays spec.env over theirs).
+        self.spec = replace(spec, env={**spec.observe.rank_env(), **spec.env}) if spec.observe else spec
         self._procs: list[RankProcess] = []
         self._threads: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
@@ -79,12 +85,14 @@ class LocalLauncher:
 
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for commands) in rank order."""
+        watch = open_watch(self.spec.observe, self._run_id, self.spec.np)
         address = self._address()
         files = FileSink(self.spec.output_dir) if self.spec.output_dir else None  # refused before anything starts
         channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=address)
         store = RendezvousStore(self._channel_size(), channel.secret, bind_host=address)
         sinks: list[LogSink] = [ConsoleSink(self.spec.prefix, self.spec.prefix_timestamp)] + ([files] if files else [])
         monitor = self._monitor(channel, sinks)
+        monitor.observer = watch.observe if watch is not None else None
         try:
             self._start(channel, store)
             return monitor.run()
@@ -100,6 +108,8 @@ class LocalLauncher:
             store.close()
             if files:
                 files.close()
+            if watch is not None:
+                watch.close()
             if self.spec.command is None and self.spec.warm_preload is not None:
                 warm.prepare(self.spec.warm_preload)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import IO, TYPE_CHECKING, Any
 
 from phalanx.env.contract import nic_env
@@ -13,6 +14,7 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.warm import preload_for
+from phalanx.observe import resolve as resolve_observe
 from phalanx.spark.connect.client import ConnectLauncher
 from phalanx.spark.connect.session import is_connect
 from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
@@ -48,6 +50,10 @@ def launch_spark(spec: SparkJobSpec, sc: Any, launcher: AnyLauncher | None = Non
         SlotsUnavailableError, WorkerFailedError, StartTimeoutError, SparkJobError.
     """
     if is_connect(sc):
+        if spec.observe is not None:  # the job's monitor runs in an executor's task there, not on this client
+            log.warning("phalanx: the job page and MLflow logging are not available on a Spark Connect "
+                        "session (the job is watched from an executor); running without them")
+            spec = replace(spec, observe=None)
         launcher = launcher or ConnectLauncher(spec, sc)
     else:
         wait_for_slots(sc, spec.np, spec.start_timeout_s, spec.start_timeout_hint, spec.ranks_per_task)
@@ -111,6 +117,8 @@ def run(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     verbose: int = 1,
+    dashboard: bool | int | str | None = None,
+    mlflow: bool | None = None,
     **compat: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as ``num_proc`` ranks of a Spark barrier stage (``horovod.spark.run``).
@@ -125,6 +133,10 @@ def run(
         stdout: where the ranks' stdout lines go on the driver (default ``sys.stdout``).
         stderr: where the ranks' stderr lines go (default ``sys.stderr``).
         verbose: 0 quiet, 1 normal, 2 debug logging of the launcher.
+        dashboard: serve the job's live page and ``/metrics`` from the driver (as ``phalanx.run``'s; default:
+            ``PHALANX_DASHBOARD``, else off; not on a Spark Connect session).
+        mlflow: log the job's metrics and timeline summary to the driver's active MLflow run (default:
+            ``PHALANX_MLFLOW``, else off).
         compat: ``nics`` (NIC names: the ranks' ``NCCL_SOCKET_IFNAME`` and ``GLOO_SOCKET_IFNAME``, unless ``env``
             sets them), and horovod.spark.run's arguments without meaning here (``use_mpi``...), ignored.
 
@@ -139,6 +151,7 @@ def run(
         StartTimeoutError: ranks did not start in time.
     """
     spec, sc = run_spec(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose, compat)
+    spec = replace(spec, observe=resolve_observe(dashboard, mlflow))
     return launch_spark(spec, sc).values
 
 

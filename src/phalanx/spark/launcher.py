@@ -27,6 +27,8 @@ from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch.core import monitor_config, new_run_id
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.supervisor import ExitReports
+from phalanx.observe import ObserveOptions, open_watch
+from phalanx.observe import resolve as resolve_observe
 from phalanx.spark.driver_log import rank_log_dir
 from phalanx.spark.session import bind_address, driver_host, executor_python, python_exec
 from phalanx.spark.task import TaskSpec, barrier_task
@@ -62,6 +64,8 @@ class SparkJobSpec:
         warm_preload: modules for the executors' warm-start templates (function jobs); None: cold.
         ranks_per_task: ranks each barrier task runs, one per GPU of the task (``spark.task.resource.gpu.amount``
             when it is above 1); ``np`` is a multiple of it (:func:`phalanx.spark.gpus.ranks_per_task`).
+        observe: the job's live page and MLflow logging on the driver (default: ``PHALANX_DASHBOARD`` /
+            ``PHALANX_MLFLOW``, so ``HorovodRunner`` and ``TorchDistributor`` honour them; docs/observe.md).
     """
 
     np: int
@@ -78,6 +82,7 @@ class SparkJobSpec:
     teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
     ranks_per_task: int = 1
+    observe: ObserveOptions | None = field(default_factory=resolve_observe)
 
     @property
     def tasks(self) -> int:
@@ -162,6 +167,7 @@ class SparkLauncher:
             StartTimeoutError: ranks did not start in time.
             SparkJobError: Spark failed the stage for a reason outside the user's code.
         """
+        watch = open_watch(self.spec.observe, self.run_id, self.spec.np, "Spark job")
         host, bind = driver_host(self.sc), bind_address(self.sc)
         channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=bind, advertise_host=host)
         store = RendezvousStore(self._channel_size(), channel.secret, bind_host=bind)
@@ -171,6 +177,7 @@ class SparkLauncher:
                           channel=channel.address, secret=channel.secret,
                           start_timeout_s=self.spec.start_timeout_s)
         monitor = self._monitor(channel, self._sinks())
+        monitor.observer = watch.observe if watch is not None else None
         try:
             self._prepare(store)
             self._submit(job)
@@ -187,6 +194,8 @@ class SparkLauncher:
             store.close()
             if self._files is not None:
                 self._files.close()
+            if watch is not None:
+                watch.close()
 
     def _channel_size(self) -> int:
         """How many worker ids the channel and the store accept (an elastic job needs more than np)."""
@@ -203,7 +212,8 @@ class SparkLauncher:
         """Called once the monitor returned the job's values."""
 
     def _task_spec(self, job: JobContract) -> TaskSpec:
-        return TaskSpec(job=job, command=self.spec.command, env=dict(self.spec.env),
+        observed = self.spec.observe.rank_env() if self.spec.observe is not None else {}
+        return TaskSpec(job=job, command=self.spec.command, env={**observed, **self.spec.env},
                         use_gpu=self.spec.use_gpu, teardown_grace_s=self.spec.teardown_grace_s,
                         warm_preload=self.spec.warm_preload, ranks_per_task=self.spec.ranks_per_task)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
+from phalanx.job import stats
 from phalanx.torch import _background, _generations, _names, _rounds, _stall, _state, _trace
 from phalanx.torch import _header as header
 from phalanx.torch import _speculate as speculation
@@ -273,6 +274,7 @@ def synchronize(handle: int) -> Any:
     """
     _background.drain()
     entry = _lookup(handle)
+    waiting = stats.begin(entry.coll.sig.kind)
     try:
         if entry.state == "negotiating":
             advance(until=entry)
@@ -286,11 +288,21 @@ def synchronize(handle: int) -> Any:
                 _stall.wait(work)
         return entry.coll.finish()
     finally:
+        if waiting:
+            stats.end(entry.coll.sig.kind, waiting, _payload_bytes(entry.coll.sig))
         if entry.gathered is not None:
             _trace.end(entry.row, _trace.RUN[entry.coll.sig.kind])
         del ENGINE.handles[handle]
         if ENGINE.inflight.get(entry.name) is entry:
             ENGINE.inflight.pop(entry.name, None)
+
+
+def _payload_bytes(sig: header.Signature) -> int:
+    """Bytes of the collective's (first) tensor, for the stats records."""
+    count = 1
+    for n in sig.shape:
+        count *= n
+    return count * sig.dtype.itemsize
 
 
 def run(coll: Collective, process_set: ProcessSet) -> Any:

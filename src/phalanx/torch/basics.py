@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import phalanx.timeline as timeline
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _background, _engine, _generations, _log, _malloc, _membership, _state
+from phalanx.torch import _background, _engine, _generations, _log, _malloc, _membership, _observe, _state
 from phalanx.torch.process_sets import ProcessSet, clear_process_sets
 
 
@@ -50,6 +50,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
         static = None if isinstance(process_sets, str) else process_sets
         _membership.init_process_sets(static, dynamic=process_sets == "dynamic")
         timeline.start_from_env()
+        _observe.report_stats()
     except BaseException:
         shutdown()
         raise

@@ -18,6 +18,7 @@ import torch
 import phalanx.timeline as timeline
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError, NotInitializedError
+from phalanx.job import stats
 from phalanx.torch import _buckets as bucketing
 from phalanx.torch import _join, _sparse, _state, _trace, async_ops
 from phalanx.torch import _reduce as reduction
@@ -255,6 +256,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if len(self._phalanx_groups.ranks) > 1:  # lets ranks that called hvd.join() serve this step
                 announce = async_ops.optimizer_step_async(self._layout, self._ps)
             self._sparse.launch()
+            waiting = stats.begin("allreduce")
             try:
                 for i, bucket in enumerate(self._buckets):
                     bucketing.wait(bucket, self._compression, self._postscale)
@@ -267,6 +269,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if announce is not None:
                 async_ops.synchronize(announce)
             self._sparse.finish()
+            if waiting:
+                stats.end("allreduce", waiting, self._bucket_bytes())
             self._next = 0
             if self._early is not None:
                 self._early.release()
@@ -298,7 +302,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_sync and not self._synchronized:
             self.synchronize()
         self._synchronized = False
+        stats.step()
         return super(self.__class__, self).step(closure)
+
+    def _bucket_bytes(self) -> int:
+        """Bytes of every gradient bucket (what one step allreduces), for the stats records."""
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self._buckets)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients; refused while this step's allreduces are in flight (it would race them).

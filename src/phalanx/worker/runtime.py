@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from phalanx.env import read_contract
 from phalanx.errors import ChannelError, PhalanxError
+from phalanx.job import stats
 from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.payload import dumps, load_call
@@ -63,7 +64,10 @@ def _install_compat() -> None:
 def _run(channel: WorkerChannel, rank: int) -> int:
     try:
         call = load_call(channel.payload)
-        value: Any = call.fn(*call.args, **call.kwargs)
+        try:
+            value: Any = call.fn(*call.args, **call.kwargs)
+        finally:
+            stats.stop_reporter()  # its last record goes before the outcome: the driver sees the final step
     except SystemExit as e:
         if e.code in (None, 0):
             value = None
@@ -101,6 +105,7 @@ def main() -> int:
     _channel = channel
     threading.Thread(target=_watchdog, args=(channel,), name="phalanx-watchdog", daemon=True).start()
     channel.send(Kind.HELLO, Hello(rank=rank, pid=os.getpid(), host=contract.identity.hostname).encode())
+    stats.start_reporter(lambda body: channel.send(Kind.STATS, body), rank, contract.identity.hostname or None)
     _install_compat()
     dist_backend.install()
     deepspeed_ops.install()
