@@ -36,6 +36,8 @@ from phalanx.job.stats import RankStats
 _POLL_S = 0.05
 #: Exit codes a worker uses when it was stopped on purpose (SIGTERM's shell code, and the watchdog's).
 _STOPPED_CODES = {-15, -9, 143, 137}
+#: Of those, SIGKILL's: the teardown sends it only once its grace after SIGTERM is over.
+_KILLED_CODES = {-9, 137}
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class MonitorConfig:
         start_timeout_s: seconds for every rank to say hello.
         start_timeout_hint: the argument or variable that raises the start timeout, for the error.
         stop_wait_s: after a failure, seconds to wait for the other ranks to go.
+        teardown_grace_s: seconds the teardown waits between SIGTERM and SIGKILL (a rank SIGKILLed sooner
+            after the job was stopped was killed by someone else: a failure of its own, not a stopped rank).
         rank_hosts: the host of each rank when the job spans several machines (failures name it); empty
             for a job on one machine.
         raw_results: return each rank's result as the bytes it sent (a launcher that runs away from the
@@ -87,6 +91,7 @@ class MonitorConfig:
     start_timeout_s: float
     start_timeout_hint: str
     stop_wait_s: float = 10.0
+    teardown_grace_s: float = 3.0
     rank_hosts: Sequence[str] = ()
     raw_results: bool = False
 
@@ -241,9 +246,12 @@ class JobMonitor:
         out += [self._describe(r, s, secondary=self._was_stopped(s, stop)) for r, s in failed[1:]]
         return out
 
-    @staticmethod
-    def _was_stopped(state: _RankState, stop: float | None) -> bool:
-        return state.error is None and state.returncode in _STOPPED_CODES and stop is not None
+    def _was_stopped(self, state: _RankState, stop: float | None) -> bool:
+        if state.error is not None or state.returncode not in _STOPPED_CODES or stop is None:
+            return False
+        if state.returncode in _KILLED_CODES and self._stopped_at is not None and state.failed_at is not None:
+            return state.failed_at >= self._stopped_at + self.config.teardown_grace_s
+        return True
 
     def _describe(self, rank: int, state: _RankState, secondary: bool) -> RankFailure:
         rc = state.returncode

@@ -34,12 +34,14 @@ class RankEnded:
         returncode: its exit code.
         failed: whether it counts as a failure (for an elastic job: a lost worker).
         cause: why it failed (``Type: message``, or how the process ended); empty when it did not.
+        stopped: it ended by the teardown phalanx started after an earlier failure of another rank.
     """
 
     rank: int
     returncode: int
     failed: bool
     cause: str = ""
+    stopped: bool = False
 
 
 @dataclass(frozen=True)

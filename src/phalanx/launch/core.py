@@ -56,6 +56,7 @@ def monitor_config(np: int, function_job: bool, start_timeout_s: float, hint: st
         start_timeout_s=start_timeout_s,
         start_timeout_hint=hint,
         stop_wait_s=teardown_grace_s + DRAIN_WAIT_S + STOP_SLACK_S,
+        teardown_grace_s=teardown_grace_s,
     )
 
 

@@ -21,7 +21,7 @@ from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
 from phalanx.env import names as env_names
 from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import PhalanxError
-from phalanx.job.channel import DriverChannel
+from phalanx.job.channel import DriverChannel, Role
 from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.records import Stream
@@ -190,6 +190,10 @@ class LocalLauncher:
             pump.join(DRAIN_WAIT_S)
         if self.spec.command is None and channel.is_connected(rank):
             channel.worker_done(rank, DRAIN_WAIT_S)
+        # The rank's connection may have been seen closed before this thread woke (a loaded driver): the
+        # earlier time keeps a killed rank the root cause ahead of a peer's error about losing it.
+        closed = channel.closed_at(rank, Role.WORKER)
+        ended_at = min(ended_at, closed) if closed is not None else ended_at
         channel.events.put(RankExit(rank=rank, returncode=returncode, ended_at=ended_at))
 
     def _stop_all(self, grace_s: float | None = None) -> None:

@@ -28,8 +28,6 @@ REPORT_CHARS = 64_000
 #: A rank whose share of time spent waiting in collectives is this much below the most waiting rank's is the
 #: straggler (the others wait for it).
 STRAGGLER_GAP = 0.1
-#: The stopped ranks' exit codes (SIGTERM / SIGKILL, as the shell and the worker say them).
-_STOPPED = {-15, -9, 143, 137}
 
 
 @dataclass
@@ -144,15 +142,11 @@ class JobBoard:
         view.returncode, view.current = obs.returncode, ""
         if not obs.failed:
             view.state = "finished"
-        elif self._stopped_by_us(obs):
+        elif obs.stopped:
             view.state, view.cause = "stopped", obs.cause
         else:
             view.state, view.cause = "failed", obs.cause
             self._event(f"rank {obs.rank} failed: {obs.cause}")
-
-    def _stopped_by_us(self, obs: RankEnded) -> bool:
-        """A rank killed by the teardown after another rank failed first (not a root cause)."""
-        return obs.returncode in _STOPPED and any(v.state == "failed" for v in self._ranks.values())
 
     def row(self, rank: int) -> dict[str, Any]:
         """One rank's row (see :meth:`RankView.public`)."""

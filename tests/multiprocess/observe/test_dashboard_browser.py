@@ -148,10 +148,14 @@ def test_page_shows_ranks_steps_and_a_killed_rank(browser: Any) -> None:
         assert refused.value.code == 403
 
         os.kill(int(_cell(browser, 1, "pid")), signal.SIGKILL)
-        _until("rank 1 to turn failed", lambda: _cell(browser, 1, "state") == "failed")
+        try:
+            _until("rank 1 to turn failed", lambda: _cell(browser, 1, "state") == "failed")
+        except AssertionError as e:
+            rows = [(r["state"], r["cause"]) for r in page.board.snapshot()["ranks"]]
+            raise AssertionError(f"{e}; the board: {rows}, the page: {_cell(browser, 1, 'state')}") from e
         assert "SIGKILL" in _cell(browser, 1, "cause")
         report = _until("the failure report", lambda: browser.find_element("id", "end-report").text)
-        assert "rank 1" in report and "SIGKILL" in report
+        assert "rank 1" in report and "SIGKILL" in report  # named with its cause, never as "stopped by phalanx"
         assert browser.find_element("id", "status").text == "failed"
         assert _metrics(page.url)[("phalanx_job_up", "")] == 0
         browser.save_screenshot(str(ARTIFACTS / "dashboard-failed.png"))

@@ -96,7 +96,7 @@ def test_board_follows_a_job() -> None:
     assert len(r0["logs"]) == 40 and r0["logs"][-1][1].startswith("line 99") and len(r0["logs"][-1][1]) == 400
     assert snap["summary"][0]["kind"] == "allreduce" and snap["summary"][0]["count"] == 50
     board.observe(RankEnded(1, -9, True, "process ended with signal SIGKILL (9)"))
-    board.observe(RankEnded(0, 143, True, "process ended with signal SIGTERM (15)"))
+    board.observe(RankEnded(0, 143, True, "process ended with signal SIGTERM (15)", stopped=True))
     board.observe(Reformed(1, (0, 2)))
     board.observe(JobEnded(False, "rank 1 failed: ..."))
     snap = board.snapshot()
@@ -276,6 +276,7 @@ def test_the_monitor_tells_an_observer_what_happens() -> None:
     assert kinds == ["RankStarted", "RankStarted", "LogLine", "RankStats", "RankEnded", "RankEnded", "JobEnded"]
     ended = [o for o in seen if isinstance(o, RankEnded)]
     assert ended[0] == RankEnded(1, 1, True, "ValueError: bad")
+    assert ended[1].stopped and ended[1].returncode == -15  # ended by the teardown after rank 1's failure
     final = seen[-1]
     assert isinstance(final, JobEnded) and not final.ok and final.report.startswith("rank 1 failed")
     assert isinstance(seen[0], RankStarted) and seen[0].host == "h"
