@@ -299,6 +299,8 @@ def synchronize(handle: int) -> Any:
 
 def _payload_bytes(sig: header.Signature) -> int:
     """Bytes of the collective's (first) tensor, for the stats records."""
+    if isinstance(sig.dtype, str):  # a peer's dtype this torch lacks (never this rank's own)
+        return 0
     count = 1
     for n in sig.shape:
         count *= n
