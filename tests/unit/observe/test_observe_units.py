@@ -278,7 +278,8 @@ def test_the_monitor_tells_an_observer_what_happens() -> None:
     assert ended[0] == RankEnded(1, 1, True, "ValueError: bad")
     assert ended[1].stopped and ended[1].returncode == -15  # ended by the teardown after rank 1's failure
     final = seen[-1]
-    assert isinstance(final, JobEnded) and not final.ok and final.report.startswith("rank 1 failed")
+    assert isinstance(final, JobEnded) and not final.ok and final.report.startswith("rank 1 ")
+    assert "ValueError: bad" in final.report
     assert isinstance(seen[0], RankStarted) and seen[0].host == "h"
 
 
