@@ -79,3 +79,25 @@ def test_the_slot_check_counts_tasks_of_two_gpus() -> None:
         run(lambda: None, num_proc=6, start_timeout=1)
     message = str(info.value)
     assert "6 ranks (3 tasks of 2 GPUs each) were asked for" in message and "only 2 task(s)" in message
+
+
+def _deepspeed_identity() -> list[dict[str, Any]]:
+    import phalanx.torch as hvd
+
+    hvd.init()
+    mine = {**{k: os.environ.get(k) for k in KEYS}, "local_rank": hvd.local_rank(), "size": hvd.size(),
+            "pid": os.getpid(), "own_gpu": os.environ["CUDA_VISIBLE_DEVICES"].split(",")[hvd.local_rank()],
+            "flag": "--deepspeed" in __import__("sys").argv}
+    return hvd.allgather_object(mine)
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_distributor_runs_num_gpus_ranks_per_task_of_num_gpus() -> None:
+    """DeepspeedTorchDistributor(numGpus=2, nnodes=2) on tasks of 2 GPUs: one task per node, 2 ranks each."""
+    from phalanx.spark import DeepspeedTorchDistributor
+
+    with pytest.raises(InvalidArgumentError, match=r"numGpus=3, nnodes=1\) runs num_processes=3 ranks: .*multiple"):
+        DeepspeedTorchDistributor(numGpus=3, nnodes=1, localMode=False, useGpu=True).run(_deepspeed_identity)
+    out = DeepspeedTorchDistributor(numGpus=2, nnodes=2, localMode=False, useGpu=True).run(_deepspeed_identity)
+    _check_pinned(out)
+    assert {o["flag"] for o in out} == {True}

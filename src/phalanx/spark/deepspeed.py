@@ -3,8 +3,9 @@ launchers.
 
 pyspark's runs ``torchrun ... train.py ARGS --deepspeed [--deepspeed_config PATH]`` (a function runs through a
 generated script the same way), with ``numGpus * nnodes`` processes: all on the driver in local mode, one per
-Spark task otherwise (``spark.task.resource.gpu.amount`` per task with GPUs). Here the same number of ranks
-runs on :class:`~phalanx.spark.distributor.TorchDistributor`, and every rank sees the same command line: a
+Spark task otherwise, or ``k`` per task when each holds ``k`` GPUs (``spark.task.resource.gpu.amount``). Here
+the same ranks run on :class:`~phalanx.spark.distributor.TorchDistributor` (``k`` per task likewise, each
+pinned to one of its task's GPUs), and every rank sees the same command line: a
 script runs with ``ARGS --deepspeed [--deepspeed_config PATH]`` as its ``sys.argv``, a function runs with
 ``sys.argv[1:]`` set to the flags. The configuration (a dict, or a JSON file read on the driver) travels with
 the job and each rank writes it to a private file of its own, so a path need not exist on the executors, and a
@@ -132,7 +133,9 @@ class DeepspeedTorchDistributor(TorchDistributor):
     Args:
         numGpus: GPUs (ranks) per node, as ``deepspeed --num_gpus``.
         nnodes: nodes. In local mode all ``numGpus * nnodes`` ranks run on the driver; on the cluster each
-            rank is one Spark task (``spark.task.resource.gpu.amount`` GPUs each when ``useGpu``).
+            Spark task runs one rank, or, with ``useGpu`` and ``spark.task.resource.gpu.amount=k`` GPUs per task,
+            ``k`` ranks (one per GPU; ``numGpus * nnodes`` must be a multiple of ``k``), as pyspark's does: with
+            ``k = numGpus``, one task per node.
         localMode: True: on the driver (no Spark job); False: on the cluster's executors.
         useGpu: give each rank GPUs as :class:`TorchDistributor` does (an error when there are none).
         deepspeedConfig: a dict of DeepSpeed settings, the path of a JSON file of them (read on the driver), or
@@ -165,9 +168,10 @@ class DeepspeedTorchDistributor(TorchDistributor):
             A function's return value on rank 0; None for a script (as pyspark's).
 
         Raises:
-            InvalidArgumentError: a bad argument, ``useGpu=True`` without GPUs.
+            InvalidArgumentError: a bad argument, ``useGpu=True`` without GPUs, ``numGpus * nnodes`` not a
+                multiple of the GPUs per task.
             WorkerFailedError: a rank failed (the root cause first).
-            SlotsUnavailableError: the cluster cannot run ``numGpus * nnodes`` tasks at once.
+            SlotsUnavailableError: the cluster cannot run the ranks' tasks at once.
         """
         if isinstance(train_object, str | os.PathLike):
             if kwargs:
@@ -180,7 +184,6 @@ class DeepspeedTorchDistributor(TorchDistributor):
             raise InvalidArgumentError(f"train_object must be a function or a script path; got {train_object!r}")
         try:
             return super().run(call)
-        except SlotsUnavailableError as e:
-            raise SlotsUnavailableError(
-                f"DeepspeedTorchDistributor(numGpus={self.num_gpus}, nnodes={self.nnodes}) needs "
-                f"{self.num_processes} ranks at once: {e}") from e
+        except (SlotsUnavailableError, InvalidArgumentError) as e:  # the checks before launch, in num_processes
+            raise type(e)(f"DeepspeedTorchDistributor(numGpus={self.num_gpus}, nnodes={self.nnodes}) runs "
+                          f"num_processes={self.num_processes} ranks: {e}") from e
