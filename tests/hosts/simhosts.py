@@ -74,6 +74,11 @@ class Cluster:
         return subprocess.run(self.argv_on(host, argv, cwd), capture_output=True, text=True, timeout=timeout,
                               cwd=cwd or self.workdir, **kwargs)  # type: ignore[call-overload]
 
+    def set_link(self, host: str, up: bool) -> None:
+        """Cut ``host``'s link silently (its bridge port down: packets are dropped, no reset is sent) or
+        restore it."""
+        _sh("ip", "-n", BRIDGE_NS, "link", "set", f"v{host}", "up" if up else "down")
+
     def leftovers(self) -> dict[str, set[int]]:
         """Per host, the processes left besides its sshd."""
         return {name: h.leftovers() for name, h in self.hosts.items() if h.leftovers()}

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -193,3 +194,25 @@ def test_a_killed_agent_is_the_root_cause_named_first(cluster: Cluster) -> None:
     assert "the agent on host hostb died while its ranks ran" in first, stderr[-3000:]
     assert "ssh could not connect" not in stderr, stderr[-3000:]
     assert cluster.wait_clean(10.0) == {}
+
+
+def test_a_host_cut_off_silently_is_named_within_the_gloo_timeout(cluster: Cluster) -> None:
+    """hostb's link cut (no packets, no reset): the job printed only stall warnings and waited for good, and
+    --gloo-timeout-seconds had no effect (issue 32, item 10). The agents' heartbeats name hostb first, within
+    the user's gloo timeout."""
+    argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", "--gloo-timeout-seconds",
+                                               "16", sys.executable, "tests/hosts/job_lifetime.py", "train"))
+    driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _until_ready(driver, 4)
+    cluster.set_link("hostb", up=False)
+    try:
+        cut = time.monotonic()
+        _, stderr = driver.communicate(timeout=120)
+        took = time.monotonic() - cut
+    finally:
+        cluster.set_link("hostb", up=True)  # hostb's processes then see the driver's resets and end
+    assert driver.returncode != 0
+    first = stderr.split("Also failed")[0]
+    assert "host hostb went silent: no heartbeat from its agent" in first, stderr[-3000:]
+    assert took < 16 + 10, took  # named within the gloo timeout (12 s of silence), plus the job's teardown
+    assert cluster.wait_clean(30.0) == {}

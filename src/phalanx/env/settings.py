@@ -289,7 +289,9 @@ STALL_SHUTDOWN_TIME = _seconds(
     "`0` (never)", positive=False)
 GLOO_TIMEOUT = _maybe_seconds(
     names.HOROVOD_GLOO_TIMEOUT_SECONDS, "torch's (30 min; Horovod: 30 s)", "`hvd.init()`",
-    "the default process group's timeout for one gloo operation (`--gloo-timeout-seconds`)", positive=True)
+    "the timeout for one gloo operation of every process group phalanx creates (the default one, the "
+    "process sets', the transport's) and of its shared-memory waits; across hosts, three quarters of it "
+    "(at most 30 s) is how long a host may send no heartbeat (`--gloo-timeout-seconds`)", positive=True)
 LOG_LEVEL = Setting(names.HOROVOD_LOG_LEVEL, "", level, "`TRACE`...`FATAL`",
                     "unset: logging as the application set it", "`hvd.init()`",
                     "the `phalanx` loggers' level, printed to stderr in Horovod's layout `[time: L logger] "

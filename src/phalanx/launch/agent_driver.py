@@ -16,10 +16,11 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from phalanx.env import names as env_names
+from phalanx.env import settings
 from phalanx.env.contract import nic_env
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.records import ErrorRecord
@@ -27,7 +28,7 @@ from phalanx.job.shipping import collect_modules, script_of
 from phalanx.launch.core import DRAIN_WAIT_S
 from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.ssh import SshOptions, agent_command, interface_address, route_address, ssh_argv
-from phalanx.launch.supervisor import ExitReports
+from phalanx.launch.supervisor import HEARTBEAT, HEARTBEAT_S, ExitReports
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ SSH_LOST = 255
 #: How much earlier than the driver heard of it an agent's death counts, when its ranks were running: the
 #: survivors' errors about the lost ranks reach the driver first, within this margin.
 HOST_LOSS_LEAD_S = 2.0
+#: Seconds without a heartbeat (:data:`~phalanx.launch.supervisor.HEARTBEAT`) after which a host whose ranks
+#: run is taken as silent (a cut link sends no reset, and ssh alone would wait for good); a user's gloo
+#: timeout shortens it (:func:`silence_limit`), so the host is named before the survivors' collectives time out.
+HOST_SILENCE_S = 30.0
+_SILENCE_FLOOR_S = 3.0
+_WATCH_S = 0.5
 _AGENT_TAIL_LINES = 20
 
 
@@ -71,6 +78,13 @@ def script_modules(command: tuple[str, ...] | None) -> dict[str, str]:
     return {rel: base64.b64encode(data).decode("ascii") for rel, data in files.items()}
 
 
+def silence_limit(env: Mapping[str, str]) -> float:
+    """How long a host may send no heartbeat: :data:`HOST_SILENCE_S`, or three quarters of the ranks'
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` when that is shorter (never under 3 s)."""
+    gloo = settings.GLOO_TIMEOUT.get(env)
+    return HOST_SILENCE_S if gloo is None else max(_SILENCE_FLOOR_S, min(HOST_SILENCE_S, 0.75 * gloo))
+
+
 def driver_address(interfaces: tuple[str, ...], remote: list[str]) -> str:
     """Where the channel and the store listen: the first ``--network-interfaces`` NIC's address, else this
     machine's address on the route to the first remote host, else loopback."""
@@ -92,7 +106,7 @@ class AgentGroup:
     """
 
     def __init__(self, python: str, ssh: SshOptions, local: set[str], exits: ExitReports,
-                 on_lost: Callable[[str], None] | None = None) -> None:
+                 on_lost: Callable[[str], None] | None = None, silence_s: float = HOST_SILENCE_S) -> None:
         self.python = python
         self.ssh = ssh
         self.local = local
@@ -104,11 +118,16 @@ class AgentGroup:
         self._quiet: set[int] = set()
         self._channel: DriverChannel | None = None
         self._stopping = threading.Event()
+        self.silence_s = silence_s
+        self._running: dict[int, tuple[str, subprocess.Popen[bytes], tuple[int, ...]]] = {}  # pid -> agent
+        self._beats: dict[int, float] = {}  # rank -> time.monotonic() of its supervisor's last heartbeat
+        self._watcher = threading.Thread(target=self._watch, name="phalanx-heartbeats", daemon=True)
 
     def attach(self, channel: DriverChannel) -> None:
         """The job's channel (aborted on stop; agents' failures are posted on its queue)."""
         self._channel = channel
         self.exits.attach(channel)
+        self._watcher.start()
 
     def argv(self, host: str) -> list[str]:
         """The agent's command line for ``host``."""
@@ -123,6 +142,7 @@ class AgentGroup:
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
         assert proc.stdin is not None
         self.procs.append(proc)
+        self._running[proc.pid] = (host, proc, plan.ranks)
         self._tails[proc.pid] = deque(maxlen=_AGENT_TAIL_LINES)
         try:
             proc.stdin.write(plan.encode())
@@ -142,9 +162,40 @@ class AgentGroup:
         _close_stdin(proc)
 
     def on_custom(self, event: Custom, ranks: int) -> None:
-        """Route a supervisor's EVENT frame (an exit report) of a rank below ``ranks``."""
-        if event.rank < ranks:
+        """Route a supervisor's EVENT frame (a heartbeat, an exit report) of a rank below ``ranks``."""
+        if event.body == HEARTBEAT:
+            self._beats[event.rank] = time.monotonic()
+        elif event.rank < ranks:
             self.exits.on_event(event)
+
+    def _watch(self) -> None:
+        """Name a host whose agent's heartbeats stopped while its ranks ran (until every agent ended)."""
+        while True:
+            time.sleep(_WATCH_S)
+            agents = list(self._running.values())
+            if not agents and self._stopping.is_set():
+                return
+            for host, proc, ranks in agents:
+                last = max((self._beats.get(r, 0.0) for r in ranks), default=0.0)
+                if last and time.monotonic() - last > self.silence_s and not self.exits.reported(ranks):
+                    self._silent(host, proc, ranks, last)
+
+    def _silent(self, host: str, proc: subprocess.Popen[bytes], ranks: tuple[int, ...], last: float) -> None:
+        """A host went silent: it is lost (the root cause, dated when its heartbeats stopped)."""
+        self._running.pop(proc.pid, None)
+        if self.on_lost is not None and host not in self.local:
+            self.on_lost(host)
+        missing = [r for r in ranks if not self.exits.reported([r])]
+        if missing and proc.pid not in self._quiet and self._channel is not None:
+            self._channel.events.put(ErrorRecord(
+                rank=missing[0], exc_type="phalanx.errors.PhalanxError",
+                message=f"host {host} went silent: no heartbeat from its agent for {time.monotonic() - last:.0f} s "
+                        f"(the limit: {self.silence_s:g} s; a link down or the host frozen), so its rank(s) "
+                        f"{missing} are taken as lost",
+                traceback="", at=last + HEARTBEAT_S))
+            for rank in missing:
+                self.exits.post(rank, 1)
+        proc.kill()  # its ssh would wait for the link for good
 
     def _read(self, host: str, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
@@ -157,6 +208,7 @@ class AgentGroup:
                reader: threading.Thread) -> None:
         returncode = proc.wait()
         ended_at = time.monotonic()
+        self._running.pop(proc.pid, None)
         running = self._ranks_ran(ranks)
         # ssh's 255 after the ranks ran is a session that ended without an exit status: the agent was killed
         # (an agent the launcher stops ends with its own status); it stays the cause even if survivors' errors

@@ -26,7 +26,7 @@ from phalanx.job.elastic import ElasticMonitor, HostsUpdated
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.launch import warm
-from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules
+from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules, silence_limit
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.hosts import check_host_name, is_local, place
@@ -52,7 +52,8 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
         self._python = hosts.python or sys.executable
         self._addr = driver_address(hosts.interfaces, self._remote)
         self._agents = AgentGroup(self._python, hosts.ssh, local, ExitReports(spec.command is None),
-                                  on_lost=self._host_lost)
+                                  on_lost=self._host_lost,
+                                  silence_s=silence_limit({**os.environ, **hosts.forward_env, **spec.env}))
         self._host_of: list[str] = []  # worker id -> host (the monitor names hosts from it)
         self._agent_of: dict[int, subprocess.Popen[bytes]] = {}
         self._leaving: set[int] = set()

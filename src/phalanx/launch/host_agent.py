@@ -164,7 +164,7 @@ class Agent:
         except ChannelError as e:
             sys.stderr.write(f"phalanx agent: rank {rank} cannot reach the driver: {e}\n")
             return
-        supervisor = RankSupervisor(channel, rank, self.plan.teardown_grace_s)
+        supervisor = RankSupervisor(channel, rank, self.plan.teardown_grace_s, heartbeat=True)
         with self._lock:
             self._supervisors.append(supervisor)
         try:

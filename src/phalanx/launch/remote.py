@@ -18,7 +18,7 @@ from phalanx.env import JobContract
 from phalanx.job.channel import DriverChannel
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
-from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules
+from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules, silence_limit
 from phalanx.launch.host_agent import AgentPlan
 from phalanx.launch.hosts import HostSlots, is_local, place
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
@@ -66,7 +66,8 @@ class HostsLauncher(LocalLauncher):
         self._remote = [h for h in self._order if h not in local]
         self._python = hosts.python or sys.executable
         self._addr = driver_address(hosts.interfaces, self._remote)
-        self._agents = AgentGroup(self._python, hosts.ssh, local, ExitReports(spec.command is None))
+        self._agents = AgentGroup(self._python, hosts.ssh, local, ExitReports(spec.command is None),
+                                  silence_s=silence_limit({**os.environ, **hosts.forward_env, **spec.env}))
         self._modules = script_modules(spec.command) if self._remote else {}
 
     def check(self) -> None:

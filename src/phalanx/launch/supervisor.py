@@ -49,6 +49,12 @@ def parse_exit_age(body: bytes) -> float:
         return 0.0
 
 
+#: Body of a supervisor's heartbeat (an EVENT frame every :data:`HEARTBEAT_S` while its rank runs).
+HEARTBEAT = b'{"beat": 1}'
+#: Seconds between a host agent's supervisors' heartbeats.
+HEARTBEAT_S = 1.0
+
+
 def parse_exit_event(body: bytes) -> int | None:
     """The exit code in a supervisor's EVENT body, or None when the body is not an exit event."""
     try:
@@ -66,10 +72,11 @@ class RankSupervisor:
         rank: the channel rank (worker id) whose output this forwards.
         teardown_grace_s: seconds between SIGTERM and SIGKILL when the driver aborts the job.
         aborted: set by whoever reads the driver's frames (elastic tasks); None: this supervisor reads them.
+        heartbeat: send :data:`HEARTBEAT` every :data:`HEARTBEAT_S` while the rank runs (host agents).
     """
 
     def __init__(self, channel: WorkerChannel, rank: int, teardown_grace_s: float,
-                 aborted: threading.Event | None = None) -> None:
+                 aborted: threading.Event | None = None, heartbeat: bool = False) -> None:
         self.channel = channel
         self.rank = rank
         self.teardown_grace_s = teardown_grace_s
@@ -79,6 +86,7 @@ class RankSupervisor:
         self.channel_ok = True
         self._done = threading.Event()
         self._aborted = aborted
+        self._heartbeat = heartbeat
 
     def send(self, kind: Kind, body: bytes) -> None:
         """Send a frame; after the driver went away, keep going silently (the pipes must be drained)."""
@@ -107,6 +115,8 @@ class RankSupervisor:
             t.daemon = True
             t.start()
         threading.Thread(target=self._abort_watch, name="phalanx-abort", daemon=True).start()
+        if self._heartbeat:
+            threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
         try:
             returncode = self.proc.wait()
             self.ended_at = time.monotonic()
@@ -121,6 +131,12 @@ class RankSupervisor:
         """Stop the rank's whole process tree now (SIGTERM, grace, SIGKILL)."""
         if self.proc is not None and not self._done.is_set():
             terminate_tree([self.proc.pid], self.teardown_grace_s if grace_s is None else grace_s)
+
+    def _beat(self) -> None:
+        """Tell the driver this host is alive until the rank ends (a silent host is told apart by its
+        missing heartbeats: a cut link sends no reset)."""
+        while not self._done.wait(HEARTBEAT_S) and self.channel_ok:
+            self.send(Kind.EVENT, HEARTBEAT)
 
     def _abort_watch(self) -> None:
         if self._aborted is not None:
