@@ -44,13 +44,7 @@ def open_dir(path: Path | str, setting: str, create: bool = True) -> int:
     """
     if create:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _check_owner(os.fstat(fd), path, "the directory", setting)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _owned_dir(os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), path, setting)
 
 
 def subdir(parent_fd: int, name: str, setting: str) -> int:
@@ -63,8 +57,13 @@ def subdir(parent_fd: int, name: str, setting: str) -> int:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _OPEN, dir_fd=parent_fd)
     except OSError as e:  # ELOOP: a link; ENOTDIR: something else planted under that name
         raise _refuse("the entry", name, f"is not a directory ({e.strerror})", setting) from e
+    return _owned_dir(fd, name, setting)
+
+
+def _owned_dir(fd: int, path: Path | str, setting: str) -> int:
+    """``fd`` when the directory it opens is this user's; else it is closed and refused."""
     try:
-        _check_owner(os.fstat(fd), name, "the directory", setting)
+        _check_owner(os.fstat(fd), path, "the directory", setting)
     except BaseException:
         os.close(fd)
         raise
