@@ -14,6 +14,7 @@ from typing import Any
 from phalanx.errors import InvalidArgumentError
 from phalanx.spark.estimator.base import PhalanxEstimator, pickled
 from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.estimator.lightning_remote import flavour_of
 from phalanx.spark.estimator.params import add_params
 from phalanx.spark.estimator.torch import TorchModel, trained_model
 
@@ -25,7 +26,10 @@ LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
     "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
     "trainer_args": ({}, "ignored: phalanx builds the Trainer (epochs, steps, strategy)"),
     "logger": (None, "ignored: metrics go to the history and the store's logs"),
+    "terminate_on_nan": (False, "stop training with a ValueError when the loss or a parameter is NaN or inf"),
+    "profiler": (None, "the Trainer's profiler (a Lightning Profiler or its name: 'simple', 'advanced'...)"),
 }
+
 
 
 class TorchEstimator(PhalanxEstimator):
@@ -39,17 +43,15 @@ class TorchEstimator(PhalanxEstimator):
 
     @classmethod
     def extra_params(cls) -> dict[str, tuple[Any, str]]:
-        """``input_shapes``, ``trainer_args``, ``logger``."""
+        """``input_shapes``, ``trainer_args``, ``logger``, ``terminate_on_nan``, ``profiler``."""
         return LIGHTNING_PARAMS
 
     def check_framework(self, values: dict[str, Any]) -> None:
-        """``model`` a ``LightningModule`` with a ``training_step``."""
-        try:
-            import lightning as L
-        except ImportError as e:
-            raise InvalidArgumentError("the Lightning estimator needs lightning: pip install lightning") from e
-        if not isinstance(values["model"], L.LightningModule):
-            raise InvalidArgumentError(f"model={type(values['model']).__name__}: give a lightning.LightningModule")
+        """``model`` a ``LightningModule`` of either flavour (``lightning`` or ``pytorch_lightning``)."""
+        if flavour_of(values["model"]) is None:
+            raise InvalidArgumentError(
+                f"model={type(values['model']).__name__}: give a LightningModule (lightning.LightningModule or "
+                "pytorch_lightning.LightningModule; pip install lightning)")
 
     def model_blob(self, values: dict[str, Any]) -> bytes:
         """The module, pickled."""

@@ -4,6 +4,8 @@ from the rank's shard."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import io
 import os
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import cloudpickle
 import torch
 
 from phalanx.env import names as env_names
+from phalanx.lightning.flavours import FLAVOURS
 from phalanx.spark.driver_log import log_to_driver
 from phalanx.spark.estimator.job import TrainSpec, epoch_line
 from phalanx.spark.estimator.schema import row_shape
@@ -44,9 +47,8 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return self.spec.steps(self.size, self.validation)
 
 
-def _callback(spec: TrainSpec, train_set: ShardDataset, val_set: ShardDataset | None, history: list[Any]) -> Any:
-    import lightning as L
-
+def _callback(L: Any, spec: TrainSpec, train_set: ShardDataset, val_set: ShardDataset | None,
+              history: list[Any]) -> Any:
     class StoreCallback(L.Callback):
         """Sets each epoch's shuffle, records metrics, checkpoints into the store (rank 0)."""
 
@@ -87,6 +89,35 @@ def _callback(spec: TrainSpec, train_set: ShardDataset, val_set: ShardDataset | 
     return StoreCallback()
 
 
+def _nan_guard(L: Any) -> Any:
+    class TerminateOnNaN(L.Callback):
+        """Lightning 1.x's ``terminate_on_nan``: a ``ValueError`` at the end of the training batch whose
+        loss, or any parameter after it, is NaN or inf."""
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if loss is not None and not bool(torch.isfinite(torch.as_tensor(loss)).all()):
+                raise ValueError(f"the loss returned in training_step is {float(loss)} (batch {batch_idx}); "
+                                 "terminate_on_nan=True stopped the training")
+            for name, parameter in module.named_parameters():
+                if not bool(torch.isfinite(parameter).all()):
+                    raise ValueError(f"parameter {name} is NaN or inf after batch {batch_idx}; terminate_on_nan=True "
+                                     "stopped the training")
+
+    return TerminateOnNaN()
+
+
+def flavour_of(module: Any) -> str | None:
+    """The Lightning package whose ``LightningModule`` ``module`` is (``lightning.pytorch`` or the standalone
+    ``pytorch_lightning``), or None; the run trains it with that package's Trainer."""
+    for flavour in FLAVOURS:
+        if importlib.util.find_spec(flavour.split(".")[0]) is None:
+            continue
+        if isinstance(module, importlib.import_module(flavour).LightningModule):
+            return flavour
+    return None
+
+
 def _restore(spec: TrainSpec, module: Any) -> list[Any]:
     if spec.resume_epoch < 0:
         return []
@@ -98,14 +129,13 @@ def _restore(spec: TrainSpec, module: Any) -> list[Any]:
 def train(spec: TrainSpec) -> dict[str, Any]:
     """Fit the LightningModule on this rank's shard; returns the history, the steps, and (rank 0) the
     trained ``state_dict`` as ``torch.save`` bytes."""
-    import lightning as L
-
     import phalanx.lightning  # noqa: F401 (registers strategy="horovod")
 
     rank, size = int(os.environ[env_names.RANK]), int(os.environ[env_names.WORLD_SIZE])
+    module = cloudpickle.loads(spec.model_blob)
+    L = importlib.import_module(flavour_of(module) or "lightning.pytorch")  # the module's own Trainer
     if spec.params.get("random_seed") is not None:
         L.seed_everything(int(spec.params["random_seed"]), verbose=False)
-    module = cloudpickle.loads(spec.model_blob)
     history = _restore(spec, module)
     train_set = ShardDataset(spec, rank, size, validation=False)
     val_set = ShardDataset(spec, rank, size, validation=True) if spec.data.val else None
@@ -116,7 +146,10 @@ def train(spec: TrainSpec) -> dict[str, Any]:
         limit_train_batches=len(train_set), limit_val_batches=len(val_set) if val_set is not None else 0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
-        callbacks=[_callback(spec, train_set, val_set, history), *(spec.params.get("callbacks") or [])])
+        profiler=spec.params.get("profiler"),
+        callbacks=[_callback(L, spec, train_set, val_set, history),
+                   *([_nan_guard(L)] if spec.params.get("terminate_on_nan") else []),
+                   *(spec.params.get("callbacks") or [])])
     loader = torch.utils.data.DataLoader(train_set, batch_size=None)
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=None) if val_set is not None else None
     if trainer.max_epochs and trainer.max_epochs > 0:
