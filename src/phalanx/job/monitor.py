@@ -28,6 +28,7 @@ from phalanx.errors import (
 from phalanx.job.channel import Custom, Event, Result
 from phalanx.job.logs import LogSink, TailBuffer
 from phalanx.job.observation import JobEnded, Observer, RankEnded, RankStarted
+from phalanx.job.progress import Progress
 from phalanx.job.records import ErrorRecord, Hello, LogLine
 from phalanx.job.report import read_failure
 from phalanx.job.spool import Spooled
@@ -108,6 +109,7 @@ class JobMonitor:
     tail: TailBuffer = field(default_factory=TailBuffer)
     #: Told of each rank's start, stats, log lines and end, and of the verdict (:mod:`phalanx.job.observation`).
     observer: Observer | None = None
+    progress: Progress | None = None
     _ranks: list[_RankState] = field(init=False)
     _stopped_at: float | None = field(init=False, default=None)
 
@@ -163,6 +165,8 @@ class JobMonitor:
 
     def _handle(self, event: Event | RankExit) -> None:
         if isinstance(event, LogLine):
+            if self.progress is not None:
+                self.progress.clear()
             for sink in self.sinks:
                 sink.write(event)
             self.tail.write(event)
@@ -175,6 +179,7 @@ class JobMonitor:
         state = self._ranks[event.rank]
         if isinstance(event, Hello):
             state.hello = True
+            self._started()
         elif isinstance(event, Result):
             state.result = event.value
         elif isinstance(event, ErrorRecord):
@@ -200,6 +205,14 @@ class JobMonitor:
             stopped = bool(others) and min(others) < state.failed_at and self._was_stopped(state, min(others))
             cause = self._describe(event.rank, state, stopped).summary
             observer(RankEnded(event.rank, event.returncode, True, cause, stopped))
+
+    def _started(self) -> None:
+        if self.progress is None:
+            return
+        started = sum(r.hello for r in self._ranks)
+        self.progress.step(f"ranks started {started}/{self.config.world_size}")
+        if started == self.config.world_size:
+            self.progress.clear()
 
     def _exited(self, state: _RankState, returncode: int, ended_at: float | None) -> None:
         state.exited = True

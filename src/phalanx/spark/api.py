@@ -180,6 +180,6 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout, use_gpu=gpus,
                         ranks_per_task=ranks_per_task(sc, np, gpus, "num_proc"),
                         start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
-                        description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})",
+                        description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})", progress=verbose > 0,
                         warm_preload=preload_for(fn))
     return spec, sc

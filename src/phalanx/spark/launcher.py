@@ -23,6 +23,7 @@ from phalanx.errors import SparkJobError
 from phalanx.job.channel import Custom, DriverChannel, Role
 from phalanx.job.logs import FileSink, LineJoiner, LogSink
 from phalanx.job.monitor import JobMonitor, MonitorConfig
+from phalanx.job.progress import Progress
 from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch.core import monitor_config, new_run_id
 from phalanx.launch.rendezvous import RendezvousStore
@@ -57,6 +58,7 @@ class SparkJobSpec:
         use_gpu: give each rank its task's GPUs.
         console: ``"all"`` prints every rank's output on the driver; ``"log_callback_only"`` prints only
             ``log_to_driver`` messages and keeps the full logs in files.
+        progress: tell on ``stderr`` what the start waits for (the barrier tasks, the ranks started).
         stdout: where rank output goes on the driver (default: ``sys.stdout`` at the time of writing).
         stderr: where rank error output goes on the driver (default: ``sys.stderr``).
         description: shown in the Spark UI.
@@ -76,6 +78,7 @@ class SparkJobSpec:
     start_timeout_hint: str = "start_timeout"
     use_gpu: bool = False
     console: str = "all"
+    progress: bool = True
     stdout: IO[str] | None = None
     stderr: IO[str] | None = None
     description: str = "phalanx job"
@@ -153,6 +156,7 @@ class SparkLauncher:
         #: Set when Spark itself failed the stage (then the job's error is this, not a rank's).
         self.spark_error: SparkJobError | None = None
         self._console = StreamSink(spec.stdout, spec.stderr)
+        self.progress = Progress(enabled=spec.progress, stream=spec.stderr)
         self._files: FileSink | None = None
         self._exits = ExitReports(spec.command is None)
         self._stopping = threading.Event()
@@ -180,6 +184,7 @@ class SparkLauncher:
         monitor.observer = watch.observe if watch is not None else None
         try:
             self._prepare(store)
+            self.progress.step(f"waiting for {self.spec.tasks} barrier task(s) of Spark to start the ranks")
             self._submit(job)
             self.values = monitor.run()
             self._succeeded()
@@ -203,7 +208,7 @@ class SparkLauncher:
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
         return JobMonitor(self._monitor_config(), channel.events, sinks,
-                          stop_all=self._stop_all, on_custom=self._on_custom)
+                          stop_all=self._stop_all, on_custom=self._on_custom, progress=self.progress)
 
     def _prepare(self, store: RendezvousStore) -> None:
         """Called before the stage is submitted (an elastic job publishes its first round)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
+from phalanx.job.progress import Progress
 from phalanx.spark.connect import session as connect_session
 from phalanx.spark.connect.session import active_connect_session, is_connect, ranks_asked
 
@@ -69,7 +70,12 @@ def spark_context() -> SparkContext:
     for key, value in _EMBEDDED_CONF.items():
         builder = builder.config(key, value)
     log.info("no active SparkSession: starting an embedded local[*] one")
-    return builder.getOrCreate().sparkContext
+    starting = Progress()
+    starting.step("no active SparkSession: starting an embedded Spark local[*]")
+    context = builder.getOrCreate().sparkContext
+    starting.step(f"Spark local[*] ready ({context.defaultParallelism} task slots)")
+    starting.clear()
+    return context
 
 
 def _classic_context(session: Any) -> SparkContext:

@@ -81,3 +81,27 @@ def test_start_timeout_names_missing_ranks_and_knob() -> None:
     with pytest.raises(StartTimeoutError, match=expected):
         mon.run()
     assert stops == ["stop"]
+
+
+def test_progress_counts_the_ranks_started_and_erases_its_terminal_line() -> None:
+    import io
+
+    from phalanx.job.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plain, tty = io.StringIO(), Terminal()
+    for stream in (plain, tty):
+        progress = Progress(stream=stream)
+        progress.step("waiting for 2 barrier task(s)")
+        progress.step("ranks started 1/2")
+        progress.step("ranks started 1/2")  # repeats say nothing
+        progress.clear()
+    assert plain.getvalue() == "phalanx: waiting for 2 barrier task(s)\nphalanx: ranks started 1/2\n"
+    assert tty.getvalue() == ("\r\033[Kphalanx: waiting for 2 barrier task(s)\r\033[Kphalanx: ranks started 1/2"
+                              "\r\033[K")
+    quiet = io.StringIO()
+    Progress(enabled=False, stream=quiet).step("x")
+    assert quiet.getvalue() == ""
