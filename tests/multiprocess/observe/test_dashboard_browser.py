@@ -170,3 +170,41 @@ def test_page_shows_ranks_steps_and_a_killed_rank(browser: Any) -> None:
 
     browser.get(page.url.replace("token=", "token=x"))
     assert "forbidden" in browser.page_source
+
+
+def test_64_ranks_fit_a_compact_grid(browser: Any) -> None:
+    """A synthetic 64-rank board (no job): one line per rank, the straggler highlighted, logs filtered."""
+    from phalanx.job.observation import RankStarted
+    from phalanx.job.records import LogLine, Stream
+    from phalanx.job.stats import KindStats, RankStats
+    from phalanx.observe import JobBoard
+    from phalanx.observe.server import Dashboard
+
+    page = Dashboard("127.0.0.1", 0)
+    board = JobBoard("phalanx-64ranks", 64)
+    page.show(board)
+    try:
+        for clock in range(1, 8):
+            for rank in range(64):
+                if clock == 1:
+                    board.observe(RankStarted(rank, 20_000 + rank, f"node{rank // 8}", board.started + 0.4))
+                slow = rank == 37
+                steps, wait = clock * (9 if slow else 10), clock * (0.05 if slow else 0.3 + rank * 0.001)
+                board.observe(RankStats(rank, 20_000 + rank, f"node{rank // 8}", float(clock), steps, wait,
+                                        steps * 4_000_000, "allreduce" if rank % 5 == 0 else "",
+                                        {"allreduce": KindStats(steps, wait, steps * 4_000_000)}))
+                board.observe(LogLine(rank, Stream.STDOUT, f"epoch 1 step {steps} loss {1 / (steps + 1):.4f}"))
+        browser.get(page.url)
+        rows = _until("64 rows", lambda: len(browser.find_elements("css selector", "#ranks tbody tr")) == 64 and
+                      browser.find_elements("css selector", "#ranks tbody tr"))
+        heights = {row.size["height"] for row in rows}
+        assert max(heights) <= 26, f"a rank's row is {max(heights)} px high: not one line"
+        assert "straggler" in browser.find_element("css selector", '#ranks tr[data-rank="37"]').get_attribute("class")
+        assert browser.find_element("id", "straggler").text == "rank 37"
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "dashboard-64.png"))
+        browser.find_element("id", "log-filter").send_keys("step 63")
+        lines = _until("the filtered logs", lambda: browser.find_element("id", "logs").text)
+        assert "step 63" in lines and "step 70" not in lines
+    finally:
+        page.close()
