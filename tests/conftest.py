@@ -1,23 +1,30 @@
 """Fixtures shared by every tier.
 
-``no_leftover_processes`` is autouse: a test fails when it leaves a child process (or zombie) of the
-test process behind that was not there before it started. Fixtures that must outlive a test (a Spark
-session, a standalone cluster) start their processes before the test's snapshot, so they are not counted;
-a tier whose infrastructure legitimately starts long-lived processes overrides ``process_is_expected``.
+``no_leftover_processes``, ``no_leftover_threads`` and ``no_leaked_environment`` are autouse: a test fails
+when it leaves a child process (or zombie) of the test process behind that was not there before it
+started, a thread of its own still running, or a variable phalanx reads changed in ``os.environ``.
+Fixtures that must outlive a test (a Spark session, a standalone cluster) start their processes and
+threads before the test's snapshot, so they are not counted; a tier whose infrastructure legitimately
+starts long-lived processes overrides ``process_is_expected``.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from phalanx.env import names as env_names
 from phalanx.launch import warm
 from phalanx.launch.proctree import cmdline, descendants, is_alive, is_zombie
 
 LEFTOVER_WAIT_S = 10.0
+#: Threads phalanx keeps for the process's life: the warm-start template's handle and starter, and
+#: phalanx.torch's background runner for ``*_async`` collectives (idle between jobs).
+PROCESS_LIFETIME_THREADS = frozenset({"phalanx-template", "phalanx-warm-starter", "phalanx-async"})
 
 
 def live_descendants(expected: Callable[[int], bool] = lambda pid: False) -> set[int]:
@@ -68,6 +75,55 @@ def no_leftover_processes(process_is_expected: Callable[[int], bool]) -> Iterato
         left = live_descendants(process_is_expected) - before
     if left:
         pytest.fail("test left processes behind:\n" + "\n".join(describe(p) for p in sorted(left)))
+
+
+def phalanx_variables() -> frozenset[str]:
+    """Every variable phalanx reads or writes (the names in ``phalanx.env.names``)."""
+    return frozenset(v for k, v in vars(env_names).items() if k.isupper() and isinstance(v, str))
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_environment() -> Iterator[None]:
+    """Fail the test if it leaves a variable phalanx reads changed in this process's environment (the next
+    test would run under it), and put such variables back. Other variables are third parties' business."""
+    before = {k: os.environ.get(k) for k in phalanx_variables()}
+    yield
+    changed = {k: (v, os.environ.get(k)) for k, v in before.items() if os.environ.get(k) != v}
+    if not changed:
+        return
+    for k, (v, _) in changed.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    pytest.fail("test changed the environment (use monkeypatch.setenv, or pass env= to the job):\n  "
+                + "\n  ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items())))
+
+
+def _runs_phalanx_code(thread: threading.Thread) -> bool:
+    target = getattr(thread, "_target", None)
+    return str(getattr(target, "__module__", "")).startswith("phalanx")
+
+
+def leaked_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Threads started since ``before`` that still run: every non-daemon one, and every daemon one running
+    phalanx code, but for the threads phalanx keeps for the process's life by design."""
+    return [t for t in threading.enumerate()
+            if t not in before and t.is_alive() and t.name not in PROCESS_LIFETIME_THREADS
+            and (not t.daemon or _runs_phalanx_code(t))]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_threads() -> Iterator[None]:
+    """Fail the test if a thread it started is still running LEFTOVER_WAIT_S after it ended."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (left := leaked_threads(before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if left:
+        pytest.fail("test left threads running:\n  " + "\n  ".join(
+            f"{t.name} (daemon={t.daemon}, target={getattr(t, '_target', None)!r})" for t in left))
 
 
 @pytest.fixture(scope="session", autouse=True)
