@@ -5,7 +5,6 @@ Named collectives match across ranks by name, whatever each rank issued in betwe
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
@@ -17,14 +16,16 @@ pytestmark = [pytest.mark.multiprocess]
 
 def _async_job() -> dict[str, Any]:
     import torch
+    import torch.distributed as dist
 
     import phalanx.torch as hvd
 
     hvd.init()
+    store = dist.distributed_c10d._get_default_store()
     me, out = int(os.environ["RANK"]), {}
     x = torch.ones(1 << 20)
     if me == 1:
-        time.sleep(1.0)  # rank 0's allreduce cannot complete before rank 1 issues it
+        store.wait(["rank 0 looked"])  # rank 0's allreduce cannot complete before rank 1 issues it
     handle = hvd.allreduce_async_(x, op=hvd.Sum, name="big")
     if me == 0:
         out["poll before the peer"] = hvd.poll(handle)
@@ -34,6 +35,7 @@ def _async_job() -> dict[str, Any]:
             out["duplicate"] = "no error"
         except ValueError as e:
             out["duplicate"] = str(e)
+        store.set("rank 0 looked", "1")
     small = hvd.allreduce(torch.ones(2) * (me + 1), op=hvd.Sum)  # synchronous: runs after "big"
     out["poll after a later call"] = hvd.poll(handle)
     out["big"] = hvd.synchronize(handle)[-1].item()
