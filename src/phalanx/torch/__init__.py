@@ -3,6 +3,33 @@
 Gloo carries CPU tensors, NCCL CUDA tensors. Collectives run in the order each rank issues them (as in
 ``torch.distributed``); ranks that disagree on a collective get a ``RuntimeError`` on every rank. See
 ``docs/torch.md``.
+
+Module map (public modules are Horovod's; ``_*`` modules are the engine's, private to this package):
+
+- Horovod's API: ``basics`` (``init``, ``shutdown``, topology), ``mpi_ops`` (the collectives),
+  ``async_ops`` (``*_async``, ``poll``, ``synchronize``, ``join``, ``barrier``), ``functions``
+  (``broadcast_parameters``...), ``optimizer`` (``DistributedOptimizer``), ``compression``,
+  ``process_sets``, ``sync_batch_norm``, ``elastic/`` (``hvd.elastic``); ``frontend``: what
+  ``phalanx.tensorflow`` builds on (op codes, process-set membership).
+- The engine (one order of collectives per rank): ``_engine`` (handles, queue, waits), ``_rounds`` (one
+  negotiated round, the same on every member), ``_collective`` / ``_collectives`` (each kind's local side),
+  ``_header`` (the control block's wire format), ``_names`` (matching by name), ``_speculate`` (payloads
+  sent ahead of the check), ``_background`` (the thread running ``*_async`` jobs), ``_join``,
+  ``_membership`` (registering process sets), ``_reduce`` (op codes and local reduction), ``_autograd``.
+- Health: ``_stall`` (the stall inspector), ``_deadlock`` (its analysis), ``_generations`` (``init`` again
+  after ``shutdown`` on one job store).
+- Process set-up: ``_state`` (the process group, this rank's ``RankIdentity``), ``_log``, ``_malloc``,
+  ``_trace`` (timeline events); the optimizer's helpers ``_buckets`` and ``_sparse``.
+
+Process-wide state, and its one reset path. Each of these lives in its module, one instance each:
+``_state.STATE`` (topology, group ownership), ``_engine.ENGINE`` (pending collectives, per-membership
+counters), ``process_sets.REGISTRY`` (registered sets and their groups), ``_background.RUNNER`` (queued
+``*_async`` jobs; its thread lives as long as the process), ``async_ops._MODE`` (per thread: run inline),
+``_stall.INSPECTOR`` and ``_stall.WATCH`` (the stall check). Two are kept across ``shutdown`` by design:
+``_generations.JOB`` (the job store and the generation, so that ``init`` rejoins the same job) and
+``elastic._rendezvous.ROUND`` (an elastic job's store and round number). ``hvd.shutdown()``
+(``basics.shutdown``) is the one path that resets the others, and ``hvd.init()`` starts from that state;
+tests/unit/torch/test_torch_reset.py checks that nothing of one ``init`` survives its ``shutdown``.
 """
 
 from __future__ import annotations

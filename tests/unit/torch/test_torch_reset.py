@@ -1,0 +1,48 @@
+"""``hvd.shutdown()`` is phalanx.torch's one reset path: after it nothing of the last ``hvd.init()`` is left
+(engine, process sets, background jobs, stall watch, topology, process group), and ``hvd.init()`` starts
+afresh. The module state is private: no public name shows it, so this test reads it."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import phalanx.torch as hvd
+from phalanx.torch import _background, _engine, _stall, _state, process_sets
+
+
+def _use_everything() -> None:
+    hvd.init(process_sets="dynamic")
+    hvd.allreduce(torch.ones(4), name="named")
+    hvd.synchronize(hvd.allreduce_async(torch.ones(4), name="async"))
+    pending = hvd.allgather_async(torch.ones(2), name="left pending")  # never synchronized
+    assert hvd.synchronize(pending).shape == (2,)
+    hvd.allgather_async(torch.ones(3), name="dropped")  # its handle is dropped
+    hvd.allreduce(torch.ones(2), process_set=hvd.global_process_set, name="in the global set")
+
+
+def _assert_fresh() -> None:
+    assert not dist.is_initialized() and not hvd.is_initialized()
+    assert (_state.STATE.topology, _state.STATE.owns_group, _state.STATE.cuda_backend) == (None, False, False)
+    engine = _engine.ENGINE
+    assert not (engine.queue or engine.handles or engine.inflight or engine.predictors or engine.rounds
+                or engine.issued or engine.tables)
+    registry = process_sets.REGISTRY
+    assert (registry.sets, registry.groups, registry.next_id, registry.static_done, registry.dynamic) == (
+        {}, {}, 0, False, False)
+    assert hvd.global_process_set.process_set_id is None
+    runner = _background.RUNNER
+    assert not (runner.queue or runner.jobs or runner.busy or runner.inflight or runner.finished)
+    assert _stall.WATCH.entry is None
+    fresh = {k: v for k, v in vars(_stall.Inspector()).items() if not callable(v)}
+    assert {k: v for k, v in vars(_stall.INSPECTOR).items() if not callable(v)} == fresh
+
+
+def test_shutdown_then_init_leaves_nothing_stale(no_launcher: None) -> None:
+    _use_everything()
+    hvd.shutdown()
+    _assert_fresh()
+    _use_everything()  # the same names again: nothing of the first init is in the way
+    assert hvd.global_process_set.process_set_id == 0 and process_sets.REGISTRY.dynamic
+    hvd.shutdown()
+    _assert_fresh()
