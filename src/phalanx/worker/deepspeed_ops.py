@@ -35,7 +35,6 @@ import fcntl
 import functools
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import os
 import sys
 import time
@@ -43,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from phalanx.errors import StartTimeoutError
+from phalanx.worker import dist_backend
 
 #: The module whose ``build_shm_op`` builds the CPU shared-memory op (``TorchBackend.__init__`` calls it).
 COMM_MODULE = "deepspeed.comm.torch"
@@ -181,22 +181,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in (COMM_MODULE, BUILDER_MODULE) or fullname in self._busy:
             return None
-        self._busy.add(fullname)  # find_spec below asks sys.meta_path again, this finder included
+        self._busy.add(fullname)  # patched_spec asks sys.meta_path again, this finder included
         try:
-            spec = importlib.util.find_spec(fullname)
+            return dist_backend.patched_spec(fullname, lambda: _patch(fullname))
         finally:
             self._busy.discard(fullname)
-        loader = spec.loader if spec is not None else None
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            _patch(fullname)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
 
 
 def install() -> None:

@@ -151,22 +151,23 @@ def _patch() -> None:
             module.init_process_group = _wrap(fn)
 
 
-def patched_spec(fullname: str) -> importlib.machinery.ModuleSpec | None:
-    """``fullname``'s spec, with a loader that runs :func:`_patch` right after executing the module.
+def patched_spec(fullname: str, after: Callable[[], None] | None = None) -> importlib.machinery.ModuleSpec | None:
+    """``fullname``'s spec, with a loader that runs ``after`` (default :func:`_patch`) right after executing
+    the module.
 
-    Used by :class:`_AfterImport` and by the start-up hook ``phalanx-shm-native.pth`` (command ranks: the
+    Used by :class:`_AfterImport`, by the start-up hook ``phalanx-shm-native.pth`` (command ranks: the
     user's own ``python train.py`` started by ``phalanxrun`` or a Spark task, which never runs the worker
-    entry).
+    entry) and by :mod:`phalanx.worker.deepspeed_ops`.
     """
     spec = importlib.util.find_spec(fullname)
     loader = spec.loader if spec is not None else None
     if loader is None or not hasattr(loader, "exec_module"):
         return spec
-    run = loader.exec_module
+    run, then = loader.exec_module, after or _patch
 
     def exec_module(module: Any) -> None:
         run(module)
-        _patch()
+        then()
 
     loader.exec_module = exec_module  # type: ignore[method-assign]
     return spec
