@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -205,13 +206,28 @@ def _check_output_paths(output_dir: str | None, timeline: str | None) -> None:
                                    "path in a directory you can write")
 
 
+_PORT_SPEC = re.compile(r"(\[[0-9a-fA-F:.]+\]:|[\w.-]+:)?\d+")
+
+
+def _dashboard_value(argv: list[str]) -> list[str]:
+    """``--dashboard`` takes a value only when the next word is ``[HOST:]PORT``: in ``--dashboard python
+    train.py`` the command is not the page's address."""
+    out = list(argv)
+    for i, word in enumerate(out[:-1]):
+        if word == "--":
+            break
+        if word == "--dashboard" and not _PORT_SPEC.fullmatch(out[i + 1]):
+            out[i] = "--dashboard=1"
+    return out
+
+
 def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
     """Parse and validate the command line.
 
     Raises:
         InvalidArgumentError: a bad value (the message says which and why).
     """
-    ns = build_parser(prog).parse_args(list(argv))
+    ns = build_parser(prog).parse_args(_dashboard_value(list(argv)))
     if ns.config_file:
         config_file.apply(ns, ns.config_file)
     flags.validate(ns)

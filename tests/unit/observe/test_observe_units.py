@@ -309,3 +309,31 @@ def test_a_commands_rank_reports_on_a_channel_of_its_own(monkeypatch: pytest.Mon
     finally:
         stats.stop_reporter()
         channel.close()
+
+
+# --- the entry points' switches
+
+
+def test_phalanxrun_and_the_spark_spec_take_the_switches(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.cli.main import parse_config
+    from phalanx.launch.local import LocalJobSpec, LocalLauncher
+    from phalanx.spark.launcher import SparkJobSpec
+
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    monkeypatch.delenv("PHALANX_DASHBOARD", raising=False)
+    config = parse_config(["-np", "2", "--dashboard", "python", str(script)])
+    assert config.observe == options.ObserveOptions(("127.0.0.1", 0))
+    assert parse_config(["-np", "2", "--dashboard", "0.0.0.0:9200", "python", str(script)]).observe == \
+        options.ObserveOptions(("0.0.0.0", 9200))
+    assert parse_config(["-np", "2", "--dashboard", "9100", "python", str(script)]).observe == \
+        options.ObserveOptions(("127.0.0.1", 9100))
+    assert parse_config(["-np", "2", "python", str(script)]).observe is None
+    # Every launcher's ranks get the stats interval; a user's own value wins.
+    spec = LocalLauncher(LocalJobSpec(np=2, command=("true",), observe=config.observe)).spec
+    assert spec.env["PHALANX_STATS_INTERVAL_S"] == "1"
+    assert "PHALANX_STATS_INTERVAL_S" not in LocalLauncher(LocalJobSpec(np=2, command=("true",))).spec.env
+    # HorovodRunner and TorchDistributor build their specs without the switch: the variable is their way in.
+    assert SparkJobSpec(np=2).observe is None
+    monkeypatch.setenv("PHALANX_DASHBOARD", "9300")
+    assert SparkJobSpec(np=2).observe == options.ObserveOptions(("127.0.0.1", 9300))
