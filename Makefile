@@ -48,7 +48,8 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(PIP) install -c constraints-dev.txt 'pandas<3' pyarrow
 	touch $@
 
-BENCHES ?= launch spark_launch allreduce train timeline shm keras hosts lightning_horovod driver_memory estimator deepspeed dashboard
+BENCHES ?= launch spark_launch allreduce train timeline shm keras hosts lightning_horovod driver_memory estimator deepspeed \
+	dashboard data checkpoint
 
 bench: $(VENV)/.bench-installed
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || exit 1; done
