@@ -141,3 +141,26 @@ def test_durable_elastic_commits_to_the_same_storage(s3: dict[str, str], monkeyp
     assert _ls("s3://ckpt/elastic") == ["state.pt"]
     restarted = ObjectState(lambda value: value, lambda: 0, epoch=0, batch=0)
     assert restarted.resume_from_checkpoint() and (restarted.epoch, restarted.batch) == (3, 7)
+
+
+def test_the_converter_loader_reads_parquet_on_s3(s3: dict[str, str]) -> None:
+    """The converter's ranks read through fsspec: its data on an s3:// cache directory loads as locally."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    import s3fs
+
+    from phalanx.spark.converter import SparkDatasetConverter, list_pieces
+
+    fs = s3fs.S3FileSystem()
+    for part, start in (("part-0", 0), ("part-1", 30)):
+        with fs.open(f"ckpt/converter/{part}.parquet", "wb") as f:
+            pq.write_table(pa.table({"id": pa.array(range(start, start + 30), pa.int64())}), f, row_group_size=7)
+    pieces = list_pieces("s3://ckpt/converter", {})
+    converter = SparkDatasetConverter("s3://ckpt/converter", [p.path for p in pieces], 60, pieces)
+    seen = []
+    for rank in range(2):
+        with converter.make_torch_dataloader(batch_size=8, num_epochs=1, cur_shard=rank, shard_count=2) as loader:
+            seen += [i for batch in loader for i in batch["id"].tolist()]
+    assert sorted(seen) == list(range(60))
+    converter.delete()
+    assert not fs.exists("ckpt/converter")
