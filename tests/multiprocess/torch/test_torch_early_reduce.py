@@ -104,12 +104,13 @@ def _join_after_backward_job() -> dict[str, Any]:
     """Rank 1 runs one backward and joins without stepping (rank 0 reduces its marked gradients early, as
     Horovod's hooks would have submitted them); then rank 0 steps alone (rank 1 serves zeros)."""
     import torch
+    import torch.distributed as dist
 
     import phalanx.torch as hvd
     from phalanx.transport import _early
 
     hvd.init()
-    me = hvd.rank()
+    me, store = hvd.rank(), dist.distributed_c10d._get_default_store()
     torch.manual_seed(0)
     model = torch.nn.Linear(128, 160)
     w0 = [p.detach().clone() for p in model.parameters()]
@@ -120,8 +121,10 @@ def _join_after_backward_job() -> dict[str, Any]:
         model(torch.randn(4, 128, generator=g)).sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         if me == 1:
-            time.sleep(LAG_S)
+            store.set("rank 1 marked", "1")
             break
+        if step == 0:  # the worker gives up on a gradient not marked within WAIT_S: they must all be marked
+            store.wait(["rank 1 marked"])
         opt.step()
         opt.zero_grad()
     last = hvd.join()
