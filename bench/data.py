@@ -21,7 +21,6 @@ converter / floor. On a loaded host the ranks share the cores with everything el
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import statistics
@@ -30,7 +29,7 @@ import tempfile
 import time
 from typing import Any
 
-from estimator import ceiling, floor
+from estimator import ceiling, data_bench_setup, floor
 
 
 def converter_rank(converter: Any, batch_size: int) -> float:
@@ -69,22 +68,13 @@ def petastorm_note() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, default=200_000)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    args, spark = data_bench_setup(__doc__ or "")
     from pyspark.ml.functions import array_to_vector
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     import phalanx
     from phalanx.spark import make_spark_converter
 
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
     spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", "file://" + tempfile.mkdtemp(prefix="bench-data-"))
     features = array_to_vector(F.array(*[F.rand(i) for i in range(64)]))
     df = spark.range(args.rows).select(features.alias("features"), (F.col("id") % 10).alias("label")).repartition(8)

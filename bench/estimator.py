@@ -114,8 +114,9 @@ def prepare_data(spark: Any, rows: int, batch_size: int) -> Any:
     return TrainSpec(b"", data, store, "bench", params)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def data_bench_setup(description: str) -> tuple[argparse.Namespace, Any]:
+    """The data benches' arguments (``--rows``, ``--batch-size``, ``--rounds``) and a ``local[2]`` session."""
+    parser = argparse.ArgumentParser(description=description.split("\n")[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
@@ -123,11 +124,16 @@ def main() -> None:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    import phalanx.spark
-
     spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
+    return args, spark
+
+
+def main() -> None:
+    args, spark = data_bench_setup(__doc__ or "")
+    import phalanx.spark
+
     spec = prepare_data(spark, args.rows, args.batch_size)
     paths = sorted({p.path for p in spec.data.train})
     ours, theirs, floors = [], [], []
