@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import queue
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,35 @@ def test_the_byte_budget_holds_and_one_oversized_event_still_passes() -> None:
         q.put(LogLine(0, Stream.STDOUT, "y"), block=False)
     assert q.get_nowait().text == "x" * 5000
     q.put(LogLine(0, Stream.STDOUT, "y"), block=False)
+
+
+class _CountingQueue(EventQueue):
+    """Counts how often a waiting producer re-checks for room (each check is one wake-up)."""
+
+    checks = 0
+
+    def _fits(self, size: int) -> bool:
+        self.checks += 1
+        return super()._fits(size)
+
+
+def test_a_full_queue_does_not_wake_every_blocked_producer_per_event() -> None:
+    """1,024 ranks' readers blocked on a full queue: waking all of them for every event read made the
+    driver's reading quadratic (it stalled at 1,024 simulated ranks; bench/control_plane.py)."""
+    producers, each = 100, 10
+    q = _CountingQueue(max_events=50, max_bytes=1 << 20)
+    threads = [threading.Thread(target=lambda: [q.put(LogLine(0, Stream.STDOUT, "x")) for _ in range(each)],
+                                daemon=True) for _ in range(producers)]
+    for t in threads:
+        t.start()
+    got = 0
+    for _ in range(producers * each):  # a reader slower than its producers, as a loaded driver is
+        got += q.get(timeout=10) is not None
+        time.sleep(0.0002)
+    for t in threads:
+        t.join(10)
+    assert got == producers * each and not any(t.is_alive() for t in threads)
+    assert q.checks < 20 * got, q.checks  # every blocked producer per event: ~producers * got
 
 
 def test_close_lets_blocked_producers_through() -> None:
