@@ -150,9 +150,9 @@ class LocalLauncher:
         return worker_argv(self.spec.command)
 
     def _template(self) -> warm.Template | None:
-        if self.spec.command is not None or self.spec.warm_preload is None or not warm.enabled():
+        if self.spec.command is not None or self.spec.warm_preload is None:
             return None
-        return warm.ready_template()
+        return warm.template_for_job(self.spec.warm_preload, max(warm.READY_WAIT_S, self.spec.start_timeout_s / 2))
 
     def _spawn(self, env: dict[str, str], template: warm.Template | None) -> RankProcess:
         return spawn_rank(self._argv(), env, template)

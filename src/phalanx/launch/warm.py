@@ -1,10 +1,12 @@
 """Warm starts: a pre-imported template process that forks the ranks of later function jobs.
 
-The first function job of a driver starts cold (fresh interpreters). When it ends, a template process
-(:mod:`phalanx.worker.template`) is started in the background; it imports torch and the job's third-party
-packages once. Later jobs ask it to fork their ranks: each rank is still a new process with the job's
-own environment, but interpreter start-up and imports are already paid. Set ``PHALANX_WARM_START=0`` to
-turn this off. The template dies with the driver (``atexit``, parent-death signal, socket EOF).
+A template process (:mod:`phalanx.worker.template`) imports torch and a function job's third-party packages
+once; jobs ask it to fork their ranks: each rank is still a new process with the job's own environment,
+but interpreter start-up and imports are paid once per driver, not once per rank. The first function job
+of a driver starts the template and forks its ranks from it too (:func:`template_for_job`), so N ranks
+cost one import, not N (on a host with fewer cores than ranks, N imports run one after the other). Set
+``PHALANX_WARM_START=0`` to turn this off (every rank then starts a fresh interpreter). The template
+dies with the driver (``atexit``, parent-death signal, socket EOF).
 
 The template is always started from one thread that lives as long as the driver: Linux sends the
 parent-death signal when the *thread* that forked a child exits, not the process, so a template started
@@ -262,6 +264,19 @@ def ready_template(timeout_s: float = READY_WAIT_S) -> Template | None:
     if template is None or not template.alive:
         return None
     return template if template.wait_ready(timeout_s) else None
+
+
+def template_for_job(preload: tuple[str, ...], wait_s: float) -> Template | None:
+    """The template a function job forks its ranks from: the running one, else one started now and waited
+    for up to ``wait_s`` (its imports are the ones every cold rank would make); None when warm starts are
+    off, or when it is not ready in time or failed (the job then starts cold)."""
+    if not enabled():
+        return None
+    template = ready_template()
+    if template is not None:
+        return template
+    prepare(preload)
+    return ready_template(wait_s)
 
 
 def prepare(preload: tuple[str, ...]) -> None:

@@ -74,14 +74,24 @@ def _become_rank(message: dict[str, Any], out_fd: int, err_fd: int) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = ["-m phalanx.worker"]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        # numpy's global generator does not reseed at fork: without this every job would draw the same.
-        numpy.random.seed()
+    _reseed()
     _apply_thread_count()
     from phalanx.worker.runtime import main
 
     return main()
+
+
+def _reseed() -> None:
+    """Give the rank generators of its own, as a fresh interpreter has: torch's and numpy's global generators
+    are seeded once per process (from the OS) and a fork copies their state, so without this every rank
+    forked from one template would draw the same numbers. (Python's ``random`` reseeds itself at fork; a
+    seeded program reseeds them all anyway.)"""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()  # CPU now; CUDA's seed only queued: no CUDA context is made here
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
 
 
 def _apply_thread_count() -> None:

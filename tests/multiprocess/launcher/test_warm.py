@@ -134,13 +134,58 @@ def test_opt_out_starts_cold(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.timeout(120)
-def test_shutdown_leaves_nothing_and_the_next_job_starts_cold() -> None:
+def test_shutdown_leaves_nothing_and_the_next_job_forks_from_a_new_template() -> None:
     _warm_up()
     (pid,) = warm.template_pids()
     warm.shutdown()
     assert warm.template_pids() == set()
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-    assert set(phalanx.run(os.getppid, np=2)) == {os.getpid()}
+    parents = set(phalanx.run(os.getppid, np=2))
+    assert parents == warm.template_pids() and pid not in parents
+
+
+def _identity() -> dict[str, Any]:
+    """What a rank must not share with its siblings, or get from the template instead of its job."""
+    import random
+    import threading
+
+    import numpy as np
+    import torch
+
+    return {
+        "ppid": os.getppid(), "pid": os.getpid(), "sid": os.getsid(0),
+        "draws": (random.random(), float(torch.rand(1)), float(np.random.rand())),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "signals": (signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL),
+        "env": (os.environ.get("PHALANX_TEST_JOB_VAR"), os.environ.get("PHALANX_TEST_DRIVER_VAR"), os.environ["RANK"]),
+        "sockets": sorted(os.readlink(f"/proc/self/fd/{fd}").split(":")[0] for fd in os.listdir("/proc/self/fd")
+                          if os.path.exists(f"/proc/self/fd/{fd}") and "socket" in os.readlink(f"/proc/self/fd/{fd}")),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_a_drivers_first_job_forks_its_ranks_as_independent_as_cold_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first function job of a driver imports torch once, in a template it starts, and forks its ranks
+    from it; each is as much its own process as a cold rank: its own pid and session, the job's
+    environment (not the template's), default signal handlers, its own Python / torch / numpy random
+    draws, and the same threads and sockets as a cold rank."""
+    warm.shutdown()
+    monkeypatch.setenv("PHALANX_TEST_DRIVER_VAR", "driver")
+    forked = phalanx.run(_identity, np=3, env={"PHALANX_TEST_JOB_VAR": "job"})
+    (template,) = warm.template_pids()
+    monkeypatch.setenv("PHALANX_WARM_START", "0")
+    cold = phalanx.run(_identity, np=3, env={"PHALANX_TEST_JOB_VAR": "job"})
+    assert {r["ppid"] for r in forked} == {template}
+    assert {r["ppid"] for r in cold} == {os.getpid()}
+    for ranks in (forked, cold):
+        assert len({r["pid"] for r in ranks}) == 3 and all(r["sid"] == r["pid"] for r in ranks)
+        for i in range(3):  # each generator draws differently in every rank
+            assert len({r["draws"][i] for r in ranks}) == 3
+        assert [r["env"] for r in ranks] == [("job", "driver", str(k)) for k in range(3)]
+        assert all(r["signals"] == (True, True) for r in ranks)
+    assert [r["threads"] for r in forked] == [r["threads"] for r in cold]
+    assert [r["sockets"] for r in forked] == [r["sockets"] for r in cold]
 
 
 def _fork_a_daemon(pidfile: str) -> int:
