@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import subprocess
 import sys
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
 from phalanx.env import names as env_names
 from phalanx.job.monitor import MonitorConfig
@@ -67,17 +70,51 @@ def worker_argv(command: Sequence[str] | None, python: str = sys.executable) -> 
     return [python, "-m", "phalanx.worker.exec", *command]
 
 
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def python_command(command: Sequence[str], path: str | None,
+                   executable: str = sys.executable) -> dict[str, Any] | None:
+    """How a warm-start template runs ``command`` (``phalanx.worker.pyrun``), or None when it cannot: only
+    ``python SCRIPT ARGS`` and ``python -m MODULE ARGS`` (``-u`` allowed: ranks are unbuffered anyway) where
+    ``python`` (found on ``path``) is this interpreter of this environment: the same file in the same
+    directory (another virtual environment's ``python`` links to the same file from elsewhere)."""
+    if len(command) < 2 or not _PYTHON_NAME.fullmatch(os.path.basename(command[0])):
+        return None
+    found = command[0] if os.sep in command[0] else shutil.which(command[0], path=path)
+    if found is None or not _same_interpreter(found, executable):
+        return None
+    rest = list(command[1:])
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if len(rest) >= 2 and rest[0] == "-m" and _MODULE_NAME.fullmatch(rest[1]):
+        return {"kind": "module", "target": rest[1], "args": rest[2:], "argv": list(command)}
+    if rest and not rest[0].startswith("-"):
+        return {"kind": "path", "target": rest[0], "args": rest[1:], "argv": list(command)}
+    return None
+
+
+def _same_interpreter(found: str, executable: str) -> bool:
+    here, there = os.path.abspath(found), os.path.abspath(executable)
+    try:
+        return os.path.dirname(here) == os.path.dirname(there) and os.path.samefile(here, there)
+    except OSError:
+        return False
+
+
 def spawn_rank(argv: Sequence[str], env: dict[str, str], template: warm.Template | None = None,
-               cwd: str | None = None) -> RankProcess:
-    """Start one rank: forked from a warm-start template when one is given and answers, else a fresh
-    process in its own session with stdout/stderr on pipes.
+               cwd: str | None = None, python: dict[str, Any] | None = None) -> RankProcess:
+    """Start one rank: forked from a warm-start template when one is given and answers (a command job
+    only with ``python``, see :func:`python_command`), else a fresh process in its own session with
+    stdout/stderr on pipes.
 
     The worker sets ``PR_SET_PDEATHSIG`` itself, which follows the *thread* that started it: call this
     from a thread that lives as long as the job (the launcher's main thread).
     """
     if template is not None:
         try:
-            return template.spawn(env, cwd or os.getcwd())
+            return template.spawn(env, cwd or os.getcwd(), python)
         except OSError as e:
             log.debug("warm start failed, starting cold: %s", e)
     return subprocess.Popen(

@@ -29,7 +29,8 @@ from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.records import ErrorRecord
 from phalanx.job.shipping import script_of, write_modules
-from phalanx.launch.core import DRAIN_WAIT_S, worker_argv
+from phalanx.launch import warm
+from phalanx.launch.core import DRAIN_WAIT_S, python_command, worker_argv
 from phalanx.launch.supervisor import EXIT_NOT_STARTED, RankSupervisor, exit_event
 
 #: Most bytes of the plan line (the forwarded variables and a script job's shipped modules, base64).
@@ -138,7 +139,9 @@ class Agent:
     def run(self) -> int:
         """Supervise every rank in a thread of its own; return 0 once all ended (their exits went to the
         driver)."""
-        threads = [threading.Thread(target=self._rank, args=(r,), name=f"phalanx-rank-{r}") for r in self.plan.ranks]
+        template = self._template()
+        threads = [threading.Thread(target=self._rank, args=(r, template), name=f"phalanx-rank-{r}")
+                   for r in self.plan.ranks]
         for t in threads:
             t.start()
         for t in threads:
@@ -157,7 +160,20 @@ class Agent:
         own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), **self._pythonpath, **self.plan.over}
         return compose_env(os.environ, self.plan.env, {**worker_env(self.plan.job, who), **own}, os.cpu_count())
 
-    def _rank(self, rank: int) -> None:
+    def _template(self) -> warm.Template | None:
+        """A warm-start template for this host's ranks, when it runs several of a function job or of a
+        ``python SCRIPT`` command: one import of torch on the host instead of one per rank. Started in the
+        ranks' environment (shipped modules on ``PYTHONPATH`` included) so a command's start-up variables
+        match it (``phalanx.worker.pyrun``)."""
+        if len(self.plan.ranks) < 2 or (self._command is not None and self._python_run() is None):
+            return None
+        base = {**os.environ, **self.plan.env, **self._pythonpath}
+        return warm.template_for_job((), max(warm.READY_WAIT_S, self.plan.job.start_timeout_s / 2), base)
+
+    def _python_run(self) -> dict[str, Any] | None:
+        return None if self._command is None else python_command(self._command, os.environ.get("PATH"))
+
+    def _rank(self, rank: int, template: warm.Template | None = None) -> None:
         job = self.plan.job
         try:
             channel = WorkerChannel.connect(job.channel, job.secret, rank, Role.SUPERVISOR, job.start_timeout_s)
@@ -169,7 +185,7 @@ class Agent:
             self._supervisors.append(supervisor)
         try:
             argv = worker_argv(self._command, self.plan.python)
-            returncode = supervisor.run(argv, self._env(rank), None, self.plan.cwd)
+            returncode = supervisor.run(argv, self._env(rank), template, self.plan.cwd, self._python_run())
         except (PhalanxError, OSError) as e:
             supervisor.send(Kind.ERROR, ErrorRecord.from_exception(rank, e).encode())
             returncode = EXIT_NOT_STARTED

@@ -26,7 +26,7 @@ from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.records import Stream
 from phalanx.launch import warm
-from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id, spawn_rank, worker_argv
+from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id, python_command, spawn_rank, worker_argv
 from phalanx.launch.proctree import terminate_tree
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.warm import RankProcess
@@ -150,12 +150,23 @@ class LocalLauncher:
         return worker_argv(self.spec.command)
 
     def _template(self) -> warm.Template | None:
-        if self.spec.command is not None or self.spec.warm_preload is None:
+        """The warm-start template to fork ranks from: for function jobs, and for command jobs that run a
+        script or module with this interpreter (:func:`~phalanx.launch.core.python_command`)."""
+        if self.spec.command is None:
+            preload = self.spec.warm_preload
+        else:
+            preload = () if self._python_run() is not None else None
+        if preload is None:
             return None
-        return warm.template_for_job(self.spec.warm_preload, max(warm.READY_WAIT_S, self.spec.start_timeout_s / 2))
+        return warm.template_for_job(preload, max(warm.READY_WAIT_S, self.spec.start_timeout_s / 2))
+
+    def _python_run(self) -> dict[str, Any] | None:
+        if self.spec.command is None:
+            return None
+        return python_command(self.spec.command, os.environ.get("PATH"))
 
     def _spawn(self, env: dict[str, str], template: warm.Template | None) -> RankProcess:
-        return spawn_rank(self._argv(), env, template)
+        return spawn_rank(self._argv(), env, template, python=self._python_run())
 
     def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
         job = self._contract(channel, store)

@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from phalanx.errors import ChannelError
 from phalanx.job.channel import Custom, DriverChannel, WorkerChannel
@@ -102,10 +103,11 @@ class RankSupervisor:
         self.send(Kind.LOG, line.encode())
 
     def run(self, argv: Sequence[str], env: dict[str, str], template: warm.Template | None = None,
-            cwd: str | None = None) -> int:
-        """Start the rank (from the calling thread: its parent-death signal follows this thread), forward
-        its output, stop it on abort; return its exit code."""
-        self.proc = spawn_rank(argv, env, template, cwd)
+            cwd: str | None = None, python: dict[str, Any] | None = None) -> int:
+        """Start the rank (from the calling thread: its parent-death signal follows this thread; from
+        ``template`` when given, see ``core.spawn_rank``), forward its output, stop it on abort; return its
+        exit code."""
+        self.proc = spawn_rank(argv, env, template, cwd, python)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         pumps = [
             threading.Thread(target=pump_lines, args=(self.proc.stdout, self.rank, Stream.STDOUT, self.emit)),

@@ -87,9 +87,10 @@ class ForkedRank:
 class Template:
     """The driver's handle on one template process."""
 
-    def __init__(self, preload: tuple[str, ...]) -> None:
+    def __init__(self, preload: tuple[str, ...], base_env: dict[str, str] | None = None) -> None:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**os.environ, env_names.PHALANX_PARENT_PID: str(os.getpid()), env_names.PYTHONUNBUFFERED: "1"}
+        env = {**(os.environ if base_env is None else base_env), env_names.PHALANX_PARENT_PID: str(os.getpid()),
+               env_names.PYTHONUNBUFFERED: "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "phalanx.worker.template", str(theirs.fileno()), *preload],
             pass_fds=(theirs.fileno(),), start_new_session=True, env=env,
@@ -110,8 +111,9 @@ class Template:
         """True once the template finished its imports (False if it died)."""
         return self._ready.wait(timeout_s) and self.alive
 
-    def spawn(self, env: dict[str, str], cwd: str) -> ForkedRank:
-        """Fork one rank with this environment and working directory.
+    def spawn(self, env: dict[str, str], cwd: str, python: dict[str, Any] | None = None) -> ForkedRank:
+        """Fork one rank with this environment and working directory: the function worker, or a command
+        job's ``python SCRIPT`` / ``python -m MODULE`` (``python``: ``core.python_command``'s description).
 
         Raises:
             OSError: the template is gone or did not answer within SPAWN_TIMEOUT_S.
@@ -126,7 +128,7 @@ class Template:
             self._pending[ident] = (os.fdopen(r_out, "rb"), os.fdopen(r_err, "rb"), done, box)
         try:
             message = json.dumps({"spawn": ident, "env": {**env, env_names.PHALANX_PARENT_PID: str(self.proc.pid)},
-                                  "cwd": cwd}).encode()
+                                  "cwd": cwd, "python": python}).encode()
             socket.send_fds(self._sock, [message], [w_out, w_err])
         finally:
             os.close(w_out)
@@ -266,21 +268,23 @@ def ready_template(timeout_s: float = READY_WAIT_S) -> Template | None:
     return template if template.wait_ready(timeout_s) else None
 
 
-def template_for_job(preload: tuple[str, ...], wait_s: float) -> Template | None:
-    """The template a function job forks its ranks from: the running one, else one started now and waited
-    for up to ``wait_s`` (its imports are the ones every cold rank would make); None when warm starts are
-    off, or when it is not ready in time or failed (the job then starts cold)."""
+def template_for_job(preload: tuple[str, ...], wait_s: float,
+                     base_env: dict[str, str] | None = None) -> Template | None:
+    """The template a job forks its ranks from: the running one, else one started now (in ``base_env``,
+    default this process's environment) and waited for up to ``wait_s`` (its imports are the ones every
+    cold rank would make); None when warm starts are off, or when it is not ready in time or failed (the
+    job then starts cold)."""
     if not enabled():
         return None
     template = ready_template()
     if template is not None:
         return template
-    prepare(preload)
+    prepare(preload, base_env)
     return ready_template(wait_s)
 
 
-def prepare(preload: tuple[str, ...]) -> None:
-    """Start a template in the background if none runs (called after a job)."""
+def prepare(preload: tuple[str, ...], base_env: dict[str, str] | None = None) -> None:
+    """Start a template in the background if none runs (called after a job, or by its first one)."""
     global _template
     if not enabled():
         return
@@ -288,7 +292,7 @@ def prepare(preload: tuple[str, ...]) -> None:
         if _template is not None and _template.alive:
             return
         try:
-            _template = _starter.run(lambda: Template(preload))
+            _template = _starter.run(lambda: Template(preload, base_env))
         except OSError as e:
             log.debug("could not start the warm-start template: %s", e)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
+import signal
 import sys
 import threading
 from typing import Any, NoReturn
@@ -119,8 +120,10 @@ def main() -> int:
     return code
 
 
-def leave(code: int) -> NoReturn:
-    """End the worker process as an interpreter's exit does for the user's code, then stop at once.
+def leave(code: int, killed_by: int | None = None) -> NoReturn:
+    """End the worker process as an interpreter's exit does for the user's code, then stop at once
+    (``killed_by``: then kill itself with that signal, as an interpreter does after an uncaught
+    ``KeyboardInterrupt``).
 
     Non-daemon threads are joined and atexit hooks run (the user's, a timeline's stop, TensorFlow's
     temporary files), and the output is flushed, but the interpreter's teardown of every module is
@@ -136,4 +139,7 @@ def leave(code: int) -> NoReturn:
             stream.flush()
         except (OSError, ValueError, AttributeError):  # closed or replaced by the user's code
             pass
+    if killed_by is not None:
+        signal.signal(killed_by, signal.SIG_DFL)
+        os.kill(os.getpid(), killed_by)
     os._exit(code)

@@ -8,7 +8,9 @@ environment, working directory and output pipes.
 It talks to its launcher over the inherited ``SOCK_SEQPACKET`` socket ``FD`` (one JSON message per
 packet, pipe descriptors passed with ``SCM_RIGHTS``):
 
-- launcher -> template: ``{"spawn": id, "env": {...}, "cwd": "..."}`` with two descriptors (stdout, stderr).
+- launcher -> template: ``{"spawn": id, "env": {...}, "cwd": "...", "python": {...} | null}`` with two
+  descriptors (stdout, stderr); ``python`` describes a command job's ``python SCRIPT`` / ``python -m
+  MODULE`` (:mod:`phalanx.worker.pyrun`); without it the function worker runs.
 - template -> launcher: ``{"ready": true}``, ``{"spawned": id, "pid": N}``, ``{"exited": N, "returncode": C}``.
 
 The template is single-threaded by design (fork copies only the calling thread). It exits when the
@@ -34,10 +36,12 @@ from phalanx.worker.lifeline import die_with_parent, set_process_name
 
 #: What every template imports before the job's own modules: torch, the worker entry, and the
 #: ``phalanx_shm`` backend, which a one-host job's ``init_process_group("gloo")`` becomes (docs/shm.md).
-ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.transport.backend")
+ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.worker.pyrun", "phalanx.transport.backend")
 
 MAX_MESSAGE_BYTES = 1 << 20
 _REAP_INTERVAL_S = 0.005
+#: The environment the template started with (what its interpreter and imports read at start-up).
+STARTUP_ENV = dict(os.environ)
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -76,6 +80,10 @@ def _become_rank(message: dict[str, Any], out_fd: int, err_fd: int) -> int:
     sys.argv = ["-m phalanx.worker"]
     _reseed()
     _apply_thread_count()
+    if message.get("python") is not None:
+        from phalanx.worker import pyrun
+
+        return pyrun.run(message["python"], STARTUP_ENV)
     from phalanx.worker.runtime import main
 
     return main()
