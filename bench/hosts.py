@@ -7,6 +7,7 @@ Run: ``.venv/bin/python bench/hosts.py [--rounds 3] [--calls 10]``.
   agents, ranks) vs ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` started by hand in each
   namespace at the same moment; the same rank script (``hvd.init()``, one allreduce) under both; wall time
   from the start to the last rank's first allreduce; rounds interleaved, medians. Target: <= 1.0x.
+  ``--launch-hosts N``: only this, on N hosts x 2 ranks (target at 8 hosts: <= 0.5x).
 * allreduce fp32 64 MB across the 4 ranks in one phalanxrun job: ``hvd.allreduce_`` (hierarchical: shared
   memory inside a host, host leaders over gloo) vs ``dist.all_reduce`` on the flat gloo default group,
   interleaved call by call; medians. Target: >= 1.5x.
@@ -117,27 +118,28 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _CONTRACT and not k.startswith(("SLURM_", "TORCHELASTIC"))}
 
 
-def _firsts(stdout: str) -> float:
+def _firsts(stdout: str, ranks: int) -> float:
     values = [float(line.split("FIRST")[1]) for line in stdout.splitlines() if "FIRST" in line]
-    if len(values) != 4:
-        raise RuntimeError(f"expected 4 ranks to report, got {len(values)}:\n{stdout[-2000:]}")
+    if len(values) != ranks:
+        raise RuntimeError(f"expected {ranks} ranks to report, got {len(values)}:\n{stdout[-2000:]}")
     return max(values)
 
 
-def _phalanx_launch(cluster: Cluster) -> float:
-    argv = [sys.executable, "-m", "phalanx.cli.main", "-np", "4", "-H", "hosta:2,hostb:2", "-i", str(cluster.key),
+def _phalanx_launch(cluster: Cluster, hosts: int = 2) -> float:
+    spec = ",".join(f"{h}:2" for h in host_names(hosts))
+    argv = [sys.executable, "-m", "phalanx.cli.main", "-np", str(2 * hosts), "-H", spec, "-i", str(cluster.key),
             sys.executable, __file__, "--rank", "first", str(time.time())]
     done = cluster.run_on("hosta", argv, timeout=300, env=_env())
     if done.returncode != 0:
         raise RuntimeError(f"phalanxrun failed: {done.stderr[-2000:]}")
-    return _firsts(done.stdout)
+    return _firsts(done.stdout, 2 * hosts)
 
 
-def _torchrun_launch(cluster: Cluster, round_no: int) -> float:
+def _torchrun_launch(cluster: Cluster, round_no: int, hosts: int = 2) -> float:
     start = str(time.time())
     procs = []
-    for host in ("hosta", "hostb"):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+    for host in host_names(hosts):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--nproc-per-node", "2",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.hosts['hosta'].address}:29400",
                 "--rdzv-id", f"bench-{round_no}", __file__, "--rank", "first", start]
         procs.append(subprocess.Popen(cluster.argv_on(host, argv), cwd=cluster.workdir, env=_env(),
@@ -148,7 +150,7 @@ def _torchrun_launch(cluster: Cluster, round_no: int) -> float:
         if p.returncode != 0:
             raise RuntimeError(f"torchrun failed: {stderr[-2000:]}")
         out += stdout
-    return _firsts(out)
+    return _firsts(out, 2 * hosts)
 
 
 def _allreduce(cluster: Cluster, calls: int, kind: str = "allreduce",
@@ -242,6 +244,24 @@ def _shaped(cluster: Cluster, rate: str, layouts: list[tuple[int, int]], calls: 
               f"flat {[round(x * 1e3) for x in times['flat']]} ms")
 
 
+def _launch_many(hosts: int, rounds: int) -> None:
+    """``phalanxrun -H`` over ``hosts`` simulated hosts x 2 ranks vs torchrun started on each host at the same
+    moment, interleaved; medians."""
+    ph: list[float] = []
+    tr: list[float] = []
+    with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys), host_names(hosts)) as cluster:
+        for r in range(rounds):
+            for which in (("phalanx", "torchrun") if r % 2 == 0 else ("torchrun", "phalanx")):
+                if which == "phalanx":
+                    ph.append(_phalanx_launch(cluster, hosts))
+                else:
+                    tr.append(_torchrun_launch(cluster, r, hosts))
+    p_med, t_med = statistics.median(ph), statistics.median(tr)
+    print(f"launch to first allreduce, {hosts} hosts x 2 ranks: phalanxrun -H {p_med:.2f} s, torchrun on each "
+          f"host {t_med:.2f} s -> {p_med / t_med:.2f}x (target <= 0.5x); rounds phalanx "
+          f"{[round(x, 2) for x in ph]}, torchrun {[round(x, 2) for x in tr]}")
+
+
 def _layouts(text: str) -> list[tuple[int, int]]:
     out = []
     for item in text.split(","):
@@ -258,48 +278,59 @@ def main() -> int:
     p.add_argument("--shaped", metavar="RATE", default=None,
                    help="links limited to RATE (tc units: 1gbit, 10gbit): the allreduce per layout only")
     p.add_argument("--layouts", default="3x2,2x4", help="with --shaped: HOSTSxRANKS,... (default 3x2,2x4)")
+    p.add_argument("--launch-hosts", type=int, default=0, metavar="N",
+                   help="only the launch to the first allreduce, N hosts x 2 ranks")
     p.add_argument("--rank", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank is not None:
-        kind, value = args.rank
-        if kind == "first":
-            rank_first(float(value))
-        elif kind == "floor":
-            rank_floor(int(value))
-        else:
-            rank_allreduce(int(value))
+        _rank(*args.rank)
         return 0
     why = why_unavailable()
     if why:
         print(f"bench/hosts.py: skipped: {why}")
         return 0
-    if args.shaped is not None:
+    if args.launch_hosts:
+        _launch_many(args.launch_hosts, args.rounds)
+    elif args.shaped is not None:
         layouts = _layouts(args.layouts)
         names = host_names(max(2, *(h for h, _ in layouts)))
         with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys), names, args.shaped) as cluster:
             _shaped(cluster, args.shaped, layouts, args.calls)
-        return 0
-    with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
-        if args.floor:
-            _floor(cluster, args.calls)
-            return 0
-        ph: list[float] = []
-        tr: list[float] = []
-        for r in range(args.rounds):
-            for which in (("phalanx", "torchrun") if r % 2 == 0 else ("torchrun", "phalanx")):
-                if which == "phalanx":
-                    ph.append(_phalanx_launch(cluster))
-                else:
-                    tr.append(_torchrun_launch(cluster, r))
-        p_med, t_med = statistics.median(ph), statistics.median(tr)
-        print(f"launch to first allreduce, 2 hosts x 2 ranks: phalanxrun -H {p_med:.2f} s, torchrun --nnodes 2 "
-              f"{t_med:.2f} s -> {p_med / t_med:.2f}x of torchrun's time (target <= 1.0x); rounds "
-              f"phalanx {[round(x, 2) for x in ph]}, torchrun {[round(x, 2) for x in tr]}")
-        times = _allreduce(cluster, args.calls)
-        h_med, f_med = statistics.median(times["hier"]), statistics.median(times["flat"])
-        print(f"allreduce 64 MB, 4 ranks on 2 hosts: hierarchical {h_med * 1e3:.1f} ms, flat gloo "
-              f"{f_med * 1e3:.1f} ms -> {f_med / h_med:.2f}x faster (target >= 1.5x)")
+    else:
+        with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
+            if args.floor:
+                _floor(cluster, args.calls)
+            else:
+                _launch_and_allreduce(cluster, args.rounds, args.calls)
     return 0
+
+
+def _rank(kind: str, value: str) -> None:
+    if kind == "first":
+        rank_first(float(value))
+    elif kind == "floor":
+        rank_floor(int(value))
+    else:
+        rank_allreduce(int(value))
+
+
+def _launch_and_allreduce(cluster: Cluster, rounds: int, calls: int) -> None:
+    ph: list[float] = []
+    tr: list[float] = []
+    for r in range(rounds):
+        for which in (("phalanx", "torchrun") if r % 2 == 0 else ("torchrun", "phalanx")):
+            if which == "phalanx":
+                ph.append(_phalanx_launch(cluster))
+            else:
+                tr.append(_torchrun_launch(cluster, r))
+    p_med, t_med = statistics.median(ph), statistics.median(tr)
+    print(f"launch to first allreduce, 2 hosts x 2 ranks: phalanxrun -H {p_med:.2f} s, torchrun --nnodes 2 "
+          f"{t_med:.2f} s -> {p_med / t_med:.2f}x of torchrun's time (target <= 1.0x); rounds "
+          f"phalanx {[round(x, 2) for x in ph]}, torchrun {[round(x, 2) for x in tr]}")
+    times = _allreduce(cluster, calls)
+    h_med, f_med = statistics.median(times["hier"]), statistics.median(times["flat"])
+    print(f"allreduce 64 MB, 4 ranks on 2 hosts: hierarchical {h_med * 1e3:.1f} ms, flat gloo "
+          f"{f_med * 1e3:.1f} ms -> {f_med / h_med:.2f}x faster (target >= 1.5x)")
 
 
 if __name__ == "__main__":
