@@ -168,7 +168,7 @@ class Agent:
         if len(self.plan.ranks) < 2 or (self._command is not None and self._python_run() is None):
             return None
         base = {**os.environ, **self.plan.env, **self._pythonpath}
-        return warm.template_for_job((), max(warm.READY_WAIT_S, self.plan.job.start_timeout_s / 2), base)
+        return warm.template_for_job((), warm.job_wait_s(self.plan.job.start_timeout_s), base)
 
     def _python_run(self) -> dict[str, Any] | None:
         return None if self._command is None else python_command(self._command, os.environ.get("PATH"))

@@ -158,7 +158,7 @@ class LocalLauncher:
             preload = () if self._python_run() is not None else None
         if preload is None:
             return None
-        return warm.template_for_job(preload, max(warm.READY_WAIT_S, self.spec.start_timeout_s / 2))
+        return warm.template_for_job(preload, warm.job_wait_s(self.spec.start_timeout_s))
 
     def _python_run(self) -> dict[str, Any] | None:
         if self.spec.command is None:

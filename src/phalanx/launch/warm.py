@@ -268,6 +268,13 @@ def ready_template(timeout_s: float = READY_WAIT_S) -> Template | None:
     return template if template.wait_ready(timeout_s) else None
 
 
+def job_wait_s(start_timeout_s: float) -> float:
+    """How long a job waits for the template it started: its imports are the ones each cold rank would make,
+    so starting cold instead only pays them again; the job's start timeout bounds the wait (a second is
+    left for the forks and the ranks' connections)."""
+    return max(READY_WAIT_S, start_timeout_s - 1.0)
+
+
 def template_for_job(preload: tuple[str, ...], wait_s: float,
                      base_env: dict[str, str] | None = None) -> Template | None:
     """The template a job forks its ranks from: the running one, else one started now (in ``base_env``,

@@ -62,7 +62,9 @@ def _job(tmp_path: Path, name: str, command: list[str], *flags: str,
          env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path / name
     out.mkdir()
-    done = subprocess.run([*PHALANXRUN, *flags, *command, str(out)], capture_output=True, text=True, timeout=120,
+    # a start timeout that outlasts the template's imports on a loaded host (else the ranks start cold)
+    done = subprocess.run([*PHALANXRUN, "--start-timeout", "150", *flags, *command, str(out)], capture_output=True,
+                          text=True, timeout=200,
                           cwd=tmp_path, env={**os.environ, "PHALANX_TEST_VAR": "job", **(env or {})})
     return done, out
 
@@ -71,7 +73,7 @@ def _infos(out: Path, n: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"info{r}.json").read_text()) for r in range(n)]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_script_runs_in_forked_ranks_as_in_fresh_interpreters(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT))

@@ -172,7 +172,8 @@ def test_a_drivers_first_job_forks_its_ranks_as_independent_as_cold_ones(monkeyp
     draws, and the same threads and sockets as a cold rank."""
     warm.shutdown()
     monkeypatch.setenv("PHALANX_TEST_DRIVER_VAR", "driver")
-    forked = phalanx.run(_identity, np=3, env={"PHALANX_TEST_JOB_VAR": "job"})
+    # a start timeout that outlasts the template's imports on a loaded host (else the ranks start cold)
+    forked = phalanx.run(_identity, np=3, env={"PHALANX_TEST_JOB_VAR": "job"}, start_timeout=150)
     (template,) = warm.template_pids()
     monkeypatch.setenv("PHALANX_WARM_START", "0")
     cold = phalanx.run(_identity, np=3, env={"PHALANX_TEST_JOB_VAR": "job"})
