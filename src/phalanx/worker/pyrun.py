@@ -5,12 +5,12 @@ torch's import too (:mod:`phalanx.worker.template`).
 The launcher decides that a command qualifies (``phalanx.launch.core.python_command``: this very
 interpreter, no option but ``-u``); the forked child then checks that nothing that an interpreter reads
 only at start-up differs between the job's environment and the one the template started with (``PYTHON*``
-variables, the locale, the dynamic loader's and the math libraries' variables). If something does, the
-child replaces itself with the command (``execvp``), exactly as a cold rank starts; otherwise it runs the
-script or module as ``__main__`` with the interpreter's ``sys.argv`` and ``sys.path[0]``, prints an uncaught
-exception's traceback from the user's first frame, and ends as the interpreter ends (non-daemon threads
-joined, atexit hooks run, exit code of ``sys.exit``, 1 after an uncaught exception, SIGINT after an
-uncaught ``KeyboardInterrupt``).
+variables, the locale, the dynamic loader's and the math libraries' variables, torch's import-time ones).
+If something does, the child replaces itself with the command (``execvp``), exactly as a cold rank starts;
+otherwise it runs the script or module as ``__main__`` with the interpreter's ``sys.argv`` and
+``sys.path[0]``, prints an uncaught exception's traceback from the user's first frame, and ends as the
+interpreter ends (non-daemon threads joined, atexit hooks run, exit code of ``sys.exit``, 1 after an
+uncaught exception, SIGINT after an uncaught ``KeyboardInterrupt``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from phalanx.worker.lifeline import die_with_parent
 
 #: Variables read when an interpreter (or a library the template imported) starts, not later: a job whose
 #: value differs from the template's starts the command fresh instead.
-STARTUP_PREFIXES = ("PYTHON", "LC_", "LANG", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH_", "MALLOC_")
+STARTUP_PREFIXES = ("PYTHON", "LC_", "LANG", "LD_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "MALLOC_")
+#: torch's own variables read when it is imported (the others, NCCL's and the flight recorder's, are read
+#: when a process group is made, in the rank).
+TORCH_AT_IMPORT = frozenset({"TORCH_CPP_LOG_LEVEL", "TORCH_LOGS", "TORCH_SHOW_CPP_STACKTRACES",
+                             "TORCH_DISABLE_ADDR2LINE"})
 #: Set per rank by the contract and applied after the fork (``template._apply_thread_count``), or read at
 #: run time only.
 AFTER_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT"})
@@ -35,7 +39,8 @@ AFTER_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONBREAKPOINT
 
 def startup_differs(template_env: Mapping[str, str], job_env: Mapping[str, str]) -> list[str]:
     """The start-up variables whose values differ between the template's environment and the job's."""
-    keys = {k for k in (*template_env, *job_env) if k.startswith(STARTUP_PREFIXES) and k not in AFTER_FORK}
+    keys = {k for k in (*template_env, *job_env)
+            if (k.startswith(STARTUP_PREFIXES) or k in TORCH_AT_IMPORT) and k not in AFTER_FORK}
     return sorted(k for k in keys if template_env.get(k) != job_env.get(k))
 
 

@@ -53,7 +53,9 @@ def test_start_up_variables_that_differ_are_named() -> None:
     template = {"PATH": "/bin", "PYTHONPATH": "/a", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "2",
                 "PYTHONUNBUFFERED": "1"}
     job = {"PATH": "/usr/bin", "PYTHONPATH": "/a", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-           "PYTHONHASHSEED": "7", "LD_PRELOAD": "x.so", "RANK": "3"}
-    # PATH, RANK: read at run time; OMP_NUM_THREADS: applied after the fork; PYTHONUNBUFFERED: the contract's
-    assert startup_differs(template, job) == ["LD_PRELOAD", "PYTHONHASHSEED"]
+           "PYTHONHASHSEED": "7", "LD_PRELOAD": "x.so", "RANK": "3", "TORCH_FR_BUFFER_SIZE": "2000",
+           "TORCH_LOGS": "dynamo"}
+    # PATH, RANK: read at run time; OMP_NUM_THREADS: applied after the fork; PYTHONUNBUFFERED: the contract's;
+    # TORCH_FR_BUFFER_SIZE: read when a process group is made
+    assert startup_differs(template, job) == ["LD_PRELOAD", "PYTHONHASHSEED", "TORCH_LOGS"]
     assert startup_differs(template, {**template, "RANK": "0"}) == []
