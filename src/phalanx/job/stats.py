@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phalanx.env import settings
+from phalanx.errors import InvalidArgumentError
 
 #: Largest STATS body the driver decodes.
 MAX_BYTES = 4096
@@ -82,14 +83,15 @@ class RankStats:
         """Inverse of :meth:`encode`, checking every field.
 
         Raises:
-            ValueError: the body is too large, not the record's JSON, or holds a field out of bounds.
+            InvalidArgumentError: (a ValueError) the body is too large, not the record's JSON, or holds a
+                field out of bounds.
         """
         if len(body) > MAX_BYTES:
-            raise ValueError(f"a stats record of {len(body)} bytes is over {MAX_BYTES}")
+            raise InvalidArgumentError(f"a stats record of {len(body)} bytes is over {MAX_BYTES}")
         data = json.loads(body)
         kinds = data["kinds"]
         if not isinstance(kinds, dict) or len(kinds) > MAX_KINDS:
-            raise ValueError("a stats record's kinds must be an object of at most 16 entries")
+            raise InvalidArgumentError("a stats record's kinds must be an object of at most 16 entries")
         return cls(
             rank=_count(data["rank"]), pid=_count(data["pid"]), host=_word(data["host"], allow_empty=False),
             clock_s=_seconds(data["clock_s"]), steps=_count(data["steps"]), wait_s=_seconds(data["wait_s"]),
@@ -101,19 +103,19 @@ class RankStats:
 
 def _count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a count")
+        raise InvalidArgumentError(f"{value!r} is not a count")
     return value
 
 
 def _seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{value!r} is not a number of seconds")
+        raise InvalidArgumentError(f"{value!r} is not a number of seconds")
     return float(value)
 
 
 def _word(value: object, allow_empty: bool) -> str:
     if not isinstance(value, str) or not (_NAME.match(value) or (allow_empty and value == "")):
-        raise ValueError(f"{value!r} is not a short name")
+        raise InvalidArgumentError(f"{value!r} is not a short name")
     return value
 
 

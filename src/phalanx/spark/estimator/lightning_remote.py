@@ -15,6 +15,7 @@ import cloudpickle
 import torch
 
 from phalanx.env import names as env_names
+from phalanx.errors import InvalidArgumentError
 from phalanx.lightning.flavours import FLAVOURS
 from phalanx.spark.driver_log import log_to_driver
 from phalanx.spark.estimator.job import TrainSpec, epoch_line
@@ -97,12 +98,12 @@ def _nan_guard(L: Any) -> Any:
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None and not bool(torch.isfinite(torch.as_tensor(loss)).all()):
-                raise ValueError(f"the loss returned in training_step is {float(loss)} (batch {batch_idx}); "
-                                 "terminate_on_nan=True stopped the training")
+                raise InvalidArgumentError(f"the loss returned in training_step is {float(loss)} (batch {batch_idx}); "
+                                           "terminate_on_nan=True stopped the training")
             for name, parameter in module.named_parameters():
                 if not bool(torch.isfinite(parameter).all()):
-                    raise ValueError(f"parameter {name} is NaN or inf after batch {batch_idx}; terminate_on_nan=True "
-                                     "stopped the training")
+                    raise InvalidArgumentError(f"parameter {name} is NaN or inf after batch {batch_idx}; "
+                                               "terminate_on_nan=True stopped the training")
 
     return TerminateOnNaN()
 
