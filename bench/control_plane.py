@@ -279,14 +279,16 @@ def measure(ranks: int, procs: int, rate: float, seconds: float) -> Figures:
 
 
 def _table(rows: list[Figures]) -> str:
-    head = ("| ranks | formation | lines sent / received | lost | driver CPU | driver peak RSS | "
-            "driver threads | kill to verdict | root cause |")
-    out = [head, "|" + "---|" * 9]
+    head = ("| ranks | formation | lines sent / received | lost | log phase (driver lines/s) | driver CPU | "
+            "driver peak RSS | driver threads | kill to verdict | root cause |")
+    out = [head, "|" + "---|" * 10]
     for f in rows:
         lost = f.lines_sent - f.lines_received + f.out_of_order
-        out.append(f"| {f.ranks} | {f.formation_s:.3f} s | {f.lines_sent} / {f.lines_received} | {lost} | "
-                   f"{f.driver_cpu_cores:.2f} cores | {f.driver_peak_rss_mb:.0f} MB | {f.driver_threads} | "
-                   f"{f.verdict_s:.3f} s | rank {f.root_cause_rank} (killed {f.killed_rank}) |")
+        rate = f.lines_received / f.log_seconds if f.log_seconds else float("nan")
+        out.append(f"| {f.ranks} | {f.formation_s * 1e3:.1f} ms | {f.lines_sent} / {f.lines_received} | {lost} | "
+                   f"{f.log_seconds:.1f} s ({rate:.0f}) | {f.driver_cpu_cores:.2f} cores | "
+                   f"{f.driver_peak_rss_mb:.0f} MB | {f.driver_threads} | {f.verdict_s * 1e3:.1f} ms | "
+                   f"rank {f.root_cause_rank} (killed {f.killed_rank}) |")
     return "\n".join(out)
 
 
