@@ -49,7 +49,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	touch $@
 
 BENCHES ?= launch spark_launch allreduce train timeline shm keras hosts lightning_horovod driver_memory estimator deepspeed \
-	dashboard data checkpoint control_plane
+	dashboard data checkpoint control_plane scale_launch
 
 bench: $(VENV)/.bench-installed
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || exit 1; done
