@@ -145,16 +145,12 @@ def _rank_blocked() -> bool:
 
 
 def _sync(handle: int) -> Any:
-    """The result of a started collective, always through the engine's background thread: TensorFlow's
-    executor threads start a graph's independent collectives in a different order on each rank, and the
-    threads of a failed ``Session.run`` may still be waiting when the caller goes on eagerly, so no thread of
-    the TF front end uses the engine itself. Eagerly the rank is blocked while it waits; inside a graph only
-    once no executor thread started a collective for a while (``_rank_blocked``)."""
-    return frontend.synchronize_shared(handle, _rank_blocked if getattr(_THREAD, "graph", False) else _always)
-
-
-def _always() -> bool:
-    return True
+    """The result of a started collective: eagerly as ``hvd.synchronize``; inside a graph through the
+    background thread, so that TensorFlow's executor threads, which start a graph's independent collectives
+    in a different order on each rank, never use the engine at once and never wait for each other."""
+    if getattr(_THREAD, "graph", False):
+        return frontend.synchronize_shared(handle, _rank_blocked)
+    return ptorch.synchronize(handle)
 
 
 def _guard(fn: Any) -> Any:
