@@ -71,14 +71,16 @@ def run(spec: Mapping[str, Any], template_env: Mapping[str, str]) -> int:
 def _start_up_hooks() -> None:
     """What the wheel's ``.pth`` start-up hooks (``_phalanx_startup``) do in a rank's fresh interpreter: they
     ran in the template, outside any job, where the rank-only ones stay off; and the template imported
-    ``torch.distributed`` already, so the ``phalanx_shm`` substitution is applied to it now. Nothing where
-    the hooks are not installed (a cold rank would have none either)."""
+    ``torch.distributed`` already, so what ``PhalanxShmNativeHook`` does on that import is done now (the
+    ``phalanx_shm`` substitution, DeepSpeed's op building wrapped). Nothing where the hooks are not
+    installed (a cold rank would have none either)."""
     startup = sys.modules.get("_phalanx_startup")
     if startup is None:
         return
     startup.install_lightning_hook()
-    from phalanx.worker import dist_backend
+    from phalanx.worker import deepspeed_ops, dist_backend
 
+    deepspeed_ops.install()
     dist_backend.install()
 
 
