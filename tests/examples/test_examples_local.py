@@ -74,11 +74,14 @@ LIGHTNING_SUMMARY = (r"test accuracy: ([0-9.]+); synced validation accuracy: ([0
 def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     """Horovod's Lightning guide: ``Trainer(strategy="horovod")`` in a script that never imports phalanx."""
     pytest.importorskip("lightning")
-    proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, cwd=tmp_path, timeout=220)
+    cwd, ckpt = tmp_path / "cwd", tmp_path / "ckpt"  # a run of its own: Lightning names a second file -v1
+    cwd.mkdir()
+    proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, "--ckpt-dir", str(ckpt), cwd=cwd,
+                      timeout=220)
     found = rank0_line(proc.stdout, LIGHTNING_SUMMARY)
     assert float(found.group(1)) > FLOOR and float(found.group(2)) > FLOOR
-    assert found.group(3) == str(TMP / "lightning_horovod_ckpt" / "digits.ckpt") and Path(found.group(3)).is_file()
-    assert not list(tmp_path.iterdir())  # the examples leave nothing in the working directory
+    assert found.group(3) == str(ckpt / "digits.ckpt") and Path(found.group(3)).is_file()
+    assert not list(cwd.iterdir())  # the examples leave nothing in the working directory
     assert "[1]<stdout>:test accuracy" not in proc.stdout  # rank 0 reports
 
 

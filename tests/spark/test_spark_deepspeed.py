@@ -41,7 +41,8 @@ def test_deepspeed_distributor_runs_a_script_on_the_cluster_with_a_config_file(
 
 
 def test_more_ranks_than_the_cluster_has_fail_before_launch() -> None:
-    with pytest.raises(SlotsUnavailableError, match=r"numGpus=2, nnodes=2\) needs 4 ranks"):
+    with pytest.raises(SlotsUnavailableError,
+                       match=r"numGpus=2, nnodes=2\) runs num_processes=4 ranks: 4 ranks were asked for"):
         DeepspeedTorchDistributor(numGpus=2, nnodes=2, localMode=False, useGpu=False).run(job.train)
 
 

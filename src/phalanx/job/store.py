@@ -91,6 +91,13 @@ class KeyValues:
     def __init__(self) -> None:
         self._data: dict[bytes, bytes] = {}
         self._changed = threading.Condition()
+        self._closed = False
+
+    def close(self) -> None:
+        """End every wait now (it answers as a time-out): the store is going away."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
 
     def set_many(self, pairs: Sequence[tuple[bytes, bytes]]) -> None:
         """Set every pair at once (no reader sees some of them only)."""
@@ -104,9 +111,10 @@ class KeyValues:
             return all(k in self._data for k in keys)
 
     def wait(self, keys: Sequence[bytes], timeout_s: float) -> list[bytes] | None:
-        """The keys' values once all are set; None after ``timeout_s``."""
+        """The keys' values once all are set; None after ``timeout_s`` or once :meth:`close` was called."""
         with self._changed:
-            if not self._changed.wait_for(lambda: all(k in self._data for k in keys), timeout_s):
+            ready = self._changed.wait_for(lambda: self._closed or all(k in self._data for k in keys), timeout_s)
+            if not ready or not all(k in self._data for k in keys):
                 return None
             return [self._data[k] for k in keys]
 
@@ -203,7 +211,9 @@ class StoreServer:
         self.port: int = self._server.port
 
     def close(self) -> None:
-        """Stop accepting and close every connection (clients' waits fail at once)."""
+        """Stop accepting, end the waits in progress and close every connection (clients' waits fail at
+        once; no thread serving one outlives the store)."""
+        self.data.close()
         self._server.close()
 
     def _answer(self, conn: socket.socket, _who: tuple[int, handshake.Role]) -> None:

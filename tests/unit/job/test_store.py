@@ -120,3 +120,37 @@ def test_another_local_user_can_neither_write_nor_read_the_store(store: tuple[Re
     c = _client(server.port, secret)
     assert c.get("/worker/attempt_0/shm/0/attached") == b"2"  # type: ignore[attr-defined]
     assert c.num_keys() == 1  # type: ignore[attr-defined]
+
+
+def test_closing_the_store_ends_a_wait_in_progress_and_its_thread() -> None:
+    """A rank killed (or a job ended) while a client waits for a key: closing the store must end the wait at
+    once, not after the wait's own time-out, and leave no thread serving that client."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    secret = new_secret()
+    server = RendezvousStore(2, secret)
+    c: dist.Store = _client(server.port, secret, timeout_s=60.0)  # type: ignore[assignment]
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            c.wait(["never"], timedelta(seconds=60))
+        except BaseException as e:
+            failed.append(e)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not any(t.name.endswith("-peer") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the request reached the store's wait
+    server.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and failed  # the client's wait failed, 10 s and not 60 s later
+    deadline = time.monotonic() + 10
+    while any(t.name.endswith("-peer") and t.is_alive() for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t.name for t in threading.enumerate() if t.name.endswith("-peer")]
