@@ -11,11 +11,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _users import NOBODY, as_nobody
 
 from phalanx.env.files import UnsafePathError
 from phalanx.errors import TimelineError
@@ -24,7 +25,6 @@ from phalanx.job.records import LogLine, Stream
 from phalanx.timeline.writer import Timeline
 from phalanx.torch.elastic.state import write_atomically
 
-NOBODY = 65534
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="another local user (uid 65534) needs root")
 
 
@@ -35,21 +35,6 @@ def shared() -> Iterator[Path]:
     path.chmod(0o1777)
     yield path
     shutil.rmtree(path)
-
-
-def _as_nobody(plant: Callable[[], None]) -> None:
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            plant()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.fixture
@@ -68,7 +53,7 @@ def test_a_directory_another_user_made_is_refused_before_anything_is_written(sha
         (logs / "rank.0").mkdir(parents=True)
         (logs / "rank.0" / "stdout").symlink_to(secret_file)
 
-    _as_nobody(plant)
+    assert as_nobody(plant) == 0
     with pytest.raises(UnsafePathError, match=rf"--output-filename {logs}: the directory belongs to uid {NOBODY}"):
         FileSink(logs)
     assert secret_file.read_text() == "untouched\n"

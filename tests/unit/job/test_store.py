@@ -5,17 +5,16 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
+from _users import as_nobody
 
 from phalanx.errors import ChannelError
 from phalanx.job.framing import FrameWriter, Kind, read_frame
 from phalanx.job.handshake import new_secret
 from phalanx.launch.rendezvous import RendezvousStore
-
-NOBODY = 65534
 
 
 @pytest.fixture
@@ -64,21 +63,6 @@ def test_a_wrong_secret_is_refused_at_once(store: tuple[RendezvousStore, str]) -
         _client(server.port, new_secret(), timeout_s=30)
 
 
-def _as_nobody(attack: Callable[[], int]) -> int:
-    """Run ``attack`` in a forked child that has become uid/gid 65534 (another local user); its exit code."""
-    pid = os.fork()
-    if pid == 0:
-        code = 99
-        try:
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            code = attack() if os.getuid() == NOBODY else 98
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 def _tcpstore_set(port: int) -> int:
     """What a torch TCPStore client sends to set a key (validate, then SET): 0 if the store never
     answered anything but its challenge."""
@@ -115,8 +99,8 @@ def test_another_local_user_can_neither_write_nor_read_the_store(store: tuple[Re
     """The attack of issue 24: another user finds the store's port and rewrites the keys ranks meet by."""
     server, secret = store
     server.set("/worker/attempt_0/shm/0/attached", "2")
-    assert _as_nobody(lambda: _tcpstore_set(server.port)) == 0
-    assert _as_nobody(lambda: _forged_answer(server.port)) == 0
+    assert as_nobody(lambda: _tcpstore_set(server.port)) == 0
+    assert as_nobody(lambda: _forged_answer(server.port)) == 0
     c = _client(server.port, secret)
     assert c.get("/worker/attempt_0/shm/0/attached") == b"2"  # type: ignore[attr-defined]
     assert c.num_keys() == 1  # type: ignore[attr-defined]
