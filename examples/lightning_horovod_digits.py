@@ -66,9 +66,19 @@ def _weights_agree(trainer: Any, model: Any) -> bool:
     return bool((every == every[0]).all())
 
 
+def _private_dir() -> str:
+    """A fresh directory of this user's only (``mkdtemp``: a random name, mode 0700), never a fixed name in the
+    shared temporary directory, where another user could plant a link or an earlier run leave a checkpoint."""
+    return tempfile.mkdtemp(prefix="lightning-horovod-ckpt-")
+
+
 def train(epochs: int = 4, lr: float = 0.005, batch_size: int = 32, flavour: str = "lightning",
-          ckpt_dir: str = os.path.join(tempfile.gettempdir(), "lightning_horovod_ckpt")) -> dict[str, Any]:
-    """What every rank runs: fit with ``strategy="horovod"``; rank 0 writes ``ckpt_dir/digits.ckpt``."""
+          ckpt_dir: str | None = None) -> dict[str, Any]:
+    """What every rank runs: fit with ``strategy="horovod"``; rank 0 writes ``ckpt_dir/digits.ckpt``.
+
+    Without ``ckpt_dir`` rank 0 makes a private directory; Lightning's ``ModelCheckpoint`` hands rank 0's
+    directory to every rank when the fit starts, so the others make none.
+    """
     from _digits import accuracy, load_digits_split
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,6 +88,8 @@ def train(epochs: int = 4, lr: float = 0.005, batch_size: int = 32, flavour: str
     train_loader = DataLoader(TensorDataset(x_tr, y_tr), batch_size=batch_size, shuffle=True)
     val_loader = DataLoader(TensorDataset(x_te, y_te), batch_size=batch_size)
     model = _module_class(pl, lr)()
+    if ckpt_dir is None and int(os.environ.get("RANK", "0")) == 0:
+        ckpt_dir = _private_dir()
     checkpoint = pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, filename="digits", monitor="val_acc", mode="max")
     trainer = pl.Trainer(
         strategy="horovod", max_epochs=epochs, callbacks=[checkpoint], logger=False, enable_progress_bar=False,
@@ -108,7 +120,8 @@ def _parse_summary(text: str) -> dict[str, Any]:
 
 def launch(args: argparse.Namespace) -> dict[str, Any]:
     """Run :func:`train` on ``args.np`` ranks with the launcher named by ``args.launcher``; rank 0's result."""
-    kwargs = {"epochs": args.epochs, "flavour": args.flavour, "ckpt_dir": os.path.abspath(args.ckpt_dir)}
+    ckpt_dir = os.path.abspath(args.ckpt_dir) if args.ckpt_dir else _private_dir()
+    kwargs = {"epochs": args.epochs, "flavour": args.flavour, "ckpt_dir": ckpt_dir}
     if args.launcher == "horovodrunner":
         from phalanx.spark import HorovodRunner  # or: from sparkdl import HorovodRunner
 
@@ -135,8 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--spark", action="store_true", help="distributor: local_mode=False (Spark tasks)")
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--flavour", choices=sorted(FLAVOURS), default="lightning")
-    parser.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "lightning_horovod_ckpt"),
-                        help="where rank 0 writes digits.ckpt (default: in the temporary directory)")
+    parser.add_argument("--ckpt-dir", default=None,
+                        help="where rank 0 writes digits.ckpt (default: a new private directory in the temporary "
+                             "directory, printed at the end)")
     args = parser.parse_args(argv)
     if args.launcher == "none":
         result = train(args.epochs, flavour=args.flavour, ckpt_dir=args.ckpt_dir)

@@ -74,13 +74,18 @@ LIGHTNING_SUMMARY = (r"test accuracy: ([0-9.]+); synced validation accuracy: ([0
 def test_lightning_horovod_script_under_phalanxrun(tmp_path: Path) -> None:
     """Horovod's Lightning guide: ``Trainer(strategy="horovod")`` in a script that never imports phalanx."""
     pytest.importorskip("lightning")
-    cwd, ckpt = tmp_path / "cwd", tmp_path / "ckpt"  # a run of its own: Lightning names a second file -v1
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
-    proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, "--ckpt-dir", str(ckpt), cwd=cwd,
-                      timeout=220)
+    tmp.mkdir()
+    # The default checkpoint directory: a fresh private one of rank 0's (never a fixed name in /tmp, which an
+    # earlier run fills, so that Lightning names the file digits-v1.ckpt), and only one for the two ranks.
+    proc = phalanxrun("lightning_horovod_digits.py", "--epochs", EPOCHS, cwd=cwd, timeout=220,
+                      env={"TMPDIR": str(tmp)})
     found = rank0_line(proc.stdout, LIGHTNING_SUMMARY)
     assert float(found.group(1)) > FLOOR and float(found.group(2)) > FLOOR
-    assert found.group(3) == str(ckpt / "digits.ckpt") and Path(found.group(3)).is_file()
+    made = [p for p in tmp.iterdir() if p.name.startswith("lightning-horovod-ckpt-")]
+    assert len(made) == 1 and made[0].stat().st_mode & 0o777 == 0o700, made
+    assert found.group(3) == str(made[0] / "digits.ckpt") and Path(found.group(3)).is_file()
     assert not list(cwd.iterdir())  # the examples leave nothing in the working directory
     assert "[1]<stdout>:test accuracy" not in proc.stdout  # rank 0 reports
 
