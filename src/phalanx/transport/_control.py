@@ -146,9 +146,10 @@ class Control:
             else:
                 time.sleep(nap)
                 nap = min(nap * 2, CHECK_S / 10)
-            if now >= next_check:
+            if now >= next_check and words[k] < g:
+                # ``now`` predates the nap: a peer may have arrived and exited during it, which is no failure.
                 next_check = now + CHECK_S
-                self._check(j, step, what, now - start)
+                self._check(j, step, what, now - start, arrived=lambda: words[k] >= g)
                 stalled = self._inspect(now - start, step, what) or stalled
         if stalled and HOOKS.resumed is not None:
             HOOKS.resumed()
@@ -174,12 +175,16 @@ class Control:
             except BlockingIOError:
                 pass
 
-    def _check(self, j: int, g: int, what: str, waited: float) -> None:
+    def _check(self, j: int, g: int, what: str, waited: float,
+               arrived: Callable[[], bool] = lambda: False) -> None:
+        """Fail the wait for peer ``j`` if a rank gave up, ``j`` died, or the timeout passed. ``arrived`` re-reads
+        the awaited word after ``j`` is seen dead: a peer writes it before it exits, so a peer that arrived and
+        then left (its last collective done) is read as arrived, not as dead."""
         culprit = self.words[0]
         if culprit:
             self._fail(f"{self._peer(culprit - 1)} gave up on it (its own error is the cause)", g, what, signal=False)
         pid, peer = self.words[self._pid(j)], self._peer(j)
-        if pid and _pid_dead(pid):
+        if pid and _pid_dead(pid) and not arrived():
             self._fail(
                 f"{peer} (pid {pid}) has died or exited before reaching it (a rank that leaves while others still "
                 "run collectives: give every rank the same number of steps, or call hvd.join() when done)", g, what,
