@@ -159,7 +159,8 @@ class _TraceFile:
         self._segment_bytes = max_bytes // 2 if max_bytes > 0 else 0
         self._file: IO[str] = self._open()
         self._size = 0
-        self._write("".join(formatter.header()))
+        self._header_bytes = 0
+        self._write_header()
 
     def _open(self) -> IO[str]:
         try:
@@ -182,10 +183,23 @@ class _TraceFile:
         self._size += len(text)
 
     def write(self, text: str) -> None:
-        """Write one batch, rotating first if it would take the file past its segment size."""
-        if self._segment_bytes and self._size + len(text) > self._segment_bytes and self._size > 0:
-            self._rotate()
-        self._write(text)
+        """Write one batch of whole lines, rotating before any line that would take the file past its segment
+        size. A batch can be larger than a segment (the writer thread runs late under load), so it is split at
+        line ends rather than written whole; a segment always takes at least one line past its header."""
+        if not self._segment_bytes or self._size + len(text) <= self._segment_bytes:
+            self._write(text)
+            return
+        chunk: list[str] = []
+        size = self._size
+        for line in text.splitlines(keepends=True):
+            if size + len(line) > self._segment_bytes and size > self._header_bytes:
+                self._write("".join(chunk))
+                chunk = []
+                self._rotate()
+                size = self._size
+            chunk.append(line)
+            size += len(line)
+        self._write("".join(chunk))
 
     def _rotate(self) -> None:
         self._file.write(self._fmt.footer())
@@ -193,7 +207,12 @@ class _TraceFile:
         os.replace(self.path, self.path + ".1")
         self._file = self._open()
         self._size = 0
-        self._write("".join(self._fmt.header()))
+        self._write_header()
+
+    def _write_header(self) -> None:
+        header = "".join(self._fmt.header())
+        self._write(header)
+        self._header_bytes = self._size
 
     def close(self) -> None:
         """Close the file with a final metadata event and ``]`` so that strict JSON parsers read it."""
