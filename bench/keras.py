@@ -106,7 +106,7 @@ class _Lockstep:
         import numpy as np
 
         from phalanx.tensorflow import _bridge
-        from phalanx.torch import _reduce
+        from phalanx.torch._engine import reduce as _reduce
 
         one = np.zeros(1, dtype=np.float32)
         self.callback = keras.callbacks.LambdaCallback(

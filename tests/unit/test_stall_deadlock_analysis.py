@@ -1,11 +1,12 @@
-"""The stall inspector's deadlock analysis (phalanx/torch/_deadlock.py) on hand-made records, and its check
-interval (_stall.py)."""
+"""The stall inspector's deadlock analysis (phalanx/torch/_health/deadlock.py) on hand-made records, and its check
+interval (_health/stall.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from phalanx.torch import _deadlock, _stall
+from phalanx.torch._health import deadlock as _deadlock
+from phalanx.torch._health import stall as _stall
 
 
 def _rec(rank: int, ranks: tuple[int, ...] | None, seq: int = 1, phase: str = "control",

@@ -54,7 +54,7 @@ NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
 NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 # torch's Flight Recorder (recent NCCL/gloo collectives of each rank): phalanx's ranks get a buffer by default,
-# which the hang report reads (phalanx.torch._hang).
+# which the hang report reads (phalanx.torch._health.hang).
 TORCH_NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 TORCH_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
 # phalanx timeline knobs: "1" makes every rank write its own trace (path with a ".rankN" suffix) so a
@@ -102,9 +102,9 @@ PHALANX_SHM_EARLY_REDUCE = "PHALANX_SHM_EARLY_REDUCE"
 #: the worker entry), which otherwise gets the phalanx_shm backend (on by default; see docs/shm.md).
 PHALANX_SHM_NATIVE = "PHALANX_SHM_NATIVE"
 #: "0" leaves glibc's malloc thresholds alone (hvd.init() raises them: large tensors reuse heap memory
-#: instead of fresh page-faulted mmaps; see phalanx/torch/_malloc.py for the memory trade-off).
+#: instead of fresh page-faulted mmaps; see phalanx/torch/_setup/malloc.py for the memory trade-off).
 PHALANX_MALLOC_TUNE = "PHALANX_MALLOC_TUNE"
-#: seconds a collective may wait before the stall inspector (phalanx/torch/_stall.py) publishes what this
+#: seconds a collective may wait before the stall inspector (phalanx/torch/_health/stall.py) publishes what this
 #: rank waits on and looks for ranks deadlocked on different process sets; "0" turns it off.
 PHALANX_STALL_CHECK_S = "PHALANX_STALL_CHECK_S"
 

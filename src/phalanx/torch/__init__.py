@@ -4,29 +4,31 @@ Gloo carries CPU tensors, NCCL CUDA tensors. Collectives run in the order each r
 ``torch.distributed``); ranks that disagree on a collective get a ``RuntimeError`` on every rank. See
 ``docs/torch.md``.
 
-Module map (public modules are Horovod's; ``_*`` modules are the engine's, private to this package):
+Module map (public modules are Horovod's; the ``_*`` subpackages are private to this package):
 
 - Horovod's API: ``basics`` (``init``, ``shutdown``, topology), ``mpi_ops`` (the collectives),
   ``async_ops`` (``*_async``, ``poll``, ``synchronize``, ``join``, ``barrier``), ``functions``
   (``broadcast_parameters``...), ``optimizer`` (``DistributedOptimizer``), ``compression``,
-  ``process_sets``, ``sync_batch_norm``, ``elastic/`` (``hvd.elastic``); ``frontend``: what
+  ``process_sets``, ``sync_batch_norm``, ``checkpoint``, ``elastic/`` (``hvd.elastic``); ``frontend``: what
   ``phalanx.tensorflow`` builds on (op codes, process-set membership).
-- The engine (one order of collectives per rank): ``_engine`` (handles, queue, waits), ``_rounds`` (one
-  negotiated round, the same on every member), ``_collective`` / ``_collectives`` (each kind's local side),
-  ``_header`` (the control block's wire format), ``_names`` (matching by name), ``_speculate`` (payloads
-  sent ahead of the check), ``_background`` (the thread running ``*_async`` jobs), ``_join``,
-  ``_membership`` (registering process sets), ``_reduce`` (op codes and local reduction), ``_autograd``.
-- Health: ``_stall`` (the stall inspector), ``_deadlock`` (its analysis), ``_generations`` (``init`` again
-  after ``shutdown`` on one job store).
-- Process set-up: ``_state`` (the process group, this rank's ``RankIdentity``), ``_log``, ``_malloc``,
-  ``_trace`` (timeline events); the optimizer's helpers ``_buckets`` and ``_sparse``.
+- ``_engine/``, one order of collectives per rank: ``core`` (handles, queue, waits), ``rounds`` (one
+  negotiated round, the same on every member), ``collective`` / ``collectives`` (each kind's local side),
+  ``header`` (the control block's wire format), ``names`` (matching by name), ``speculate`` (payloads sent
+  ahead of the check), ``background`` (the thread running ``*_async`` jobs), ``join``, ``reduce`` (op codes
+  and local reduction), ``trace`` (timeline events).
+- ``_health/``: ``stall`` (the stall inspector), ``deadlock`` (its analysis), ``hang`` (the hang report),
+  ``generations`` (``init`` again after ``shutdown`` on one job store).
+- ``_setup/``, a rank's process set-up: ``state`` (the process group, this rank's ``RankIdentity``),
+  ``membership`` (registering process sets), ``log``, ``malloc``, ``observe``.
+- ``_train/``, the training side's helpers: ``buckets`` and ``sparse`` (the optimizer's), ``autograd`` (the
+  collectives' autograd Functions), ``durable`` (checkpoint files written whole).
 
 Process-wide state, and its one reset path. Each of these lives in its module, one instance each:
-``_state.STATE`` (topology, group ownership), ``_engine.ENGINE`` (pending collectives, per-membership
-counters), ``process_sets.REGISTRY`` (registered sets and their groups), ``_background.RUNNER`` (queued
+``_setup.state.STATE`` (topology, group ownership), ``_engine.core.ENGINE`` (pending collectives, per-membership
+counters), ``process_sets.REGISTRY`` (registered sets and their groups), ``_engine.background.RUNNER`` (queued
 ``*_async`` jobs; its thread lives as long as the process), ``async_ops._MODE`` (per thread: run inline),
-``_stall.INSPECTOR`` and ``_stall.WATCH`` (the stall check). Two are kept across ``shutdown`` by design:
-``_generations.JOB`` (the job store and the generation, so that ``init`` rejoins the same job) and
+``_health.stall.INSPECTOR`` and ``WATCH`` (the stall check). Two are kept across ``shutdown`` by design:
+``_health.generations.JOB`` (the job store and the generation, so that ``init`` rejoins the same job) and
 ``elastic._rendezvous.ROUND`` (an elastic job's store and round number). ``hvd.shutdown()``
 (``basics.shutdown``) is the one path that resets the others, and ``hvd.init()`` starts from that state;
 tests/unit/torch/test_torch_reset.py checks that nothing of one ``init`` survives its ``shutdown``.
@@ -36,8 +38,8 @@ from __future__ import annotations
 
 from phalanx.errors import HorovodInternalError
 from phalanx.torch import elastic
-from phalanx.torch._membership import add_process_set, remove_process_set
-from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
+from phalanx.torch._engine.reduce import Adasum, Average, Max, Min, Product, Sum
+from phalanx.torch._setup.membership import add_process_set, remove_process_set
 from phalanx.torch.async_ops import (
     allgather_async,
     allreduce_async,

@@ -22,10 +22,13 @@ from typing import Any, TypeVar
 import torch
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _background, _engine, _join, _state
-from phalanx.torch import _header as header
-from phalanx.torch import _reduce as reduction
-from phalanx.torch._collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
+from phalanx.torch._engine import background as _background
+from phalanx.torch._engine import core as _engine
+from phalanx.torch._engine import header
+from phalanx.torch._engine import join as _join
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._engine.collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
+from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 
 _GROUPS: dict[int, list[int]] = {}

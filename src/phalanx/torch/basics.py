@@ -10,7 +10,14 @@ import torch.distributed as dist
 
 import phalanx.timeline as timeline
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _background, _engine, _generations, _log, _malloc, _membership, _observe, _state
+from phalanx.torch._engine import background as _background
+from phalanx.torch._engine import core as _engine
+from phalanx.torch._health import generations as _generations
+from phalanx.torch._setup import log as _log
+from phalanx.torch._setup import malloc as _malloc
+from phalanx.torch._setup import membership as _membership
+from phalanx.torch._setup import observe as _observe
+from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet, clear_process_sets
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import CheckpointError, InvalidArgumentError
-from phalanx.torch import _durable
+from phalanx.torch._train import durable as _durable
 
 log = logging.getLogger("phalanx")
 

@@ -10,8 +10,8 @@ private modules may then move or change without touching another front end.
 
 from __future__ import annotations
 
-from phalanx.torch._membership import add_process_set, remove_process_set
-from phalanx.torch._reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_op, resolve_op
+from phalanx.torch._engine.reduce import OP_NAMES, Adasum, Average, Max, Min, Product, Sum, check_op, resolve_op
+from phalanx.torch._setup.membership import add_process_set, remove_process_set
 from phalanx.torch.async_ops import synchronize_shared
 
 __all__ = [

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _state, async_ops
+from phalanx.torch import async_ops
+from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from phalanx.errors import HorovodInternalError, InvalidArgumentError
-from phalanx.torch import _reduce as reduction
 from phalanx.torch import async_ops
-from phalanx.torch._autograd import (
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._engine.reduce import Adasum, Average, Max, Min, Product, Sum
+from phalanx.torch._setup.membership import add_process_set, remove_process_set
+from phalanx.torch._train.autograd import (
     HorovodAllgather,
     HorovodAllreduce,
     HorovodAlltoall,
@@ -24,8 +26,6 @@ from phalanx.torch._autograd import (
     HorovodGroupedReducescatter,
     HorovodReducescatter,
 )
-from phalanx.torch._membership import add_process_set, remove_process_set
-from phalanx.torch._reduce import Adasum, Average, Max, Min, Product, Sum
 from phalanx.torch.async_ops import (
     allgather_async,
     allreduce_async,

@@ -19,9 +19,13 @@ import phalanx.timeline as timeline
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError, NotInitializedError
 from phalanx.job import stats
-from phalanx.torch import _buckets as bucketing
-from phalanx.torch import _join, _sparse, _state, _trace, async_ops
-from phalanx.torch import _reduce as reduction
+from phalanx.torch import async_ops
+from phalanx.torch._engine import join as _join
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._engine import trace as _trace
+from phalanx.torch._setup import state as _state
+from phalanx.torch._train import buckets as bucketing
+from phalanx.torch._train import sparse as _sparse
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of

@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _state
+from phalanx.torch._setup import state as _state
 from phalanx.transport import api as shm
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.torch import _reduce as reduction
-from phalanx.torch import _state
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._setup import state as _state
 from phalanx.torch.mpi_ops import allreduce
 
 

@@ -260,7 +260,7 @@ def _in_place_job(pack_on: int) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
-    from phalanx.torch import _buckets
+    from phalanx.torch._train import buckets as _buckets
     from phalanx.torch.process_sets import global_process_set, groups_of
     from phalanx.transport import _dispatch
 

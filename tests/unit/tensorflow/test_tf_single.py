@@ -175,7 +175,7 @@ def test_without_tensorflow_the_import_error_says_what_to_install() -> None:
 
 def test_fused_buffers_fold_an_exact_average_into_the_copy(single: None) -> None:
     from phalanx.tensorflow import _bridge
-    from phalanx.torch import _reduce
+    from phalanx.torch._engine import reduce as _reduce
 
     f32, f16, i32 = np.dtype("float32"), np.dtype("float16"), np.dtype("int32")
     assert _bridge._folded_scale(_reduce.Average, 1.0, 4, f32) == 0.25

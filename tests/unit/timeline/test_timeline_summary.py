@@ -94,7 +94,7 @@ def test_names_sort_numerically_and_long_ones_shorten_in_the_middle() -> None:
 
 
 def test_per_step_control_collectives_keep_one_row() -> None:
-    from phalanx.torch._engine import timeline_row
+    from phalanx.torch._engine.core import timeline_row
 
     assert {timeline_row("optimizer step", None, h) for h in range(230)} == {"optimizer.step"}
     assert timeline_row("barrier", None, 7) == "barrier" and timeline_row("allreduce", "w", 3) == "allreduce.w"

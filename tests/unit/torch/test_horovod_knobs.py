@@ -10,8 +10,9 @@ from datetime import timedelta
 import pytest
 
 from phalanx.errors import HorovodInternalError
-from phalanx.torch import _log, _stall
-from phalanx.torch._state import gloo_timeout
+from phalanx.torch._health import stall as _stall
+from phalanx.torch._setup import log as _log
+from phalanx.torch._setup.state import gloo_timeout
 
 
 @pytest.fixture
@@ -120,7 +121,7 @@ def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
     monkeypatch.setattr(inspector, "stalled", stalled)
     monkeypatch.setattr(_stall, "INSPECTOR", inspector)
     monkeypatch.setattr(_stall, "current_wait", lambda: {"ranks": (0, 1), "kind": "allreduce", "name": "grad"})
-    with caplog.at_level(logging.WARNING, logger="phalanx.torch._stall"):
+    with caplog.at_level(logging.WARNING, logger="phalanx.torch._health.stall"):
         assert _stall.on_stall(0.5) is None  # not yet stalled
         assert _stall.on_stall(1.0) is None  # inspected, silently
         assert _stall.on_stall(2.0) is None and _stall.on_stall(3.0) is None  # warned once
@@ -141,7 +142,7 @@ def test_shutdown_below_the_warning_time_is_ignored_as_in_horovod(
     monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
     monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
     inspector = _stall.Inspector()
-    with caplog.at_level(logging.WARNING, logger="phalanx.torch._stall"):
+    with caplog.at_level(logging.WARNING, logger="phalanx.torch._health.stall"):
         inspector.start(lambda: ({}, {}))
     assert inspector.shutdown_s == 0.0 and "will not be shut down" in caplog.text
     monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "90")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.torch import _buckets, _header, _names, _reduce
-from phalanx.torch._collective import Entry
-from phalanx.torch._collectives import Barrier
+from phalanx.torch._engine import header as _header
+from phalanx.torch._engine import names as _names
+from phalanx.torch._engine import reduce as _reduce
+from phalanx.torch._engine.collective import Entry
+from phalanx.torch._engine.collectives import Barrier
+from phalanx.torch._train import buckets as _buckets
 
 
 def _sig(**kw: object) -> _header.Signature:
@@ -48,7 +51,7 @@ def test_cached_blocks_are_never_written_and_repeat_bit_for_bit() -> None:
 @pytest.mark.parametrize("op", [_reduce.Sum, _reduce.Average, _reduce.Min, _reduce.Max, _reduce.Product])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int16, torch.bool])
 def test_inline_reduction_matches_the_stacked_reduction_bitwise(op: int, dtype: torch.dtype) -> None:
-    from phalanx.torch._collectives import _reduce_rows
+    from phalanx.torch._engine.collectives import _reduce_rows
 
     if dtype == torch.bool and op == _reduce.Average:
         return
@@ -139,7 +142,7 @@ def test_pack_folds_the_scale_and_makes_grads_views() -> None:
 
 
 def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> None:
-    from phalanx.torch import _speculate as speculation
+    from phalanx.torch._engine import speculate as speculation
 
     big_a = speculation.key_of(_sig(shape=(100_000,), op=_reduce.Sum))
     big_b = speculation.key_of(_sig(shape=(200_000,), op=_reduce.Sum))

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 import phalanx.torch as hvd
-from phalanx.torch import _engine, mpi_ops
+from phalanx.torch import mpi_ops
+from phalanx.torch._engine import core as _engine
 
 # Every public name of horovod/torch/mpi_ops.py in Horovod 0.28.1, except the modules it imports (torch,
 # warnings) and its compiled extension (mpi_lib).

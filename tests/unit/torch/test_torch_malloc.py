@@ -10,13 +10,13 @@ import sys
 import pytest
 
 from phalanx.env import names as env_names
-from phalanx.torch import _malloc
+from phalanx.torch._setup import malloc as _malloc
 
 # In a fresh process (mallopt is process-wide): page faults of allocating, touching and freeing a 64 MiB
 # block, before and after tune() (first with the knob off, which must change nothing).
 _PROBE = """
 import ctypes, json, resource
-from phalanx.torch import _malloc
+from phalanx.torch._setup import malloc as _malloc
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -8,7 +8,11 @@ import torch
 import torch.distributed as dist
 
 import phalanx.torch as hvd
-from phalanx.torch import _background, _engine, _stall, _state, process_sets
+from phalanx.torch import process_sets
+from phalanx.torch._engine import background as _background
+from phalanx.torch._engine import core as _engine
+from phalanx.torch._health import stall as _stall
+from phalanx.torch._setup import state as _state
 
 
 def _use_everything() -> None:

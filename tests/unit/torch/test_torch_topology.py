@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from phalanx.env import JobContract, RankIdentity, assign_ranks, worker_env
-from phalanx.torch._state import topology_from_env
+from phalanx.torch._setup.state import topology_from_env
 
 
 def test_a_launchers_contract_reads_back_as_the_identity_it_wrote() -> None:

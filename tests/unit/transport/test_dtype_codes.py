@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from phalanx.torch import _header as header
+from phalanx.torch._engine import header
 from phalanx.transport import _check
 from phalanx.transport.api import dtype_code, dtype_name, dtype_of
 

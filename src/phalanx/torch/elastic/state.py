@@ -29,7 +29,8 @@ import torch
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import CheckpointError, HostsUpdatedInterrupt
-from phalanx.torch import _durable, basics, functions
+from phalanx.torch import basics, functions
+from phalanx.torch._train import durable as _durable
 from phalanx.torch.elastic import _rendezvous, handlers
 from phalanx.torch.elastic.handlers import (  # Horovod's names in horovod.torch.elastic.state
     ModelStateHandler,
@@ -55,7 +56,7 @@ def checkpoint_path() -> str | None:
 
 
 def write_atomically(path: str | Path, value: Any) -> None:
-    """``torch.save`` ``value`` to ``path`` whole and durably (``phalanx.torch._durable``: locally a flushed
+    """``torch.save`` ``value`` to ``path`` whole and durably (``phalanx.torch._train.durable``: locally a flushed
     temporary file renamed over it, on an object store one PUT).
 
     Raises:

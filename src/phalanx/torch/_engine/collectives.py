@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.torch import _header as header
-from phalanx.torch import _reduce as reduction
-from phalanx.torch import _speculate as speculation
-from phalanx.torch import _state
-from phalanx.torch._collective import Collective
+from phalanx.torch._engine import header
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._engine import speculate as speculation
+from phalanx.torch._engine.collective import Collective
+from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import REGISTRY, _Groups
 from phalanx.transport import api as shm
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import _stall
+from phalanx.torch._health import stall as _stall
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.transport.api import EarlyArea, GradChannel
 

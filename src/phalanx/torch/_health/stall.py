@@ -36,8 +36,9 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, HorovodInternalError
-from phalanx.torch import _generations, _hang
-from phalanx.torch._deadlock import Ranks, Record, deadlocked, describe, operation, stalled_text
+from phalanx.torch._health import generations as _generations
+from phalanx.torch._health import hang as _hang
+from phalanx.torch._health.deadlock import Ranks, Record, deadlocked, describe, operation, stalled_text
 from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)

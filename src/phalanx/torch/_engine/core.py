@@ -26,11 +26,17 @@ import torch
 
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
 from phalanx.job import stats
-from phalanx.torch import _background, _generations, _names, _rounds, _stall, _state, _trace
-from phalanx.torch import _header as header
-from phalanx.torch import _speculate as speculation
-from phalanx.torch._collective import Collective, Entry
-from phalanx.torch._rounds import EngineState
+from phalanx.torch._engine import background as _background
+from phalanx.torch._engine import header
+from phalanx.torch._engine import names as _names
+from phalanx.torch._engine import rounds as _rounds
+from phalanx.torch._engine import speculate as speculation
+from phalanx.torch._engine import trace as _trace
+from phalanx.torch._engine.collective import Collective, Entry
+from phalanx.torch._engine.rounds import EngineState
+from phalanx.torch._health import generations as _generations
+from phalanx.torch._health import stall as _stall
+from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 from phalanx.transport import api as shm
 

@@ -3,7 +3,7 @@
 ``HOROVOD_LOG_LEVEL`` (``TRACE``, ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``, ``FATAL``; ``phalanxrun
 --log-level``) sets the level and ``HOROVOD_LOG_HIDE_TIME=1`` (``--log-without-timestamp``) drops the time
 from each line. Either one installs a stderr handler on the ``phalanx`` logger with Horovod's layout,
-``[2026-11-24 22:40:05.123456: W phalanx.torch._stall] message``, and stops propagation to the root logger
+``[2026-11-24 22:40:05.123456: W phalanx.torch._health.stall] message``, and stops propagation to the root logger
 (so a line is not printed twice). Neither set: logging is left exactly as the application configured it.
 """
 

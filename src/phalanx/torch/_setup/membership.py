@@ -14,7 +14,7 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
-from phalanx.torch import _state
+from phalanx.torch._setup import state as _state
 from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import REGISTRY, ProcessSet, _register, global_process_set
 

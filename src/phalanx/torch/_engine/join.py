@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _header as header
-from phalanx.torch import _reduce as reduction
-from phalanx.torch import _speculate as speculation
-from phalanx.torch import _state
-from phalanx.torch._collective import Entry
-from phalanx.torch._collectives import Allreduce, Barrier
+from phalanx.torch._engine import header
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._engine import speculate as speculation
+from phalanx.torch._engine.collective import Entry
+from phalanx.torch._engine.collectives import Allreduce, Barrier
+from phalanx.torch._setup import state as _state
 from phalanx.torch.compression import Compressor
 
 # (process set id) -> layouts of the DistributedOptimizers built on it, in construction order (same on

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import _header as header
-from phalanx.torch import _reduce as reduction
+from phalanx.torch._engine import header
+from phalanx.torch._engine import reduce as reduction
 from phalanx.transport import api as shm
 
 HISTORY = 16

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import _reduce as reduction
-from phalanx.torch import _state, async_ops
+from phalanx.torch import async_ops
+from phalanx.torch._engine import reduce as reduction
+from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet
 
 

@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any
 
-from phalanx.torch._deadlock import Record, stalled_text
+from phalanx.torch._health.deadlock import Record, stalled_text
 
 #: Most seconds the reporter waits for the other ranks' sections.
 ANSWER_S = 4.0
@@ -82,12 +82,12 @@ WATCHER = _Watcher()
 
 
 #: A phalanx thread (``phalanx-*``) is shown only when it is inside a collective (the async ops' thread may be).
-_IN_COLLECTIVE = ("/phalanx/torch/_engine.py", "/phalanx/torch/_stall.py", "/phalanx/transport/")
+_IN_COLLECTIVE = ("/phalanx/torch/_engine/core.py", "/phalanx/torch/_health/stall.py", "/phalanx/transport/")
 #: Frames of the worker's entry above the user's function, left out.
 _ENTRY_FRAMES = ("<frozen runpy>", "/phalanx/worker/", "threading.py")
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep  # phalanx/
 
 
 def _into_phalanx(frames: list[traceback.FrameSummary]) -> list[traceback.FrameSummary]:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from phalanx.torch import _header as header
-from phalanx.torch._collective import Entry
-from phalanx.torch._collectives import Barrier
+from phalanx.torch._engine import header
+from phalanx.torch._engine.collective import Entry
+from phalanx.torch._engine.collectives import Barrier
 
 Key = tuple[str, object]
 BLOCKED = 1  # the ``root`` field of a wait block sent from ``synchronize`` (0: from ``poll``)

@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from phalanx.errors import CollectiveMismatchError
-from phalanx.torch import _header as header
-from phalanx.torch import _join, _names, _state, _trace
-from phalanx.torch import _speculate as speculation
-from phalanx.torch._collective import Entry
+from phalanx.torch._engine import header
+from phalanx.torch._engine import join as _join
+from phalanx.torch._engine import names as _names
+from phalanx.torch._engine import speculate as speculation
+from phalanx.torch._engine import trace as _trace
+from phalanx.torch._engine.collective import Entry
+from phalanx.torch._setup import state as _state
 
 
 @dataclass

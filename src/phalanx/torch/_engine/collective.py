@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from phalanx.torch import _header as header
-from phalanx.torch import _speculate as speculation
+from phalanx.torch._engine import header
+from phalanx.torch._engine import speculate as speculation
 from phalanx.torch.process_sets import _Groups
 
 

@@ -21,7 +21,7 @@ from phalanx.env import RankIdentity, settings
 from phalanx.env import names as env_names
 from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
-from phalanx.torch import _generations
+from phalanx.torch._health import generations as _generations
 from phalanx.transport import api as transport
 
 
