@@ -120,7 +120,8 @@ def test_log_callback_only_shows_only_log_to_driver(capsys: pytest.CaptureFixtur
     assert "plain output" not in out
     # What the start waited for, in order (plain lines: stderr is not a terminal here).
     steps = [ln for ln in err.splitlines() if ln.startswith("phalanx: ")]
-    assert steps[0].startswith("phalanx: waiting for 2 barrier task(s)") and steps[-1] == "phalanx: ranks started 2/2"
+    assert steps == ["phalanx: waiting for 2 barrier task(s) of Spark to start the ranks",
+                     "phalanx: barrier tasks started 2/2", "phalanx: ranks started 2/2"], err
     # HorovodRunner's default hides print(): the driver says where it went, and the files have it.
     said = [r.getMessage() for r in caplog.records if "driver_log_verbosity='all' shows them here" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("phalanx: driver_log_verbosity='log_callback_only'"), said

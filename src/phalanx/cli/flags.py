@@ -109,8 +109,8 @@ HOST_FLAGS: tuple[Flag, ...] = (
     Flag(("--network-interfaces",), "nics", "str", doc="comma-separated interfaces the ranks use between hosts"),
     Flag(("--network-interface",), "nic", "str", doc="deprecated spelling of --network-interfaces"),
     Flag(("--slots-per-host",), "slots", "int",
-         doc="refused: horovodrun gives this many slots to the discovery script's bare host names; have the "
-             "script print host:slots lines instead"),
+         doc="slots of a host listed without its own (a discovery script's 'host' line, -H host, a hostfile "
+             "line without slots=); host:slots wins"),
     Flag(("--disable-cache",), "disable_cache", "on", "phalanxrun keeps no cache of start-up checks"),
 )
 
@@ -177,9 +177,6 @@ def validate(ns: argparse.Namespace) -> None:
     noise = ns.autotune_gaussian_process_noise
     if noise is not None and not 0 <= noise <= 1:
         raise InvalidArgumentError(f"--autotune-gaussian-process-noise={noise} must be in [0, 1]")
-    if ns.slots is not None:
-        raise InvalidArgumentError(
-            "--slots-per-host: phalanxrun's host discovery reads host:slots lines; give the slots there")
 
 
 def _flag(value: object) -> str:

@@ -27,7 +27,9 @@ from phalanx.launch.api import (
     hosts_spec,
     resolve_hosts,
     resolve_start_timeout,
+    slots_per_host_unused,
     validate_np,
+    validate_slots_per_host,
 )
 from phalanx.launch.core import start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
@@ -61,6 +63,7 @@ class RunConfig:
     check_hosts_only: bool = False
     forward_env: tuple[tuple[str, str], ...] = ()
     observe: ObserveOptions | None = None
+    quiet: bool = False
 
     def job_env(self) -> dict[str, str]:
         """Variables the command's ranks get on top of the contract: ``-x``'s (on every host, as mpirun
@@ -84,6 +87,7 @@ class RunConfig:
             prefix_timestamp=self.prefix_timestamp,
             output_dir=self.output_dir,
             observe=self.observe,
+            progress=not self.quiet,
         )
 
 
@@ -165,6 +169,8 @@ def build_parser(prog: str = "phalanxrun") -> argparse.ArgumentParser:
                    help="elastic: executable printing host:slots lines, polled every second; the world grows "
                         "up to --max-np when this machine's slots grow (only this host's names count)")
     p.add_argument("--verbose", action="store_true", help="log what the launcher does")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="do not say what the start waits for (the 'phalanx: ranks started k/N' progress on stderr)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     flags.add_flags(p)
     return p
@@ -232,8 +238,9 @@ def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
         config_file.apply(ns, ns.config_file)
     flags.validate(ns)
     np = validate_np(ns.np, "-np")
+    slots = validate_slots_per_host(ns.slots, "--slots-per-host")
     forward = _forward_env(ns.forward_env)
-    hosts = _hosts_spec(ns, np, forward)
+    hosts = _hosts_spec(ns, np, forward, slots)
     command = tuple(ns.command[1:] if ns.command[:1] == ["--"] else ns.command)
     if not ns.check_hosts:
         _check_command(command, np, prog)
@@ -249,14 +256,15 @@ def parse_config(argv: Sequence[str], prog: str = "phalanxrun") -> RunConfig:
         timeline=ns.timeline_filename,
         timeline_mark_cycles=bool(ns.timeline_mark_cycles),
         elastic=elastic_spec(np, ns.min_np, ns.max_np, ns.reset_limit, knobs,
-                             discovery_script=ns.host_discovery_script),
+                             discovery_script=ns.host_discovery_script, slots_per_host=slots),
         knobs=tuple(sorted(knobs.items())),
         prefix_timestamp=bool(ns.prefix_output_with_timestamp),
-        warnings=tuple(flags.noop_warnings(ns) + _local_host_warnings(ns, hosts)),
+        warnings=tuple(flags.noop_warnings(ns) + _local_host_warnings(ns, hosts, slots)),
         hosts=hosts,
         check_hosts_only=bool(ns.check_hosts),
         forward_env=tuple(sorted(forward.items())),
         observe=resolve_observe(ns.dashboard, ns.mlflow),
+        quiet=bool(ns.quiet),
     )
 
 
@@ -272,11 +280,11 @@ def _forward_env(items: Sequence[str]) -> dict[str, str]:
     return env
 
 
-def _hosts_spec(ns: argparse.Namespace, np: int, forward: dict[str, str]) -> HostsSpec | None:
+def _hosts_spec(ns: argparse.Namespace, np: int, forward: dict[str, str], slots: int | None) -> HostsSpec | None:
     """The multi-host part of the job, or None when every host is this machine."""
-    remote = resolve_hosts(ns.hosts, np, ns.hostfile)
+    remote = resolve_hosts(ns.hosts, np, ns.hostfile, slots)
     if remote is None and ns.hosts is None and ns.hostfile is None and ns.host_discovery_script:
-        remote = discovered_hosts(ns.host_discovery_script)  # as horovodrun: ranks go to the discovered hosts
+        remote = discovered_hosts(ns.host_discovery_script, slots)  # as horovodrun: ranks go to the discovered hosts
     if remote is None:
         return None
     nics = ns.nics or ns.nic
@@ -284,9 +292,12 @@ def _hosts_spec(ns: argparse.Namespace, np: int, forward: dict[str, str]) -> Hos
                       ns.python, forward)
 
 
-def _local_host_warnings(ns: argparse.Namespace, hosts: HostsSpec | None) -> list[str]:
+def _local_host_warnings(ns: argparse.Namespace, hosts: HostsSpec | None, slots: int | None) -> list[str]:
+    unused = slots_per_host_unused(slots, any(v is not None for v in (ns.hosts, ns.hostfile, ns.host_discovery_script)))
     if hosts is not None:
         return []
+    if unused is not None:
+        return [unused]
     given = [name for name, value in (("--ssh-port", ns.ssh_port), ("--ssh-identity-file", ns.ssh_identity_file),
                                       ("--network-interfaces", ns.nics or ns.nic)) if value is not None]
     return [f"{name} changes nothing: every host is this machine (no ssh; loopback and shared memory)"

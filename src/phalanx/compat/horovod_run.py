@@ -4,11 +4,11 @@ Every parameter name of ``horovod.run`` is accepted. The ones phalanx has are pa
 ``np``, ``min_num_proc`` / ``max_num_proc`` the elastic bounds...). The deprecated ``np`` / ``min_np`` /
 ``max_np`` / ``network_interface`` warn with ``DeprecationWarning`` as in Horovod; ``hostfile`` (Horovod's
 ``host slots=N`` lines) becomes ``hosts``; a parameter :func:`phalanx.run` takes goes to it as it is
-(``ssh_port``, ``ssh_identity_file``, ``network_interfaces``). One that changes nothing here (``use_mpi``,
-``cooldown_range``, ``disable_cache``) warns once, naming itself and the reason; one phalanx cannot honour
-(``slots``, another ``executable``) raises :class:`~phalanx.errors.InvalidArgumentError` before any process
-starts. (Were ``phalanx.run`` without the ssh options, they would warn when every host is this machine and
-raise for others.)
+(``ssh_port``, ``ssh_identity_file``, ``network_interfaces``); ``slots`` is ``slots_per_host`` (the slots of
+a host listed without its own). One that changes nothing here (``use_mpi``, ``cooldown_range``,
+``disable_cache``) warns once, naming itself and the reason; one phalanx cannot honour (another
+``executable``) raises :class:`~phalanx.errors.InvalidArgumentError` before any process starts. (Were
+``phalanx.run`` without the ssh options, they would warn when every host is this machine and raise for others.)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import phalanx
 from phalanx.errors import InvalidArgumentError
+from phalanx.launch.api import validate_slots_per_host
 from phalanx.launch.hosts import only_this_machine, parse_hostfile, parse_hosts
 
 #: Parameters that change nothing here -> why.
@@ -35,7 +36,6 @@ _NOOP = {
 _SSH = ("ssh_port", "ssh_identity_file", "network_interfaces")
 #: Parameters phalanx.run may not have -> how to do without.
 _UNSUPPORTED = {
-    "slots": "give the slots in the host discovery script's host:slots lines",
     "ssh_port": "phalanx.run has no ssh options: use phalanxrun -p, or a Port line in ~/.ssh/config",
     "ssh_identity_file": "phalanx.run has no ssh options: use phalanxrun -i, or IdentityFile in ~/.ssh/config",
     "network_interfaces": "phalanx.run picks the route to the first remote host: use phalanxrun "
@@ -43,15 +43,16 @@ _UNSUPPORTED = {
 }
 
 
-def _hosts_from(hosts: str | None, hostfile: str | None) -> str | None:
-    """``hosts`` as it is, or Horovod's hostfile (``host slots=N`` lines) as ``h1:2,h2:2``."""
+def _hosts_from(hosts: str | None, hostfile: str | None, slots: int | None) -> str | None:
+    """``hosts`` as it is, or Horovod's hostfile (``host slots=N`` lines; a bare ``host``: ``slots``) as
+    ``h1:2,h2:2``."""
     if hostfile is None:
         return hosts
-    return ",".join(f"{h.host}:{h.slots}" for h in parse_hostfile(hostfile))
+    return ",".join(f"{h.host}:{h.slots}" for h in parse_hostfile(hostfile, validate_slots_per_host(slots) or 1))
 
 
-def _remote(hosts: str | None) -> bool:
-    return hosts is not None and not only_this_machine(parse_hosts(hosts))
+def _remote(hosts: str | None, slots: int | None) -> bool:
+    return hosts is not None and not only_this_machine(parse_hosts(hosts, default_slots=slots or 1))
 
 
 def _deprecated(old: str, new: str, old_value: Any, new_value: Any) -> Any:
@@ -113,12 +114,13 @@ def run(func: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, 
     if executable is not None and executable != sys.executable:
         raise InvalidArgumentError(f"horovod.run(executable={executable!r}): phalanx starts ranks with this "
                                    f"interpreter ({sys.executable}); run the driver with the one you want")
-    hosts = _hosts_from(hosts, hostfile)
-    extra = _extra({"slots": slots, "ssh_port": ssh_port, "ssh_identity_file": ssh_identity_file,
+    slots = validate_slots_per_host(slots, "slots")
+    hosts = _hosts_from(hosts, hostfile, slots)
+    extra = _extra({"ssh_port": ssh_port, "ssh_identity_file": ssh_identity_file,
                     "network_interfaces": network_interfaces, "disable_cache": disable_cache,
                     "use_mpi": use_mpi, "mpi_args": mpi_args, "cooldown_range": cooldown_range},
-                   _remote(hosts))
+                   _remote(hosts, slots))
     return phalanx.run(func, tuple(args), kwargs, np=num_proc, hosts=hosts, start_timeout=start_timeout,
                        output_filename=output_filename, verbose=bool(verbose), min_np=min_num_proc,
                        max_np=max_num_proc, reset_limit=reset_limit, host_discovery_script=host_discovery_script,
-                       **extra)
+                       slots_per_host=slots, **extra)

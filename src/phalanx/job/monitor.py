@@ -110,6 +110,9 @@ class JobMonitor:
     #: Told of each rank's start, stats, log lines and end, and of the verdict (:mod:`phalanx.job.observation`).
     observer: Observer | None = None
     progress: Progress | None = None
+    #: Called in the monitor's thread at every poll and before a rank's start is counted (a launcher's progress
+    #: counts what it starts).
+    on_tick: Callable[[], None] | None = None
     _ranks: list[_RankState] = field(init=False)
     _stopped_at: float | None = field(init=False, default=None)
 
@@ -123,13 +126,17 @@ class JobMonitor:
             WorkerFailedError: a rank raised, exited non-zero or died by a signal.
             StartTimeoutError: some ranks did not start within the start timeout.
         """
-        if self.observer is None:
-            return self._judge()
         try:
-            values = self._judge()
-        except PhalanxError as e:
-            self.observer(JobEnded(ok=False, report=str(e)))
-            raise
+            if self.observer is None:
+                return self._judge()
+            try:
+                values = self._judge()
+            except PhalanxError as e:
+                self.observer(JobEnded(ok=False, report=str(e)))
+                raise
+        finally:
+            if self.progress is not None:
+                self.progress.finish()  # a job that never printed: its terminal line goes before the verdict
         self.observer(JobEnded(ok=True, report=_result_summary(values), ranks=range(len(values))))
         return values
 
@@ -154,6 +161,8 @@ class JobMonitor:
             event = self.events.get(timeout=timeout)
         except queue.Empty:
             self._flush()
+            if self.on_tick is not None:
+                self.on_tick()
             return
         self._handle(event)
         for _ in range(10000):
@@ -162,6 +171,8 @@ class JobMonitor:
             except queue.Empty:
                 break
         self._flush()
+        if self.on_tick is not None:
+            self.on_tick()
 
     def _handle(self, event: Event | RankExit) -> None:
         if isinstance(event, LogLine):
@@ -179,6 +190,8 @@ class JobMonitor:
         state = self._ranks[event.rank]
         if isinstance(event, Hello):
             state.hello = True
+            if self.on_tick is not None:
+                self.on_tick()  # what the launcher counts (the tasks that started) is told before this rank
             self._started()
         elif isinstance(event, Result):
             state.result = event.value
@@ -210,9 +223,9 @@ class JobMonitor:
         if self.progress is None:
             return
         started = sum(r.hello for r in self._ranks)
-        self.progress.step(f"ranks started {started}/{self.config.world_size}")
-        if started == self.config.world_size:
-            self.progress.clear()
+        self.progress.count("ranks started", started, self.config.world_size)
+        if started >= self.config.world_size:
+            self.progress.finish()
 
     def _exited(self, state: _RankState, returncode: int, ended_at: float | None) -> None:
         state.exited = True

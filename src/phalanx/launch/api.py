@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import socket
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -84,8 +85,34 @@ def validate_env(env: Mapping[str, object] | None) -> dict[str, str]:
     return dict(env)  # type: ignore[arg-type]
 
 
-def resolve_hosts(hosts: str | None, np: int, hostfile: str | None = None) -> list[HostSlots] | None:
-    """The job's hosts from ``-H``/``hosts=`` or ``--hostfile``; None when the job runs on this machine only.
+def validate_slots_per_host(slots: object, name: str = "slots_per_host") -> int | None:
+    """Check horovodrun's ``--slots-per-host`` (None: not given).
+
+    Raises:
+        InvalidArgumentError: not a whole number of at least 1.
+    """
+    if slots is None:
+        return None
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise InvalidArgumentError(f"{name}={slots!r}: give the ranks one host may run, a whole number >= 1 "
+                                   "(it applies to hosts listed without their slots)")
+    return slots
+
+
+def slots_per_host_unused(slots: int | None, any_hosts: bool, flag: str = "--slots-per-host",
+                          sources: str = "-H, --hostfile or --host-discovery-script") -> str | None:
+    """Why ``--slots-per-host`` changes nothing, when the job names no host (``any_hosts`` False): as with
+    horovodrun (``localhost:np``), every rank then runs on this machine."""
+    if slots is None or any_hosts:
+        return None
+    return (f"{flag} changes nothing without {sources}: every rank runs on this machine; it gives slots to "
+            "the hosts listed without theirs")
+
+
+def resolve_hosts(hosts: str | None, np: int, hostfile: str | None = None,
+                  slots_per_host: int | None = None) -> list[HostSlots] | None:
+    """The job's hosts from ``-H``/``hosts=`` or ``--hostfile`` (a host listed without its slots has
+    ``slots_per_host``, else one); None when the job runs on this machine only.
 
     Raises:
         InvalidArgumentError: both given, a malformed entry, or fewer slots than ``np`` (before any process
@@ -95,12 +122,13 @@ def resolve_hosts(hosts: str | None, np: int, hostfile: str | None = None) -> li
         raise InvalidArgumentError("give -H/--hosts or --hostfile, not both")
     if hosts is None and hostfile is None:
         return None
-    parsed = parse_hosts(hosts) if hosts is not None else parse_hostfile(str(hostfile))
+    default = slots_per_host or 1
+    parsed = parse_hosts(hosts, default_slots=default) if hosts is not None else parse_hostfile(str(hostfile), default)
     place(parsed, np)
     return None if only_this_machine(parsed) else parsed
 
 
-def discovered_hosts(script: str) -> list[HostSlots] | None:
+def discovered_hosts(script: str, slots_per_host: int | None = None) -> list[HostSlots] | None:
     """The hosts of an elastic job given ``--host-discovery-script`` and no ``-H`` (horovodrun's usual
     command): the script's first listing, as ``-H`` would give it; None when every host listed is this
     machine. A host that does not resolve is left to the launcher, which checks every host discovery adds
@@ -109,7 +137,7 @@ def discovered_hosts(script: str) -> list[HostSlots] | None:
     Raises:
         InvalidArgumentError: the script failed or listed no host with slots.
     """
-    found = HostDiscovery(script, lambda _hosts: None).poll() or {}
+    found = HostDiscovery(script, lambda _hosts: None, default_slots=slots_per_host or 1).poll() or {}
     hosts = [HostSlots(check_host_name(h, "host discovery"), n) for h, n in found.items() if n > 0]
     if not hosts:
         raise InvalidArgumentError(f"--host-discovery-script {script}: its first run listed no host with slots "
@@ -168,6 +196,7 @@ def run(
     output_filename: str | None = None,
     prefix_output: bool = True,
     verbose: bool = False,
+    quiet: bool = False,
     min_np: int | None = None,
     max_np: int | None = None,
     reset_limit: int | None = None,
@@ -175,6 +204,7 @@ def run(
     ssh_port: int | None = None,
     ssh_identity_file: str | None = None,
     network_interfaces: str | Sequence[str] | None = None,
+    slots_per_host: int | None = None,
     dashboard: bool | int | str | None = None,
     mlflow: bool | None = None,
 ) -> list[Any]:
@@ -199,6 +229,8 @@ def run(
         output_filename: also keep each rank's output in ``DIR/rank.N/{stdout,stderr}``.
         prefix_output: prefix each output line with ``[rank]<stream>:`` (default True).
         verbose: log the launcher's steps at INFO level.
+        quiet: do not say on stderr what the start waits for (the warm-start template, ``ranks started
+            k/N``; on a terminal one updating line, elsewhere plain ``phalanx:`` lines); ``phalanxrun -q``.
         min_np: elastic job: the fewest workers it may go on with. Giving any of ``min_np``, ``max_np``
             or ``reset_limit`` makes the job elastic: a lost worker is replaced and the world re-forms
             (``hvd.elastic.run``; see docs/elastic.md).
@@ -215,6 +247,10 @@ def run(
         network_interfaces: with ``hosts`` naming other machines: the NIC (a name, a comma-separated
             list or a list; the first is used) whose address the job's channel and store listen on
             (default: this machine's address on the route to the first other host).
+        slots_per_host: the ranks a host may run when ``hosts`` or the discovery script's line names it
+            without its slots (horovodrun's ``--slots-per-host``; slots given with a host win). Without
+            ``hosts`` or ``host_discovery_script`` it changes nothing (a warning says so): every rank runs
+            here.
         dashboard: serve the job's live page and its Prometheus ``/metrics`` from this process: ``True`` (a
             free port on 127.0.0.1), a port, or ``"HOST:PORT"``; the address, with its token, is printed once
             (default: ``PHALANX_DASHBOARD``, else off; see docs/observe.md).
@@ -231,7 +267,12 @@ def run(
         StartTimeoutError: ranks did not start in time; the message names them.
     """
     np = validate_np(np)
-    remote = resolve_hosts(hosts, np)
+    slots_per_host = validate_slots_per_host(slots_per_host)
+    unused = slots_per_host_unused(slots_per_host, hosts is not None or host_discovery_script is not None,
+                                   "phalanx.run(slots_per_host=...)", "hosts or host_discovery_script")
+    if unused is not None:
+        warnings.warn(unused, UserWarning, stacklevel=3)
+    remote = resolve_hosts(hosts, np, slots_per_host=slots_per_host)
     # Across hosts the driver-local modules travel with the call, as on Spark (phalanx.job.shipping).
     pack = serialize_call if remote is None else shipped_payload
     spec = LocalJobSpec(
@@ -244,10 +285,11 @@ def run(
         output_dir=output_filename,
         warm_preload=warm.preload_for(fn),
         observe=resolve_observe(dashboard, mlflow),
+        progress=not quiet,
     )
     if verbose:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
-    elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env, host_discovery_script)
+    elastic = elastic_spec(np, min_np, max_np, reset_limit, spec.env, host_discovery_script, slots_per_host)
     if remote is not None:
         where = hosts_spec(remote, ssh_port, ssh_identity_file, network_interfaces, spec.start_timeout_s)
         return (ElasticHostsLauncher(spec, elastic, where) if elastic else HostsLauncher(spec, where)).run()
@@ -255,7 +297,8 @@ def run(
 
 
 def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: int | None,
-                 env: Mapping[str, str] | None = None, discovery_script: str | None = None) -> ElasticSpec | None:
+                 env: Mapping[str, str] | None = None, discovery_script: str | None = None,
+                 slots_per_host: int | None = None) -> ElasticSpec | None:
     """The elastic part of a job, or None when none of ``min_np``/``max_np``/``reset_limit`` (or a host
     discovery script) is given.
 
@@ -274,4 +317,4 @@ def elastic_spec(np: int, min_np: int | None, max_np: int | None, reset_limit: i
         raise InvalidArgumentError(f"reset_limit must be an int >= 0 or None; got {reset_limit!r}")
     given = settings.ELASTIC_TIMEOUT.is_set(env or {})
     timeout = settings.ELASTIC_TIMEOUT.get(env if given else None)
-    return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout, script)
+    return ElasticSpec(ElasticPolicy(lo, hi, reset_limit), timeout, script, slots_per_host or 1)

@@ -1,6 +1,7 @@
 """Host discovery for elastic local jobs (Horovod's ``--host-discovery-script``).
 
-The script prints one ``host:slots`` line per available host. The driver runs it every
+The script prints one ``host:slots`` line per available host (a line ``host`` alone has ``--slots-per-host``
+slots, else one: horovodrun's rule). The driver runs it every
 ``DISCOVERY_INTERVAL_S`` seconds; when the slots change it tells the monitor, which grows the world up to
 ``max_np`` (a new round; running ranks get ``HostsUpdatedInterrupt`` at their next ``commit()``). A local
 job runs on this machine only, so only this host's names count there (:func:`local_slots`: ``localhost``,
@@ -32,8 +33,9 @@ def local_names() -> set[str]:
     return {"localhost", "127.0.0.1", socket.gethostname(), socket.getfqdn()}
 
 
-def parse_hosts(text: str) -> dict[str, int]:
-    """Parse ``host:slots`` lines (blank lines and ``#`` comments skipped; a bare ``host`` is one slot).
+def parse_hosts(text: str, default_slots: int = 1) -> dict[str, int]:
+    """Parse ``host:slots`` lines (blank lines and ``#`` comments skipped; a bare ``host`` has
+    ``default_slots``: horovodrun's ``--slots-per-host``, else one).
 
     Raises:
         ValueError: a line whose slot count is not a non-negative integer.
@@ -43,7 +45,7 @@ def parse_hosts(text: str) -> dict[str, int]:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        host, _, slots = line.rpartition(":") if ":" in line else (line, "", "1")
+        host, _, slots = line.rpartition(":") if ":" in line else (line, "", str(default_slots))
         if not slots.strip().isdigit():
             raise InvalidArgumentError(f"host discovery line {raw!r} is not host:slots")
         hosts[host.strip()] = hosts.get(host.strip(), 0) + int(slots)
@@ -81,11 +83,13 @@ class HostDiscovery:
         script: the executable that prints ``host:slots`` lines.
         on_change: called (in the discovery thread) with the new ``host -> slots``.
         interval_s: seconds between runs.
+        default_slots: the slots of a line that names a host alone (``--slots-per-host``).
     """
 
     def __init__(self, script: str, on_change: Callable[[dict[str, int]], None],
-                 interval_s: float = DISCOVERY_INTERVAL_S) -> None:
+                 interval_s: float = DISCOVERY_INTERVAL_S, default_slots: int = 1) -> None:
         self.script = script
+        self.default_slots = default_slots
         self.on_change = on_change
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -115,7 +119,7 @@ class HostDiscovery:
                         done.stderr.strip()[:200])
             return None
         try:
-            return parse_hosts(done.stdout)
+            return parse_hosts(done.stdout, self.default_slots)
         except ValueError as e:
             log.warning("%s", e)
             return None

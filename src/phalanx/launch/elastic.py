@@ -51,11 +51,13 @@ class ElasticSpec:
         policy: min_np, max_np, reset_limit.
         timeout_s: seconds a worker waits for a round and for one collective (``PHALANX_ELASTIC_TIMEOUT_S``).
         discovery_script: prints ``host:slots`` lines; polled to grow the world up to ``max_np``.
+        slots_per_host: the slots of a discovery line that names a host alone (``--slots-per-host``).
     """
 
     policy: ElasticPolicy
     timeout_s: float = elastic_keys.DEFAULT_ELASTIC_TIMEOUT_S
     discovery_script: str | None = None
+    slots_per_host: int = 1
 
 
 class ElasticLocalLauncher(LocalLauncher):
@@ -112,7 +114,8 @@ class ElasticLocalLauncher(LocalLauncher):
         self._publish(list(range(self._target)))
         log.debug("started elastic job: %d workers", self._target)
         if self.elastic.discovery_script:
-            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts)
+            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts,
+                                            default_slots=self.elastic.slots_per_host)
             self._discovery.start()
 
     def _spawn_worker(self, template: warm.Template | None) -> int:

@@ -1,5 +1,9 @@
 """Hosts and slots: ``-H h1:2,h2:2``, Horovod's hostfile (``host slots=N``) and where each rank goes.
 
+A host named without its slots (``-H h1``, a hostfile line ``h1``, a discovery script's line ``h1``) has
+``--slots-per-host`` slots, else one; slots given with the host always win (Horovod's rule for the discovery
+script's lines, applied to every host list).
+
 Placement is horovodrun's: ranks fill the first host's slots in order, then the next host's, so ranks of
 one host are contiguous and local/cross ranks follow (:func:`phalanx.env.assign_ranks`).
 """
@@ -47,8 +51,8 @@ def _slots(text: str, host: str, where: str) -> int:
     return int(text)
 
 
-def parse_hosts(text: str, where: str = "-H/--hosts") -> list[HostSlots]:
-    """Parse ``h1:2,h2:2`` (a host without ``:N`` has one slot, as in horovodrun).
+def parse_hosts(text: str, where: str = "-H/--hosts", default_slots: int = 1) -> list[HostSlots]:
+    """Parse ``h1:2,h2:2``; a host without ``:N`` has ``default_slots`` (``--slots-per-host``, else one).
 
     Raises:
         InvalidArgumentError: an empty entry, a bad slot count, a bad name or a host named twice.
@@ -60,13 +64,14 @@ def parse_hosts(text: str, where: str = "-H/--hosts") -> list[HostSlots]:
             raise InvalidArgumentError(f"{where}={text!r} has an empty entry; give host:slots,host:slots")
         host, sep, count = item.rpartition(":") if item.count(":") == 1 else (item, "", "")
         if not sep:
-            host, count = item, "1"
+            host, count = item, str(default_slots)
         out.append(HostSlots(check_host_name(host, where), _slots(count, host, where)))
     return _no_duplicates(out, where)
 
 
-def parse_hostfile(path: str) -> list[HostSlots]:
-    """Parse Horovod's hostfile: one ``host slots=N`` (or ``host``, one slot) per line; ``#`` comments.
+def parse_hostfile(path: str, default_slots: int = 1) -> list[HostSlots]:
+    """Parse Horovod's hostfile: one ``host slots=N`` (or ``host``: ``default_slots``, ``--slots-per-host``,
+    else one) per line; ``#`` comments.
 
     Raises:
         InvalidArgumentError: the file cannot be read, or a line is malformed (its number is named).
@@ -88,7 +93,7 @@ def parse_hostfile(path: str) -> list[HostSlots]:
         match = _HOSTFILE_SLOTS_RE.match(words[1]) if len(words) == 2 else None
         if len(words) > 2 or (len(words) == 2 and match is None):
             raise InvalidArgumentError(f"{where}: {raw.strip()!r} is not 'host slots=N'")
-        slots = _slots(match.group(1), words[0], where) if match else 1
+        slots = _slots(match.group(1), words[0], where) if match else default_slots
         out.append(HostSlots(check_host_name(words[0], where), slots))
     if not out:
         raise InvalidArgumentError(f"--hostfile {path!r} names no host; write one 'host slots=N' per line")

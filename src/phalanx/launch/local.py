@@ -24,6 +24,7 @@ from phalanx.errors import PhalanxError
 from phalanx.job.channel import DriverChannel, Role
 from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.progress import Progress
 from phalanx.job.records import Stream
 from phalanx.launch import warm
 from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id, python_command, spawn_rank, worker_argv
@@ -56,6 +57,8 @@ class LocalJobSpec:
             warm starts off for this job.
         observe: the job's live page and MLflow logging (docs/observe.md); None: neither (default:
             ``PHALANX_DASHBOARD`` / ``PHALANX_MLFLOW``).
+        progress: say on stderr what the start waits for (the warm-start template, the ranks started);
+            False: ``phalanxrun -q``, ``phalanx.run(quiet=True)``.
     """
 
     np: int
@@ -70,6 +73,7 @@ class LocalJobSpec:
     teardown_grace_s: float = field(default_factory=teardown_grace_s)
     warm_preload: tuple[str, ...] | None = None
     observe: ObserveOptions | None = field(default_factory=resolve_observe)
+    progress: bool = True
 
 
 class LocalLauncher:
@@ -82,6 +86,7 @@ class LocalLauncher:
         self._threads: list[threading.Thread] = []
         self._stop_lock = threading.Lock()
         self._run_id = new_run_id()
+        self.progress = Progress(enabled=spec.progress)
 
     def run(self) -> list[Any]:
         """Run the job to its end; return each rank's value (None for commands) in rank order."""
@@ -93,10 +98,12 @@ class LocalLauncher:
         sinks: list[LogSink] = [ConsoleSink(self.spec.prefix, self.spec.prefix_timestamp)] + ([files] if files else [])
         monitor = self._monitor(channel, sinks)
         monitor.observer = watch.observe if watch is not None else None
+        monitor.progress = self.progress
         try:
             self._start(channel, store)
             return monitor.run()
         except BaseException:
+            self.progress.finish()  # Ctrl-C during the start: its one line goes on a line of its own
             self._stop_all()
             raise
         finally:
@@ -158,6 +165,9 @@ class LocalLauncher:
             preload = () if self._python_run() is not None else None
         if preload is None:
             return None
+        if warm.enabled() and warm.ready_template(0.0) is None:
+            self.progress.step(f"waiting for the warm-start template to import torch (once, for all {self.spec.np} "
+                               "ranks)")
         return warm.template_for_job(preload, warm.job_wait_s(self.spec.start_timeout_s))
 
     def _python_run(self) -> dict[str, Any] | None:
@@ -178,6 +188,8 @@ class LocalLauncher:
             proc = self._spawn(env, template)
             self._procs.append(proc)
             self._watch(who.rank, proc, channel)
+        if self.spec.command is not None:  # a command says no hello: its process started is all there is to say
+            self.progress.count("ranks started", self.spec.np, self.spec.np)
         log.debug("started %d ranks (%s): pids %s", self.spec.np, "warm" if template else "cold",
                   [p.pid for p in self._procs])
 

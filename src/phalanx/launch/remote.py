@@ -104,6 +104,7 @@ class HostsLauncher(LocalLauncher):
 
     def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
         job = self._contract(channel, store)
+        self.progress.step(f"starting the ranks' agents on {len(self._order)} host(s), {len(self._remote)} over ssh")
         for host in self._order:
             self._procs.append(self._agents.start(host, self._plan(job, host)))
         self._threads.extend(self._agents.threads)

@@ -157,6 +157,7 @@ class SparkLauncher:
         self.spark_error: SparkJobError | None = None
         self._console = StreamSink(spec.stdout, spec.stderr)
         self.progress = Progress(enabled=spec.progress, stream=spec.stderr)
+        self._tasks_started = 0
         self._files: FileSink | None = None
         self._exits = ExitReports(spec.command is None)
         self._stopping = threading.Event()
@@ -207,8 +208,19 @@ class SparkLauncher:
         return self.spec.np
 
     def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
-        return JobMonitor(self._monitor_config(), channel.events, sinks,
-                          stop_all=self._stop_all, on_custom=self._on_custom, progress=self.progress)
+        return JobMonitor(self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,
+                          on_custom=self._on_custom, progress=self.progress,
+                          on_tick=lambda: self._count_tasks(channel))
+
+    def _count_tasks(self, channel: DriverChannel) -> None:
+        """Say how many barrier tasks started: a task has started once one of its ranks (or its supervisor)
+        reached the channel."""
+        if not self.progress.enabled or self._tasks_started >= self.spec.tasks:
+            return
+        started = {rank // self.spec.ranks_per_task for rank in range(self.spec.np) if channel.ever_connected(rank)}
+        if len(started) > self._tasks_started:
+            self._tasks_started = len(started)
+            self.progress.count("barrier tasks started", len(started), self.spec.tasks)
 
     def _prepare(self, store: RendezvousStore) -> None:
         """Called before the stage is submitted (an elastic job publishes its first round)."""

@@ -79,7 +79,8 @@ def test_a_script_runs_in_forked_ranks_as_in_fresh_interpreters(tmp_path: Path) 
     script.write_text(textwrap.dedent(SCRIPT))
     command = [sys.executable, str(script)]
     forked, fout = _job(tmp_path, "forked", command, "-np", "3")
-    cold, cout = _job(tmp_path, "cold", command, "-np", "3", env={"PHALANX_WARM_START": "0"})
+    cold, cout = _job(tmp_path, "cold", command, "-q", "-np", "3", env={"PHALANX_WARM_START": "0"})
+    assert not [ln for ln in cold.stderr.splitlines() if ln.startswith("phalanx: ")], cold.stderr  # -q: no progress
     for done, out in ((forked, fout), (cold, cout)):
         assert done.returncode == 1, done.stderr
         # the interpreter's report of the uncaught exception, from the script's own frame
@@ -108,6 +109,10 @@ def test_a_module_runs_forked_as_python_dash_m_runs_it(tmp_path: Path) -> None:
     (tmp_path / "trainmod.py").write_text(textwrap.dedent(SCRIPT).replace('if rank == "2":', "if False:"))
     forked, out = _job(tmp_path, "forked", [sys.executable, "-m", "trainmod"], "-np", "2")
     assert forked.returncode == 0, forked.stderr
+    # What the start waited for, in order, as plain lines (stderr is not a terminal): the template, the ranks.
+    steps = [ln for ln in forked.stderr.splitlines() if ln.startswith("phalanx: ")]
+    assert steps == ["phalanx: waiting for the warm-start template to import torch (once, for all 2 ranks)",
+                     "phalanx: ranks started 2/2"], forked.stderr
     for i in _infos(out, 2):
         assert i["preloaded"] and i["name"] == "__main__" and i["main"]
         assert i["file"] == str(tmp_path / "trainmod.py") and i["argv"] == [i["file"], str(out)]

@@ -36,8 +36,9 @@ def _contract_and_allreduce() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_results_in_rank_order_with_the_full_contract() -> None:
-    out = phalanx.run(_contract_and_allreduce, np=3, env={"USER_VAR": "x"})
+def test_results_in_rank_order_with_the_full_contract(capfd: pytest.CaptureFixture[str]) -> None:
+    out = phalanx.run(_contract_and_allreduce, np=3, env={"USER_VAR": "x"}, quiet=True)
+    assert "phalanx: " not in capfd.readouterr().err  # quiet: no progress lines
     assert [o["RANK"] for o in out] == ["0", "1", "2"]
     assert {o["sum"] for o in out} == {6.0}
     assert [o["big"] for o in out] == [b"", bytes(range(256)) * (12 << 10), b""]
@@ -65,6 +66,8 @@ def _chatty(lines: int) -> int:
 def test_every_log_line_arrives_in_order_and_whole(capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert phalanx.run(_chatty, args=(5000,), np=2, output_filename=str(tmp_path)) == [0, 1]
     out, err = capfd.readouterr()
+    # The start's progress: plain lines off a terminal, a count only once complete, never inside a rank's line.
+    assert [ln for ln in err.splitlines() if "ranks started" in ln] == ["phalanx: ranks started 2/2"], err[:2000]
     for rank in (0, 1):
         mine = [ln for ln in out.splitlines() if ln.startswith(f"[{rank}]<stdout>:")]
         assert mine[:-1] == [f"[{rank}]<stdout>:r{rank} line {i}" for i in range(5000)]

@@ -138,12 +138,38 @@ def test_main_prints_each_warning_once(capsys: pytest.CaptureFixture[str], monke
         (["--stall-check-warning-time-seconds", "-5"], "must be >= 0"),
         (["--autotune-gaussian-process-noise", "1.5"], r"must be in \[0, 1\]"),
         (["--hostfile", "hosts.txt"], "--hostfile 'hosts.txt' cannot be read"),
-        (["--slots-per-host", "4"], "--slots-per-host"),
+        (["--slots-per-host", "0"], "--slots-per-host=0: give the ranks one host may run"),
+        (["--slots-per-host", "-2"], "--slots-per-host=-2: give the ranks one host may run"),
+        (["-H", "localhost", "--slots-per-host", "1"], "np=2 is more than the 1 slot"),
     ],
 )
 def test_bad_values_are_refused_before_anything_starts(argv: list[str], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         parse_config(["-np", "2", *argv, "true"])
+
+
+def test_slots_per_host_gives_slots_to_hosts_listed_without_theirs(tmp_path: Path) -> None:
+    # -H and a hostfile: a bare host has --slots-per-host slots (without it, one: -np 3 would not fit).
+    with pytest.raises(InvalidArgumentError, match="np=3 is more than the 1 slot"):
+        parse_config(["-np", "3", "-H", "localhost", "true"])
+    assert parse_config(["-np", "3", "-H", "localhost", "--slots-per-host", "3", "true"]).warnings == ()
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")
+    parse_config(["-np", "3", "--hostfile", str(hostfile), "--slots-per-host", "3", "true"])
+    with pytest.raises(InvalidArgumentError, match="np=4 is more than the 3 slot"):  # host:slots wins over the flag
+        parse_config(["-np", "4", "-H", "localhost:3", "--slots-per-host", "8", "true"])
+    # The discovery script's bare lines (horovodrun's own use of the flag), for an elastic job.
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost\n")
+    script.chmod(0o755)
+    cfg = parse_config(["-np", "2", "--host-discovery-script", str(script), "--slots-per-host", "4", "true"])
+    assert cfg.elastic is not None and cfg.elastic.slots_per_host == 4
+    from phalanx.launch.discovery import HostDiscovery
+
+    assert HostDiscovery(str(script), lambda hosts: None, default_slots=4).poll() == {"localhost": 4}
+    # Without any host list it changes nothing, as in horovodrun (localhost:np), and says so.
+    cfg = parse_config(["-np", "2", "--slots-per-host", "1", "true"])
+    assert [w for w in cfg.warnings if w.startswith("--slots-per-host changes nothing")], cfg.warnings
 
 
 def test_log_level_choices_are_horovods() -> None:

@@ -87,7 +87,7 @@ def test_unset_parameters_warn_nothing(calls: list[dict[str, Any]]) -> None:
         ({"hosts": "localhost:2", "hostfile": "h"}, ValueError, "hosts and hostfile only allow one provided"),
         ({"use_gloo": True, "use_mpi": True}, ValueError, "use_gloo and use_mpi only allow one set True"),
         ({"executable": "/usr/bin/python2"}, InvalidArgumentError, "executable='/usr/bin/python2'"),
-        ({"slots": 4}, InvalidArgumentError, r"slots=4\): give the slots"),
+        ({"slots": 0}, InvalidArgumentError, r"slots=0: give the ranks one host may run"),
     ],
 )
 def test_refused_before_anything_starts(calls: list[dict[str, Any]], options: dict[str, Any],
@@ -102,6 +102,15 @@ def test_hostfile_becomes_hosts(calls: list[dict[str, Any]], tmp_path: Path) -> 
     hostfile.write_text("localhost slots=2\n")
     assert horovod_run.run(_train, (1,), num_proc=2, hostfile=str(hostfile)) == [1, 1]
     assert calls[0]["hosts"] == "localhost:2"
+
+
+def test_slots_are_the_slots_of_hosts_listed_without_theirs(calls: list[dict[str, Any]], tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost\n")  # no slots=: horovod.run(slots=3) gives it 3
+    assert horovod_run.run(_train, (1,), num_proc=3, hostfile=str(hostfile), slots=3) == [1, 1, 1]
+    assert calls[0]["hosts"] == "localhost:3" and calls[0]["slots_per_host"] == 3
+    horovod_run.run(_train, (1,), num_proc=2, host_discovery_script="./discover.sh", slots=2)
+    assert calls[1]["slots_per_host"] == 2  # the discovery script's bare host lines (Horovod's own rule)
 
 
 @pytest.mark.parametrize("option", [{"ssh_port": 2222}, {"ssh_identity_file": "id"}, {"network_interfaces": ["eth1"]}])

@@ -105,3 +105,26 @@ def test_progress_counts_the_ranks_started_and_erases_its_terminal_line() -> Non
     quiet = io.StringIO()
     Progress(enabled=False, stream=quiet).step("x")
     assert quiet.getvalue() == ""
+
+
+def test_progress_counts_once_complete_off_a_terminal_and_says_nothing_once_finished() -> None:
+    import io
+
+    from phalanx.job.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    plain, tty = io.StringIO(), Terminal()
+    for stream in (plain, tty):
+        progress = Progress(stream=stream)
+        for k in range(4):
+            progress.count("ranks started", k, 3)
+        progress.finish()
+        progress.step("a replacement rank started")  # after the start: nothing
+    assert plain.getvalue() == "phalanx: ranks started 3/3\n"
+    assert tty.getvalue() == "".join(f"\r\033[Kphalanx: ranks started {k}/3" for k in range(4)) + "\r\033[K"
+    silent = io.StringIO()
+    Progress(enabled=False, stream=silent).count("ranks started", 3, 3)
+    assert silent.getvalue() == ""

@@ -16,6 +16,8 @@ from phalanx.launch.ssh import SshOptions, agent_command, check_hosts, host_prob
 
 def test_parse_hosts_with_and_without_slots() -> None:
     assert parse_hosts("a:2, b:3,c") == [HostSlots("a", 2), HostSlots("b", 3), HostSlots("c", 1)]
+    # --slots-per-host: the slots of a host listed without its own; host:N wins
+    assert parse_hosts("a:2,c", default_slots=4) == [HostSlots("a", 2), HostSlots("c", 4)]
 
 
 @pytest.mark.parametrize("text, needle", [
@@ -31,6 +33,7 @@ def test_hostfile_format(tmp_path: Path) -> None:
     f = tmp_path / "hosts"
     f.write_text("# cluster\nnode1 slots=4\n\nnode2   # one slot\n10.0.0.3 slots=2\n")
     assert parse_hostfile(str(f)) == [HostSlots("node1", 4), HostSlots("node2", 1), HostSlots("10.0.0.3", 2)]
+    assert parse_hostfile(str(f), default_slots=3)[1] == HostSlots("node2", 3)  # --slots-per-host
 
 
 def test_deepspeed_hostfile_format(tmp_path: Path) -> None:
