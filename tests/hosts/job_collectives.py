@@ -8,6 +8,7 @@ With ``wait``: then print ``READY`` and sleep (the test stops the job).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -32,6 +33,12 @@ def collectives(ps: Any, members: list[int], n: int) -> dict[str, Any]:
             "a2a": a2a.tolist()}
 
 
+def parent() -> dict[str, Any]:
+    """This rank's parent: a host's warm-start template forks its ranks (one import of torch per host)."""
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+        return {"pid": os.getppid(), "cmdline": f.read().replace(b"\0", b" ").decode()}
+
+
 def main() -> None:
     full = "quick" not in sys.argv[1:]
     local_set, cross_set = hvd.ProcessSet([0, 1]), hvd.ProcessSet([0, 2])
@@ -40,7 +47,8 @@ def main() -> None:
     out: dict[str, Any] = {
         "rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
         "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "host": socket.gethostname(),
-        "machine": _machine_id(), "global": collectives(hvd.global_process_set, members, len(members)),
+        "machine": _machine_id(), "parent": parent(),
+        "global": collectives(hvd.global_process_set, members, len(members)),
     }
     if full and hvd.rank() in (0, 1):
         out["local"] = collectives(local_set, [0, 1], 2)

@@ -99,14 +99,19 @@ def _until_ready(driver: subprocess.Popen[str], n: int) -> str:
 
 
 def test_layout_and_collectives_then_ctrl_c_stops_every_host(cluster: Cluster) -> None:
-    """Layout and collectives (every path) on 2 hosts x 2 ranks; then SIGINT to phalanxrun (Ctrl-C) stops every
-    host: no process and no /dev/shm file is left on either."""
+    """Layout and collectives (every path) on 2 hosts x 2 ranks, each host's ranks forked from its agent's
+    template (issue 36); then SIGINT to phalanxrun (Ctrl-C) stops every host: no process and no /dev/shm
+    file is left on either."""
     before = _shm(cluster)
     argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable, JOB,
                                                "wait"))
     driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stdout = _until_ready(driver, 4)
     check_job(stdout)
+    # Each host's two ranks were forked by one template there (its agent's), not started as interpreters.
+    parents = [results(stdout)[r]["parent"] for r in range(4)]
+    assert all("phalanx.worker.template" in p["cmdline"] for p in parents), parents
+    assert parents[0]["pid"] == parents[1]["pid"] and parents[2]["pid"] == parents[3]["pid"], parents
     # Each host's lines arrive on the driver, prefixed by rank.
     assert {line.split("]")[0] for line in stdout.splitlines() if "RESULT" in line} == {"[0", "[1", "[2", "[3"}
     assert cluster.leftovers().keys() == {"hosta", "hostb"}

@@ -239,7 +239,7 @@ TIMELINE_MAX_MB = Setting(names.PHALANX_TIMELINE_MAX_MB, 1024.0, number("megabyt
 DYNAMIC_PROCESS_SETS = _bool(names.HOROVOD_DYNAMIC_PROCESS_SETS, False, "`hvd.init()`",
                              "`1` on every rank: allow `hvd.add_process_set` / `remove_process_set` after "
                              "`init`")
-WARM_START = _bool(names.PHALANX_WARM_START, True, "driver; Spark tasks",
+WARM_START = _bool(names.PHALANX_WARM_START, True, "driver; Spark tasks; host agents",
                    "`0`: start every rank in a fresh interpreter instead of forking it from a template that has "
                    "already imported torch and the function's packages")
 SHM = _bool(names.PHALANX_SHM, True, "`hvd.init()`, worker entry (every rank)",

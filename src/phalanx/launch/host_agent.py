@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phalanx.env import JobContract, assign_ranks, compose_env, worker_env
+from phalanx.env import JobContract, assign_ranks, compose_env, settings, worker_env
 from phalanx.env import names as env_names
 from phalanx.errors import ChannelError, InvalidArgumentError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
@@ -161,10 +161,16 @@ class Agent:
         return compose_env(os.environ, self.plan.env, {**worker_env(self.plan.job, who), **own}, os.cpu_count())
 
     def _template(self) -> warm.Template | None:
-        """The warm-start template this host's ranks fork from: none for now, every rank starts cold. With a
-        template per agent, a host whose link was cut silently was not named before the survivors' gloo
-        time-out (tests/hosts' silent-host test failed); until that is understood, hosts start cold."""
-        return None
+        """A warm-start template for this host's ranks, when it runs several of a function job or of a
+        ``python SCRIPT`` command: one import of torch on the host instead of one per rank. Started in the
+        ranks' environment (shipped modules on ``PYTHONPATH`` included) so a command's start-up variables
+        match it (``phalanx.worker.pyrun``). None with ``PHALANX_WARM_START=0`` among the forwarded variables."""
+        if len(self.plan.ranks) < 2 or (self._command is not None and self._python_run() is None):
+            return None
+        base = {**os.environ, **self.plan.env, **self._pythonpath}
+        if not settings.WARM_START.get(base):
+            return None
+        return warm.template_for_job((), warm.job_wait_s(self.plan.job.start_timeout_s), base)
 
     def _python_run(self) -> dict[str, Any] | None:
         return None if self._command is None else python_command(self._command, os.environ.get("PATH"))

@@ -107,7 +107,13 @@ class RankSupervisor:
         """Start the rank (from the calling thread: its parent-death signal follows this thread; from
         ``template`` when given, see ``core.spawn_rank``), forward its output, stop it on abort; return its
         exit code."""
-        self.proc = spawn_rank(argv, env, template, cwd, python)
+        if self._heartbeat:
+            self._start_beating()
+        try:
+            self.proc = spawn_rank(argv, env, template, cwd, python)
+        except BaseException:
+            self._done.set()
+            raise
         assert self.proc.stdout is not None and self.proc.stderr is not None
         pumps = [
             threading.Thread(target=pump_lines, args=(self.proc.stdout, self.rank, Stream.STDOUT, self.emit)),
@@ -117,8 +123,6 @@ class RankSupervisor:
             t.daemon = True
             t.start()
         threading.Thread(target=self._abort_watch, name="phalanx-abort", daemon=True).start()
-        if self._heartbeat:
-            threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
         try:
             returncode = self.proc.wait()
             self.ended_at = time.monotonic()
@@ -134,9 +138,18 @@ class RankSupervisor:
         if self.proc is not None and not self._done.is_set():
             terminate_tree([self.proc.pid], self.teardown_grace_s if grace_s is None else grace_s)
 
+    def _start_beating(self) -> None:
+        """Tell the driver this host is alive from before the rank starts until it ends (a silent host is told
+        apart by its missing heartbeats: a cut link sends no reset).
+
+        The first beat is sent here, before the rank exists, on the connection that will carry its lines: the
+        driver has it before any of them. The driver names only a host it has heard beat, and a rank forked
+        from a warm template can be past its first collective within :data:`HEARTBEAT_S`: a link cut then would
+        leave the host unnamed until the survivors' gloo timeout if its first beat waited for the period."""
+        self.send(Kind.EVENT, HEARTBEAT)
+        threading.Thread(target=self._beat, name="phalanx-heartbeat", daemon=True).start()
+
     def _beat(self) -> None:
-        """Tell the driver this host is alive until the rank ends (a silent host is told apart by its
-        missing heartbeats: a cut link sends no reset)."""
         while not self._done.wait(HEARTBEAT_S) and self.channel_ok:
             self.send(Kind.EVENT, HEARTBEAT)
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
+from typing import cast
 
+from phalanx.job.channel import WorkerChannel
+from phalanx.job.framing import Kind
 from phalanx.launch.core import (
     DRAIN_WAIT_S,
     STOP_SLACK_S,
@@ -12,7 +17,7 @@ from phalanx.launch.core import (
     start_timeout_hint,
     worker_argv,
 )
-from phalanx.launch.supervisor import exit_event, parse_exit_event
+from phalanx.launch.supervisor import HEARTBEAT, RankSupervisor, exit_event, parse_exit_event
 
 
 def test_start_timeout_hint_names_the_knob_and_the_variable() -> None:
@@ -42,3 +47,30 @@ def test_exit_event_round_trip_and_garbage() -> None:
     assert parse_exit_event(exit_event(-9)) == -9
     for body in (b"", b"{", b"[]", b'{"spawn": 1}', b'{"exit": "x"}', b"\xff"):
         assert parse_exit_event(body) is None
+
+
+class _Frames:
+    """A supervisor's channel that records what it sends; the driver goes away on ``close``."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Kind, bytes]] = []
+        self.closed = threading.Event()
+
+    def send(self, kind: Kind, body: bytes = b"") -> None:
+        self.sent.append((kind, body))
+
+    def wait_for_abort(self) -> None:
+        self.closed.wait()
+
+
+def test_a_host_agents_supervisor_beats_before_its_rank_writes_anything() -> None:
+    """The driver names a silent host only once it has heard it beat: a rank that is past its first collective
+    within the heartbeat period (forked warm) had sent its lines but no beat, and a link cut then went unnamed
+    (issue 36; tests/hosts' silent-host test)."""
+    frames = _Frames()
+    supervisor = RankSupervisor(cast(WorkerChannel, frames), 0, 1.0, heartbeat=True)
+    assert supervisor.run(["/bin/echo", "READY"], dict(os.environ)) == 0
+    frames.closed.set()
+    kinds = [kind for kind, _ in frames.sent]
+    assert frames.sent[0] == (Kind.EVENT, HEARTBEAT), frames.sent
+    assert Kind.LOG in kinds, frames.sent
