@@ -35,6 +35,8 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     """A torch view of ``array`` (a copy only when it is not contiguous or is read-only); a 0-d array (a
     numpy scalar too) stays 0-d."""
     shape = np.shape(array)
+    if np.size(array) == 0:  # TensorFlow hands empty arrays with zero strides, which torch cannot view as bytes
+        array = np.empty(shape, dtype=np.asarray(array).dtype)
     array = np.ascontiguousarray(array)
     if not array.flags.writeable:
         array = array.copy()

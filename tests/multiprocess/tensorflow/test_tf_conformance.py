@@ -120,12 +120,29 @@ def _eager_errors(me: int) -> dict[str, Any]:
     return out
 
 
+def _empty_contributions(me: int) -> dict[str, Any]:
+    """A rank that sends nothing: TensorFlow hands an empty tensor over with zero strides (a 1-D one keeps
+    them through torch's flat view)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    out: dict[str, Any] = {}
+    for dtype in (tf.uint16, tf.int32, tf.float64, tf.bfloat16):
+        rows = tf.zeros([0], dtype=dtype) if me else tf.ones([2], dtype=dtype)
+        splits = tf.constant([0, 0] if me else [1, 1], dtype=tf.int32)
+        got, received = hvd.alltoall(rows, splits, name=f"empty.{dtype.name}")
+        out[f"alltoall {dtype.name}"] = (got.shape.as_list(), received.numpy().tolist())
+        out[f"allgather {dtype.name}"] = hvd.allgather(rows).shape.as_list()
+    return out
+
+
 def _job() -> dict[str, Any]:
     import horovod.tensorflow as hvd
 
     hvd.init()
     me = hvd.rank()
-    out = {**_graph_checks(me), **_tf_function_checks(me), **_eager_errors(me), **_elastic_sync_saves(me)}
+    out = {**_graph_checks(me), **_tf_function_checks(me), **_eager_errors(me), **_empty_contributions(me),
+           **_elastic_sync_saves(me)}
     hvd.shutdown()
     return out
 
@@ -141,6 +158,9 @@ def test_tensorflow_conformance_on_two_ranks() -> None:
         assert r["tf.function"] == [[[3, 3], [3.0, 3.0], [3, 3], *[[1, 1, 2, 2]] * 4]] * 2
         for label in ("shape", "big shape", "dtype", "root", "gather"):
             assert r[f"{label} error"] == "TFCollectiveMismatchError" and r[f"after {label}"] == 2.0
+        for dtype in ("uint16", "int32", "float64", "bfloat16"):
+            assert r[f"alltoall {dtype}"] == ([1], [1, 0])  # one row from rank 0, none from rank 1
+            assert r[f"allgather {dtype}"] == [2]
         # Horovod's sync() saves after broadcasting: a restore() keeps rank 0's values on every rank
         assert r["tf state restore after sync"] == ([1.0, 1.0], 0)
         assert r["keras state restore after sync"] == [1.0, 1.0]

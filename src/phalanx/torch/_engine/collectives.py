@@ -24,6 +24,8 @@ from phalanx.transport import api as shm
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (a copy only when ``t`` is not contiguous)."""
     t = t.contiguous()
+    if t.numel() == 0:  # an empty tensor may have zero strides, which a dtype view refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     if t.dim() == 0:
         t = t.reshape(1)
     return t.view(-1).view(torch.uint8)
