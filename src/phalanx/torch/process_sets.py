@@ -155,6 +155,13 @@ def _register(ps: ProcessSet) -> ProcessSet:
     return ps
 
 
+def abandon_process_sets(cause: str) -> None:
+    """Give up the shared-memory channels of every set (this rank leaves its collectives unfinished, e.g. an
+    elastic rank rolling back alone): peers blocked in them fail at their next check with ``cause``'s rank
+    named, instead of waiting out ``PHALANX_SHM_TIMEOUT_S``. ``clear_process_sets`` still closes them."""
+    shm.abandon(cause)
+
+
 def clear_process_sets() -> None:
     """Forget every set (on ``hvd.shutdown``)."""
     shm.clear()

@@ -78,6 +78,13 @@ def register(groups: dict[str, Any], transport: Transport) -> None:
         _ROUTES[id(group)] = (transport, kind)
 
 
+def abandon(cause: str) -> None:
+    """Give up every registered transport's channels (a rank that leaves its collectives unfinished: the
+    peers waiting in them fail at their next check); :func:`clear` still closes them."""
+    for transport in {id(t): t for t, _kind in _ROUTES.values()}.values():
+        transport.abandon(cause)
+
+
 def clear() -> None:
     """Forget every route and close the transports (the caller's shutdown)."""
     for transport, _kind in list(_ROUTES.values()):

@@ -82,6 +82,12 @@ class Transport:
             self.channels["grad"].inspected = False
         return self.worker
 
+    def abandon(self, cause: str) -> None:
+        """Mark every channel given up by this rank (``Control.abort``): a peer blocked in one of them fails
+        at its next check, naming ``cause``'s rank, instead of waiting out the channel's time-out."""
+        for ch in self.channels.values():
+            ch.abort(cause)
+
     def close(self) -> None:
         """Drop the channels and the mapping (after the grad worker finished its queued calls)."""
         worker, self.worker = self.worker, None

@@ -7,7 +7,9 @@ registers its torch groups by channel kind (:func:`register`: ``ctrl``, ``data``
 signatures and carry a registered group's CPU tensors through shared memory (``torch.distributed``
 otherwise). The ``grad`` group is used through one object, :class:`GradChannel`: the optimizer's
 asynchronous sums and the calls only a shared-memory grad channel answers (several tensors in place, an
-empty step, the early-reduction area). :func:`clear` closes every transport.
+empty step, the early-reduction area). :func:`clear` closes every transport;
+:func:`abandon` first gives up their channels, so that peers blocked in them fail at once (a rank that
+rolls back alone).
 
 The transport knows nothing of its callers: a caller that inspects slow waits (phalanx.torch's stall
 inspector) passes its callbacks in with :func:`set_wait_hooks`.
@@ -24,14 +26,14 @@ import torch.distributed as dist
 
 from phalanx.transport import _dispatch, native
 from phalanx.transport._control import HOOKS
-from phalanx.transport._dispatch import Done, all_gather_single, all_reduce, broadcast, clear, register
+from phalanx.transport._dispatch import Done, abandon, all_gather_single, all_reduce, broadcast, clear, register
 from phalanx.transport._dtypes import dtype_code, dtype_name, dtype_of
 from phalanx.transport._early import Area as EarlyArea
 from phalanx.transport._setup import Transport, build, enabled
 
-__all__ = ["Done", "EarlyArea", "GradChannel", "Transport", "WaitHooks", "all_gather_single", "all_reduce",
-           "broadcast", "build", "clear", "dtype_code", "dtype_name", "dtype_of", "enabled", "init_process_group",
-           "register", "set_wait_hooks"]
+__all__ = ["Done", "EarlyArea", "GradChannel", "Transport", "WaitHooks", "abandon", "all_gather_single",
+           "all_reduce", "broadcast", "build", "clear", "dtype_code", "dtype_name", "dtype_of", "enabled",
+           "init_process_group", "register", "set_wait_hooks"]
 
 
 @dataclass(frozen=True)

@@ -237,3 +237,38 @@ def test_the_users_gloo_timeout_bounds_every_groups_wait(tmp_path: Any) -> None:
                       env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "3"})
     assert out[1] == "stayed away"
     assert "within 3 s" in out[0] and "HOROVOD_GLOO_TIMEOUT_SECONDS" in out[0], out[0]
+
+
+def _lone_rollback_job() -> dict[str, str]:
+    import torch
+
+    import phalanx.torch as hvd
+    from phalanx.torch import process_sets
+
+    hvd.init()
+    out = {}
+    if hvd.rank() == 0:  # what an elastic rank does when it rolls back alone on one of phalanx's errors
+        process_sets.abandon_process_sets("rank 0 rolled back after HorovodInternalError: lost")
+        out["old round"] = "abandoned"
+    else:  # already blocked in the old round's collective, over shared memory
+        try:
+            hvd.allreduce(torch.ones(50_000), name="old round")
+            out["old round"] = "no error"
+        except Exception as e:
+            out["old round"] = f"{type(e).__name__}: {e}"
+    hvd.shutdown()
+    hvd.init()  # the next round forms, and its collectives run
+    out["new round"] = str(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="new round").tolist())
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_rolling_back_alone_releases_a_peer_blocked_in_the_old_round() -> None:
+    """The peer fails at its next check, naming the rank that gave up, not after the shared-memory time-out
+    (nor at the stall inspector's "moved on" verdict): its own rollback then starts at once."""
+    r0, r1 = phalanx.run(_lone_rollback_job, np=2, env={"PHALANX_SHM_TIMEOUT_S": "600"})
+    assert r0["old round"] == "abandoned"
+    assert r1["old round"].startswith("ShmTransportError"), r1
+    assert "'old round'" in r1["old round"] and "peer rank 0 gave up on it" in r1["old round"], r1
+    assert r0["new round"] == r1["new round"] == "[2.0, 2.0]"

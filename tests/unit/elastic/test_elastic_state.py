@@ -174,6 +174,8 @@ def test_phalanxs_own_collective_error_re_forms_when_a_new_round_is_published(
     monkeypatch.setattr(_rendezvous, "new_round_published", lambda wait_s=0.0: True)
     monkeypatch.setattr(_rendezvous, "mark_synced", lambda: None)
     monkeypatch.setattr(_run, "reset", lambda deadline_s: None)
+    abandoned: list[str] = []
+    monkeypatch.setattr(_run.process_sets, "abandon_process_sets", abandoned.append)
     calls = [0]
 
     @hvd.elastic.run
@@ -184,3 +186,6 @@ def test_phalanxs_own_collective_error_re_forms_when_a_new_round_is_published(
         return calls[0]
 
     assert train(hvd.elastic.ObjectState(n=0)) == 2
+    # before rolling back alone it gives up its channels, so a peer blocked in the old round is released
+    assert abandoned == ["rank 0 rolled back after ShmTransportError: shared-memory allreduce failed at step 3: "
+                         "slot reuse"]

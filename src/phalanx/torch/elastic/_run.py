@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from phalanx.errors import ElasticTimeoutError, HorovodInternalError, HostsUpdatedInterrupt, PhalanxError
-from phalanx.torch import basics
+from phalanx.torch import basics, process_sets
 from phalanx.torch.elastic import _rendezvous
 from phalanx.torch.elastic.state import State
 
@@ -38,6 +38,12 @@ def is_peer_loss(error: BaseException) -> bool:
 
 def _confirmed_loss(error: Exception) -> bool:
     return isinstance(error, PhalanxError) and _rendezvous.new_round_published(LOSS_CONFIRM_S)
+
+
+def _abandon_round(error: Exception) -> None:
+    """Give up this round's shared-memory channels before rolling back alone (see ``abandon_process_sets``)."""
+    who = f"rank {basics.rank()}" if basics.is_initialized() else "a rank"
+    process_sets.abandon_process_sets(f"{who} rolled back after {type(error).__name__}: {error}")
 
 
 def reset(deadline_s: float) -> None:
@@ -92,6 +98,9 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                     raise
                 log.warning("collective failed (%s: %s); rolling back to commit %d", type(e).__name__, e,
                             state.commits)
+                # A peer may still wait in this round's collectives (the error was this rank's alone): release
+                # it now rather than after the shared-memory time-out, so that it re-forms too.
+                _abandon_round(e)
                 state.restore()
                 skip_sync = False
             reset(_rendezvous.timeout_s() * 3)
