@@ -1,9 +1,14 @@
 """A listening socket that serves a connection only once the peer proved it holds the job's secret.
 
 The one server core of the driver's channel (:mod:`phalanx.job.channel`) and the job's store
-(:mod:`phalanx.job.store`). One thread accepts and runs every handshake without blocking
-(:mod:`phalanx.job.handshake`); only an authenticated peer gets a thread of its own, which sends the proof
-and runs the owner's handler.
+(:mod:`phalanx.job.store`). One thread (the server's loop) accepts, runs every handshake without blocking
+(:mod:`phalanx.job.handshake`), and reads every authenticated connection: its bytes are cut into frames
+(:mod:`phalanx.job.frame_stream`) and handed to the connection's session, which the owner made for it. A
+thousand ranks cost one thread, not a thousand, and one ``recv`` takes as many frames as have arrived. An
+authenticated peer gets a short-lived thread of its own only for its greeting: the proof and whatever the
+owner sends first (the channel's payload may be large, and a slow reader must not hold the loop).
+The loop also runs the owner's timers and calls handed to it from other threads (:meth:`AuthServer.call_at`,
+:meth:`AuthServer.call_soon`), so a session's state is only ever touched by the loop.
 
 Anyone who can reach the port can open connections (another local user finds it in ``/proc/net/tcp``).
 What an unauthenticated connection can cost the job is bounded:
@@ -16,12 +21,15 @@ What an unauthenticated connection can cost the job is bounded:
   source, or of all), never the newest, so a stranger's idle connections cannot keep a real peer out: the
   peer is dropped only after that many newer arrivals, and it retries when it is.
 
-The accepting thread survives any error but the server's own :meth:`AuthServer.close`.
+The loop survives any error but the server's own :meth:`AuthServer.close`; a session that raises loses its
+connection only.
 """
 
 from __future__ import annotations
 
 import errno
+import heapq
+import itertools
 import logging
 import resource
 import selectors
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 
 from phalanx.errors import ChannelError
 from phalanx.job import handshake
+from phalanx.job.frame_stream import FrameParser, Session
 from phalanx.job.framing import FrameWriter, Kind, close_socket, encode
 from phalanx.job.handshake import Role
 
@@ -45,13 +54,17 @@ MAX_PENDING_PER_SOURCE = 256
 #: Open files the server asks for (the soft limit is raised up to the hard one) so that its pending
 #: connections fit beside the process's own files.
 WANTED_OPEN_FILES = 4096
-ACCEPTER_JOIN_S = 5.0  # close() waits this long for the accepting thread to end (it is woken at once)
+ACCEPTER_JOIN_S = 5.0  # close() waits this long for the loop to end (it is woken at once)
 _ACCEPT_BATCH = 64  # accepts per wake-up before pending handshakes are read again
 _ACCEPT_RETRY_S = 0.05  # pause after a failed accept (ENOBUFS, ...) before the next one
+_RECV_BYTES = 256 << 10  # the most one read of an authenticated connection takes
+_TIMERS_COMPACT = 1024  # every this many timers, cancelled ones are swept out of the heap
 _OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+_EXPECTED = (ChannelError, OSError, ValueError)  # a peer's protocol errors: its connection ends, quietly
 
-#: Serves one authenticated peer, (rank, role), until it returns; the connection is closed afterwards.
-Handler = Callable[[socket.socket, tuple[int, Role]], None]
+#: Makes the session of one authenticated peer, (rank, role), on the peer's greeting thread, after the proof
+#: was sent (it may send the peer more first); None: the peer is not served (its connection is closed).
+Opener = Callable[[socket.socket, tuple[int, Role]], Session | None]
 
 
 @dataclass(eq=False)
@@ -65,24 +78,47 @@ class _Pending:
     received: bytearray = field(default_factory=bytearray)
 
 
+@dataclass(eq=False)
+class _Peer:
+    """An authenticated connection the loop reads."""
+
+    sock: socket.socket
+    session: Session
+    parser: FrameParser
+
+
+@dataclass(order=True)
+class Timer:
+    """A call the loop makes at ``when`` (``time.monotonic()``) unless cancelled first."""
+
+    when: float
+    seq: int
+    fn: Callable[[], None] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def cancel(self) -> None:
+        """Do not make the call (a no-op once it was made)."""
+        self.cancelled = True
+
+
 class AuthServer:
-    """Listens on ``bind_host`` (a free port, bound on construction) and hands each authenticated
-    connection to ``handle`` on the connection's thread. Accepting starts at once: build it last.
+    """Listens on ``bind_host`` (a free port, bound on construction) and serves each authenticated
+    connection through the session ``opener`` makes for it. Accepting starts at once: build it last.
 
     Args:
         secret: the job's secret (hex).
         bind_host: address to listen on.
         admit: whether a (rank, role) may connect at all (checked before its proof).
-        handle: serves an authenticated peer; ``ChannelError``, ``OSError`` and ``ValueError`` it raises
-            end that connection only.
-        name: the threads' name (the accepting one; peers get ``<name>-peer``).
+        opener: makes an authenticated peer's session (:data:`Opener`); ``ChannelError``, ``OSError`` and
+            ``ValueError`` it raises end that connection only.
+        name: the loop thread's name (greeting threads get ``<name>-greet``).
         backlog: the listening socket's backlog.
         handshake_timeout_s: seconds from accept to a whole ``AUTH`` frame.
     """
 
-    def __init__(self, secret: str, bind_host: str, admit: Callable[[int, Role], bool], handle: Handler,
+    def __init__(self, secret: str, bind_host: str, admit: Callable[[int, Role], bool], opener: Opener,
                  name: str, backlog: int = 128, handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S) -> None:
-        self._secret, self._admit, self._handle, self._name = secret, admit, handle, name
+        self._secret, self._admit, self._open, self._name = secret, admit, opener, name
         self._timeout_s = handshake_timeout_s
         _raise_open_files_limit()
         self._server = socket.create_server((bind_host, 0), backlog=backlog)
@@ -90,60 +126,134 @@ class AuthServer:
         self.port: int = self._server.getsockname()[1]
         self._pending: dict[socket.socket, _Pending] = {}  # oldest first
         self._by_source: dict[str, dict[socket.socket, _Pending]] = {}
+        self._peers: dict[socket.socket, _Peer] = {}
         self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ, None)
         self._selector.register(self._wake_r, selectors.EVENT_READ, self._wake_r)
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards what other threads hand the loop: _adopted, _timers
+        self._adopted: list[_Peer] = []
+        self._timers: list[Timer] = []
+        self._seq = itertools.count()
         self._stopping = False
         self._accepter = threading.Thread(target=self._loop, name=name, daemon=True)
         self._accepter.start()
 
     def close(self) -> None:
-        """Stop accepting (the accepting thread ends), close every pending and authenticated connection."""
+        """Stop the loop (it ends at once), close every pending and authenticated connection; each session
+        is told its connection ended."""
         with self._lock:
             self._stopping = True
-            conns = list(self._conns)
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
+        self._wake()
         if self._accepter is not threading.current_thread():
             self._accepter.join(timeout=ACCEPTER_JOIN_S)
-        for conn in conns:
-            close_socket(conn)
+        if self._accepter.is_alive():  # held by a session: its peers at least see the end
+            for peer in list(self._peers.values()):
+                _shut(peer.sock)
+
+    def call_at(self, when: float, fn: Callable[[], None]) -> Timer:
+        """Have the loop call ``fn`` at ``when`` (``time.monotonic()``) or soon after; from any thread."""
+        timer = Timer(when, next(self._seq), fn)
+        with self._lock:
+            if timer.seq % _TIMERS_COMPACT == 0 and len(self._timers) >= _TIMERS_COMPACT:
+                self._timers = [t for t in self._timers if not t.cancelled]  # cancelled far-off waits
+                heapq.heapify(self._timers)
+            heapq.heappush(self._timers, timer)
+            first = self._timers[0] is timer
+        if first and threading.current_thread() is not self._accepter:
+            self._wake()
+        return timer
+
+    def call_soon(self, fn: Callable[[], None]) -> Timer:
+        """Have the loop call ``fn`` as soon as it can; from any thread."""
+        return self.call_at(0.0, fn)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # full (the loop is awake anyway) or closed
+            pass
 
     def _loop(self) -> None:
         try:
             while not self._stopping:
                 try:
                     self._step()
-                except Exception as e:  # the accepting thread must outlive any one connection's failure
+                except Exception as e:  # the loop must outlive any one connection's failure
                     log.warning("%s: %s", self._name, e)
                     time.sleep(_ACCEPT_RETRY_S)
         finally:
-            for pending in list(self._pending.values()):
-                self._drop(pending)
-            self._selector.close()
-            for sock in (self._server, self._wake_r, self._wake_w):
-                close_socket(sock)
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        for pending in list(self._pending.values()):
+            self._drop(pending)
+        for peer in list(self._peers.values()):
+            self._end(peer, None)
+        with self._lock:
+            adopted, self._adopted = self._adopted, []
+        for peer in adopted:
+            _finish(peer, None)
+        self._selector.close()
+        for sock in (self._server, self._wake_r, self._wake_w):
+            close_socket(sock)
 
     def _step(self) -> None:
-        """Wait for the next arrival, answer or deadline; handle what is ready."""
-        first = next(iter(self._pending.values()), None)  # the oldest has the earliest deadline
-        timeout = None if first is None else max(0.0, first.deadline - time.monotonic())
-        for key, _ in self._selector.select(timeout):
-            if key.data is None:
+        """Wait for the next arrival, answer, frame, timer or deadline; handle what is ready."""
+        for key, _ in self._selector.select(self._next_wait()):
+            data = key.data
+            if data is None:
                 self._accept_batch()
-            elif isinstance(key.data, _Pending):
-                self._read(key.data)
+            elif isinstance(data, _Peer):
+                self._read_peer(data)
+            elif isinstance(data, _Pending):
+                self._read(data)
+            else:
+                self._woken()
+        self._run_timers()
         now = time.monotonic()
         while self._pending:
             oldest = next(iter(self._pending.values()))
             if oldest.deadline > now:
                 break
             self._drop(oldest)
+
+    def _next_wait(self) -> float | None:
+        """Seconds until the earliest handshake deadline or timer (None: nothing is due)."""
+        first = next(iter(self._pending.values()), None)  # the oldest has the earliest deadline
+        due = [first.deadline] if first is not None else []
+        with self._lock:
+            if self._timers:
+                due.append(self._timers[0].when)
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _woken(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            adopted, self._adopted = self._adopted, []
+        for peer in adopted:
+            self._peers[peer.sock] = peer
+            self._selector.register(peer.sock, selectors.EVENT_READ, peer)
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                if not self._timers or self._timers[0].when > now:
+                    return
+                timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            try:
+                timer.fn()
+            except Exception as e:  # one owner's call must not end the loop
+                log.warning("%s: a scheduled call failed: %s", self._name, e)
 
     def _accept_batch(self) -> None:
         for _ in range(_ACCEPT_BATCH):
@@ -197,7 +307,7 @@ class AuthServer:
             self._verify(pending)
 
     def _verify(self, pending: _Pending) -> None:
-        """Start an authenticated peer's thread, or tell a refused one so and close it."""
+        """Start an authenticated peer's greeting, or tell a refused one so and close it."""
         verdict = handshake.verify(pending.nonce, bytes(pending.received), self._secret, self._admit)
         conn = pending.sock
         if verdict is None:
@@ -208,9 +318,9 @@ class AuthServer:
             close_socket(conn)
             return
         try:
-            threading.Thread(target=self._serve, args=(conn, *verdict), name=f"{self._name}-peer",
+            threading.Thread(target=self._greet, args=(conn, *verdict), name=f"{self._name}-greet",
                              daemon=True).start()
-        except Exception as e:  # a thread that cannot start must not end the accepting loop
+        except Exception as e:  # a thread that cannot start must not end the loop
             log.warning("%s could not serve a connection: %s", self._name, e)
             close_socket(conn)  # the peer sees no proof and retries
 
@@ -227,27 +337,73 @@ class AuthServer:
         self._forget(pending)
         close_socket(pending.sock)
 
-    def _serve(self, conn: socket.socket, who: tuple[int, Role], proof: bytes) -> None:
+    def _greet(self, conn: socket.socket, who: tuple[int, Role], proof: bytes) -> None:
+        """On the peer's own thread: send the proof, let the owner open the session (and send its first
+        frames), then hand the connection to the loop."""
+        session: Session | None = None
         try:
             conn.setblocking(True)
-            if not self._track(conn):
+            if self._stopping:
+                close_socket(conn)
                 return
             FrameWriter(conn).send(Kind.PROOF, proof)
-            self._handle(conn, who)
-        except (ChannelError, OSError, ValueError) as e:
-            log.debug("%s: a connection ended: %s", self._name, e)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
+            session = self._open(conn, who)
+        except _EXPECTED as e:
+            log.debug("%s: a connection ended in its greeting: %s", self._name, e)
+        if session is None:
             close_socket(conn)
-
-    def _track(self, conn: socket.socket) -> bool:
-        """Keep an authenticated connection for :meth:`close`; False once the server is closing."""
+            return
+        peer = _Peer(conn, session, FrameParser(session))
         with self._lock:
-            if self._stopping:
-                return False
-            self._conns.add(conn)
-            return True
+            adopted = not self._stopping
+            if adopted:
+                self._adopted.append(peer)
+        if adopted:
+            self._wake()
+        else:  # the server closed meanwhile
+            _finish(peer, None)
+
+    def _read_peer(self, peer: _Peer) -> None:
+        """Read what an authenticated peer sent; its session gets every whole frame."""
+        try:
+            data = peer.sock.recv(_RECV_BYTES, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._end(peer, e)
+            return
+        if not data:
+            self._end(peer, None)
+            return
+        try:
+            peer.parser.feed(data)
+        except _EXPECTED as e:
+            log.debug("%s: a connection ended: %s", self._name, e)
+            self._end(peer, e)
+        except Exception as e:  # a session's own failure ends its connection, never the loop
+            log.warning("%s: a connection ended: %s: %s", self._name, type(e).__name__, e)
+            self._end(peer, e)
+
+    def _end(self, peer: _Peer, error: BaseException | None) -> None:
+        self._selector.unregister(peer.sock)
+        del self._peers[peer.sock]
+        _finish(peer, error)
+
+
+def _finish(peer: _Peer, error: BaseException | None) -> None:
+    """Close an authenticated connection and tell its session."""
+    close_socket(peer.sock)
+    try:
+        peer.session.ended(error)
+    except Exception as e:
+        log.warning("a session's end failed: %s: %s", type(e).__name__, e)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _raise_open_files_limit() -> None:

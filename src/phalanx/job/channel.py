@@ -9,7 +9,9 @@ driver sends the payload and the peer streams hellos, log lines, its result or i
 Accepting, the handshake and its bounds are :class:`phalanx.job.auth_server.AuthServer`'s (the store's
 too): strangers' idle connections cost a descriptor each for at most the pre-authentication deadline, the
 oldest are closed when too many are pending, and a worker dropped that way retries until its start
-timeout.
+timeout. The server's one loop thread reads every peer and turns its frames into events (:class:`_Peer`):
+when the driver reads events slower than the ranks write, the loop waits in :meth:`EventQueue.put`, the
+peers' sockets fill and the ranks block on their next write; no line is dropped.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from phalanx.errors import ChannelError
 from phalanx.job import handshake
 from phalanx.job.auth_server import AuthServer
 from phalanx.job.events import EventQueue
-from phalanx.job.framing import FrameWriter, Kind, close_socket, read_body, read_frame, read_header
+from phalanx.job.frame_stream import BodySink
+from phalanx.job.framing import MAX_FRAME_BYTES, FrameWriter, Kind, close_socket, read_frame
 from phalanx.job.handshake import Role, new_secret
 from phalanx.job.records import ErrorRecord, Hello, LogLine
-from phalanx.job.spool import SPOOL_BYTES, Spooled, SpoolError
+from phalanx.job.spool import SPOOL_BYTES, Spooled, SpoolError, SpoolWriter
 from phalanx.job.stats import RankStats
 
 __all__ = ["Closed", "Custom", "DriverChannel", "Event", "Result", "Role", "WorkerChannel", "new_secret"]
@@ -87,7 +90,7 @@ class DriverChannel:
         self._seen: set[int] = set()
         self._conns: dict[tuple[int, Role], socket.socket] = {}
         self._stopping = False
-        self._server = AuthServer(self.secret, bind_host, self._admits, self._serve, name="phalanx-channel",
+        self._server = AuthServer(self.secret, bind_host, self._admits, self._open, name="phalanx-channel",
                                   backlog=max(128, 2 * world_size), handshake_timeout_s=AUTH_TIMEOUT_S)
 
     @property
@@ -141,25 +144,23 @@ class DriverChannel:
     def _admits(self, rank: int, role: Role) -> bool:
         return rank < self.world_size and role in (Role.WORKER, Role.SUPERVISOR)
 
-    def _serve(self, conn: socket.socket, who: tuple[int, Role]) -> None:
-        """Send an authenticated peer the payload, then turn its frames into events until it closes."""
-        if not self._register(who, conn):
-            return
-        try:
-            self._peers[who].send(Kind.PAYLOAD, self._payload)
-            self._pump(conn, who[0])
-        finally:
-            self._unregister(who)
-
-    def _register(self, who: tuple[int, Role], conn: socket.socket) -> bool:
+    def _open(self, conn: socket.socket, who: tuple[int, Role]) -> _Peer | None:
+        """Register an authenticated peer and send it the payload (on its greeting thread); None: refused
+        (its rank and role are connected already, or the channel is closing)."""
+        writer = FrameWriter(conn)
         with self._lock:
             if who in self._peers or self._stopping:
-                return False
-            self._peers[who] = FrameWriter(conn)
+                return None
+            self._peers[who] = writer
             self._seen.add(who[0])
             self._conns[who] = conn
             self._closed_at.pop(who, None)
-            return True
+        try:
+            writer.send(Kind.PAYLOAD, self._payload)
+        except BaseException:
+            self._unregister(who)
+            raise
+        return _Peer(self, who)
 
     def closed_at(self, rank: int, role: Role) -> float | None:
         """``time.monotonic()`` when an authenticated peer's connection ended (None: still open, or never)."""
@@ -201,28 +202,50 @@ class DriverChannel:
                 with self._lock:
                     self._closed_at.setdefault(who, now)
 
-    def _pump(self, conn: socket.socket, rank: int) -> None:
-        while True:
-            head = read_header(conn)
-            if head is None:
-                return
-            kind, length = head
-            event: Event | None
-            if kind is Kind.RESULT and length > SPOOL_BYTES:  # to a file as it arrives, not into memory
-                try:
-                    event = Result(rank=rank, value=Spooled.receive(conn, length))
-                except SpoolError as e:  # the rank's failure, with the driver's disk named as its cause
-                    self.events.put(ErrorRecord(rank=rank, exc_type="OSError", message=str(e), traceback=""))
-                    return
-            else:
-                event = _decode(rank, kind, read_body(conn, length))
-            if isinstance(event, Hello):
-                with self._lock:
-                    self._hosts[rank] = event.host
-            elif isinstance(event, ErrorRecord):
-                self._note_closed()
-            if event is not None:
-                self.events.put(event)
+    def _received(self, rank: int, event: Event) -> None:
+        """Queue an event from ``rank``'s peer (on the server's loop)."""
+        if isinstance(event, Hello):
+            with self._lock:
+                self._hosts[rank] = event.host
+        elif isinstance(event, ErrorRecord):
+            self._note_closed()
+        self.events.put(event)
+
+
+class _Peer:
+    """One authenticated peer's frames turned into events (a :class:`phalanx.job.frame_stream.Session`);
+    a result over :data:`SPOOL_BYTES` goes to a file as it arrives."""
+
+    limit = MAX_FRAME_BYTES
+
+    def __init__(self, channel: DriverChannel, who: tuple[int, Role]) -> None:
+        self._channel, self._who = channel, who
+        self._spool: SpoolWriter | None = None
+
+    def sink(self, kind: Kind, length: int) -> BodySink | None:
+        if kind is not Kind.RESULT or length <= SPOOL_BYTES:
+            return None
+        self._spool = SpoolWriter(length)
+        return self._spool
+
+    def frame(self, kind: Kind, body: bytes | BodySink) -> None:
+        rank = self._who[0]
+        if isinstance(body, SpoolWriter):
+            self._spool = None
+            event: Event | None = Result(rank=rank, value=body.finish())
+        else:
+            assert isinstance(body, bytes)
+            event = _decode(rank, kind, body)
+        if event is not None:
+            self._channel._received(rank, event)
+
+    def ended(self, error: BaseException | None) -> None:
+        if self._spool is not None:
+            self._spool.discard()
+        if isinstance(error, SpoolError):  # the rank's failure, with the driver's disk named as its cause
+            self._channel.events.put(ErrorRecord(rank=self._who[0], exc_type="OSError", message=str(error),
+                                                 traceback=""))
+        self._channel._unregister(self._who)
 
 
 def _decode(rank: int, kind: Kind, body: bytes) -> Event | None:

@@ -12,7 +12,6 @@ import struct
 import threading
 import time
 from enum import IntEnum
-from typing import Protocol
 
 from phalanx.errors import ChannelError
 
@@ -126,40 +125,6 @@ def read_header(sock: socket.socket, limit: int = MAX_FRAME_BYTES,
     if length > limit:
         raise ChannelError(f"{kind.name} frame of {length} bytes is over the limit of {limit} bytes")
     return kind, length
-
-
-def read_body(sock: socket.socket, length: int) -> bytes:
-    """A frame's body of ``length`` bytes, after :func:`read_header` (the socket's own timeout applies).
-
-    Raises:
-        ChannelError: the connection closed before the whole body arrived.
-    """
-    return _recv_exact(sock, length)
-
-
-class Writable(Protocol):
-    """Where :func:`copy_body` writes (a binary file, or a wrapper of one)."""
-
-    def write(self, data: memoryview, /) -> object:
-        """Take one piece."""
-
-
-def copy_body(sock: socket.socket, length: int, out: Writable) -> None:
-    """Write a frame's body of ``length`` bytes to ``out`` as it arrives, one piece at a time (never the
-    whole body in memory).
-
-    Raises:
-        ChannelError: the connection closed before the whole body arrived.
-    """
-    piece = bytearray(min(length, _PIECE_BYTES))
-    view = memoryview(piece)
-    remaining = length
-    while remaining:
-        n = sock.recv_into(view, min(remaining, len(piece)))
-        if not n:
-            raise ChannelError(f"connection closed with {remaining} of {length} bytes still expected")
-        out.write(view[:n])
-        remaining -= n
 
 
 class FrameWriter:

@@ -1,23 +1,20 @@
 """Large rank results kept in a file on the driver, not in its memory, until they are loaded.
 
 A rank's result arrives as one ``RESULT`` frame. Above :data:`SPOOL_BYTES` the channel writes the frame's
-body to an unlinked temporary file as it arrives (:class:`Spooled`), and the monitor unpickles it from
-there once the job succeeded: the driver then holds each result once, as the object the user gets,
-instead of the received bytes, the pieces they were joined from and the object. The file has no name (it
-is unlinked at creation), so nothing is left behind by a failed or killed driver.
+body to an unlinked temporary file as it arrives (:class:`SpoolWriter`, then :class:`Spooled`), and the
+monitor unpickles it from there once the job succeeded: the driver then holds each result once, as the
+object the user gets, instead of the received bytes, the pieces they were joined from and the object. The
+file has no name (it is unlinked at creation), so nothing is left behind by a failed or killed driver.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from typing import Any, BinaryIO
 
 import cloudpickle
-
-from phalanx.job.framing import copy_body
 
 #: Results larger than this (bytes) are spooled to a file as they arrive.
 SPOOL_BYTES = 1 << 20
@@ -61,6 +58,50 @@ def spool_error(length: int, e: OSError) -> SpoolError:
         "there or point TMPDIR at a directory with room for the results")
 
 
+class SpoolWriter:
+    """A result's body written to a new spool file piece by piece as it arrives.
+
+    Args:
+        length: the body's length in bytes.
+
+    Raises:
+        SpoolError: the file could not be created.
+    """
+
+    def __init__(self, length: int) -> None:
+        try:
+            self._file = tempfile.TemporaryFile(prefix="phalanx-result-")
+        except OSError as e:
+            raise spool_error(length, e) from e
+        self._guarded = _GuardedFile(self._file, length)
+        self._length = length
+
+    def write(self, data: memoryview) -> object:
+        """Append the next piece.
+
+        Raises:
+            SpoolError: it could not be written (a full disk).
+        """
+        return self._guarded.write(data)
+
+    def finish(self) -> Spooled:
+        """The whole body, written: the file now belongs to the returned :class:`Spooled`.
+
+        Raises:
+            SpoolError: the last pieces could not be written.
+        """
+        try:
+            self._guarded.flush()
+        except BaseException:
+            self._file.close()
+            raise
+        return Spooled(self._file, self._length)
+
+    def discard(self) -> None:
+        """Drop what was written (the body will not be finished)."""
+        self._file.close()
+
+
 class Spooled:
     """A frame body in an unlinked temporary file.
 
@@ -72,27 +113,6 @@ class Spooled:
     def __init__(self, file: BinaryIO, size: int) -> None:
         self.file = file
         self.size = size
-
-    @classmethod
-    def receive(cls, sock: socket.socket, length: int) -> Spooled:
-        """Copy a frame's body of ``length`` bytes from ``sock`` to a new spool file.
-
-        Raises:
-            ChannelError: the connection closed before the whole body arrived.
-            SpoolError: the file could not be written (a full disk).
-        """
-        try:
-            file = tempfile.TemporaryFile(prefix="phalanx-result-")
-        except OSError as e:
-            raise spool_error(length, e) from e
-        try:
-            guarded = _GuardedFile(file, length)
-            copy_body(sock, length, guarded)
-            guarded.flush()
-        except BaseException:
-            file.close()
-            raise
-        return cls(file, length)
 
     def __len__(self) -> int:
         return self.size

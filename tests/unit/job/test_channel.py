@@ -309,28 +309,34 @@ def test_a_large_result_is_spooled_as_it_arrives_and_loaded_once(channel: Driver
 
 
 def test_a_peer_that_ended_before_an_error_arrived_is_stamped_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0's process ends, then rank 1's error arrives; the thread that reads rank 0's end has not run
-    yet (held here, as a loaded scheduler may hold it). Rank 0 still ended before the error was queued."""
-    hold = threading.Event()
-    pump = DriverChannel._pump
+    """Rank 0's process ends, then rank 1's error arrives; the loop has not yet told the channel of rank 0's
+    end (held here, as the loop may read rank 1's error first when both are ready at once). Rank 0 still
+    ended before the error was queued."""
+    held: list[Callable[[], None]] = []
+    ended = channel_mod._Peer.ended
 
-    def held_pump(self: DriverChannel, conn: socket.socket, rank: int) -> None:
-        if rank == 0:
-            hold.wait(10)
-        pump(self, conn, rank)
+    def held_end(self: channel_mod._Peer, error: BaseException | None) -> None:
+        if self._who[0] == 0:
+            held.append(lambda: ended(self, error))
+        else:
+            ended(self, error)
 
-    monkeypatch.setattr(DriverChannel, "_pump", held_pump)
+    monkeypatch.setattr(channel_mod._Peer, "ended", held_end)
     ch = DriverChannel(world_size=2, payload=b"p")
     try:
         lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
         survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
         lost.close()
-        time.sleep(0.2)  # its end reaches the driver's socket
+        deadline = time.monotonic() + 10
+        while not held and time.monotonic() < deadline:  # the loop read rank 0's end, the channel not told
+            time.sleep(0.01)
+        assert held and ch.closed_at(0, Role.WORKER) is None
         survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
                                               traceback="").encode())
         assert isinstance(ch.events.get(timeout=5), ErrorRecord)
         assert ch.closed_at(0, Role.WORKER) is not None  # stamped before the error was queued
         survivor.close()
     finally:
-        hold.set()
+        for call in held:
+            call()
         ch.close()

@@ -127,14 +127,32 @@ def test_closing_the_store_ends_a_wait_in_progress_and_its_thread() -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    deadline = time.monotonic() + 10
-    while not any(t.name.endswith("-peer") for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.01)
     time.sleep(0.2)  # the request reached the store's wait
     server.close()
     waiter.join(10)
     assert not waiter.is_alive() and failed  # the client's wait failed, 10 s and not 60 s later
-    deadline = time.monotonic() + 10
-    while any(t.name.endswith("-peer") and t.is_alive() for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not [t.name for t in threading.enumerate() if t.name.endswith("-peer")]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("phalanx-store")]
+
+
+def test_waiting_clients_are_parked_on_one_thread_and_woken_by_their_keys(store: tuple[RendezvousStore, str]) -> None:
+    """64 clients wait for two keys at once: they hold no thread of the store's (one loop serves them all),
+    another client is answered meanwhile, one key set leaves them waiting, the second wakes every one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    server, secret = store
+    clients: list[dist.Store] = [_client(server.port, secret) for _ in range(64)]  # type: ignore[misc]
+    with ThreadPoolExecutor(len(clients)) as pool:
+        waits = [pool.submit(c.wait, ["k1", "k2"], timedelta(seconds=30)) for c in clients]
+        other: dist.Store = _client(server.port, secret)  # type: ignore[assignment]
+        other.set("k1", b"1")  # answered while the others are parked
+        assert other.get("k1") == b"1"
+        assert not any(w.done() for w in waits)
+        serving = [t.name for t in threading.enumerate()
+                   if t.name.startswith("phalanx-store") and not t.name.endswith("-greet")]  # greetings end
+        assert serving == ["phalanx-store"]  # the loop, not a thread per waiting client
+        server.set("k2", "2")
+        for w in waits:
+            w.result(timeout=30)
