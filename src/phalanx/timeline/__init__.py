@@ -49,7 +49,7 @@ from phalanx.timeline.control import (
     start_timeline,
     stop_timeline,
 )
-from phalanx.timeline.writer import Timeline
+from phalanx.timeline.writer import Timeline, clock_ns
 
 __all__ = [
     "ALLGATHER",
@@ -74,6 +74,7 @@ __all__ = [
     "NullTimeline",
     "Timeline",
     "TimelineError",
+    "clock_ns",
     "current",
     "rank_path",
     "start_from_env",

@@ -48,6 +48,17 @@ class NullTimeline(Timeline):
     def end(self, tensor_name: str, activity: str, args: dict[str, object] | None = None) -> None:
         """Do nothing."""
 
+    def begin_all(self, key: str, rows: tuple[str, ...], activity: str,
+                  args: tuple[dict[str, object] | None, ...] = (), start_ns: int | None = None) -> None:
+        """Do nothing."""
+
+    def end_all(self, key: str, activity: str) -> None:
+        """Do nothing."""
+
+    def spans(self, rows: tuple[str, ...], activity: str, starts: tuple[int, ...],
+              args: tuple[dict[str, object] | None, ...] = ()) -> None:
+        """Do nothing."""
+
     def instant(self, tensor_name: str, name: str) -> None:
         """Do nothing."""
 

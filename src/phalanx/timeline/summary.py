@@ -68,12 +68,17 @@ def summarize(spans: Sequence[Span]) -> dict[str, list[Row]]:
         :data:`ALL_TENSORS` total, then its tensors by total time, longest first.
     """
     acc: dict[tuple[str, str], list[float]] = {}
+    seen: set[tuple[int, str, float, float]] = set()
     for s in spans:
-        for key in ((s.name, s.row), (s.name, ALL_TENSORS)):
-            a = acc.setdefault(key, [0, 0, 0.0])
-            a[0] += 1
-            a[1] += s.nbytes
-            a[2] += s.dur_us
+        a = acc.setdefault((s.name, s.row), [0, 0, 0.0])
+        a[0] += 1
+        a[1] += s.nbytes
+        a[2] += s.dur_us
+        whole = acc.setdefault((s.name, ALL_TENSORS), [0, 0, 0.0])
+        whole[1] += s.nbytes
+        if _first_of_fusion(s, seen):  # a fused operation shown on each of its tensors' rows counts once
+            whole[0] += 1
+            whole[2] += s.dur_us
     table: dict[str, list[Row]] = {}
     for (activity, tensor), (count, nbytes, total) in acc.items():
         table.setdefault(activity, []).append(Row(activity, tensor, int(count), int(nbytes), total))
@@ -82,10 +87,24 @@ def summarize(spans: Sequence[Span]) -> dict[str, list[Row]]:
     return {a: table[a] for a in sorted(table, key=_activity_order)}
 
 
+def _first_of_fusion(span: Span, seen: set[tuple[int, str, float, float]]) -> bool:
+    """False for a copy of a fused operation already seen: Horovod's timeline (and phalanx's) shows one
+    operation on several tensors as the same event (rank, activity, start, duration) on each tensor's row."""
+    key = (span.pid, span.name, span.start_us, span.dur_us)
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
 def per_rank(spans: Sequence[Span]) -> list[RankRow]:
-    """Time per rank in negotiation (waiting for the other ranks), data transfer and other waits."""
+    """Time per rank in negotiation (waiting for the other ranks), data transfer and other waits (a fused
+    operation counted once)."""
     acc: dict[int, list[float]] = {}
+    seen: set[tuple[int, str, float, float]] = set()
     for s in spans:
+        if not _first_of_fusion(s, seen):
+            continue
         a = acc.setdefault(s.pid, [0, 0.0, 0.0, 0.0])
         a[0] += 1
         if s.name.startswith("NEGOTIATE"):

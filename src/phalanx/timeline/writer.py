@@ -42,9 +42,18 @@ _ARGS_CACHE_SIZE = 4096
 _SPAN = 0
 _INSTANT = 1
 _CYCLE = 2
+_GROUP = 3
 
-# (kind, tensor, name, start_ns, end_ns, begin_args, end_args)
-_Record = tuple[int, str, str, int, int, "dict[str, object] | None", "dict[str, object] | None"]
+# (kind, tensor, name, start_ns, end_ns, begin_args, end_args); a _GROUP record is one operation on several
+# rows (a fused bucket's tensors): tensor is a tuple of rows, start_ns an int or one per row, begin_args None
+# or one dict per row, expanded into one line per row by the writer thread.
+_Record = tuple[int, "str | tuple[str, ...]", str, "int | tuple[int, ...]", int,
+                "dict[str, object] | tuple[dict[str, object] | None, ...] | None", "dict[str, object] | None"]
+
+
+def clock_ns() -> int:
+    """The timeline's clock (monotonic, nanoseconds): for a start taken before :meth:`Timeline.spans`."""
+    return _now_ns()
 
 
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
@@ -133,6 +142,13 @@ class _Formatter:
     def format(self, rec: _Record, out: list[str]) -> None:
         """Append the line(s) for one record to ``out``."""
         kind, tensor, name, t0, t1, args0, args1 = rec
+        if kind == _GROUP:
+            assert isinstance(tensor, tuple) and not isinstance(args0, dict)
+            for j, row in enumerate(tensor):
+                start = t0[j] if isinstance(t0, tuple) else t0
+                self.format((_SPAN, row, name, start, t1, args0[j] if args0 else None, args1), out)
+            return
+        assert isinstance(tensor, str) and isinstance(t0, int) and not isinstance(args0, tuple)
         pid = self.rank
         if kind == _CYCLE:
             out.append(f'{{"name":"{CYCLE_START}","ph":"i","s":"p","ts":{self.ts_us(t0)},"pid":{pid}}},\n')
@@ -263,6 +279,7 @@ class Timeline:
         self._max_pending = max_pending
         self._interval_s = flush_interval_s
         self._open: dict[tuple[str, str], tuple[int, dict[str, object] | None]] = {}
+        self._groups: dict[tuple[str, str], tuple[int, tuple[str, ...], tuple[dict[str, object] | None, ...]]] = {}
         self._pending: deque[_Record] = deque()
         self._stop = threading.Event()
         self._failed: OSError | None = None
@@ -294,6 +311,31 @@ class Timeline:
             self.unmatched += 1
             return
         self._push((_SPAN, tensor_name, activity, started[0], now, started[1], args))
+
+    def begin_all(self, key: str, rows: tuple[str, ...], activity: str,
+                  args: tuple[dict[str, object] | None, ...] = (), start_ns: int | None = None) -> None:
+        """Start ``activity`` on every row of ``rows`` at once (one operation on several tensors: a fused
+        bucket, as Horovod's timeline shows a fusion on each of its tensors); ``key`` names the operation for
+        :meth:`end_all`. ``args``: one dict per row, or empty. Costs what :meth:`begin` costs, whatever the
+        number of rows: the writer thread writes one line per row. ``start_ns``: when it started
+        (:func:`clock_ns`), if not now."""
+        self._groups[(key, activity)] = (_now_ns() if start_ns is None else start_ns, rows, args)
+
+    def end_all(self, key: str, activity: str) -> None:
+        """Finish the ``activity`` begun by :meth:`begin_all` under ``key`` (unmatched: counted, ignored)."""
+        now = _now_ns()
+        started = self._groups.pop((key, activity), None)
+        if started is None:
+            self.unmatched += 1
+            return
+        t0, rows, args = started
+        self._push((_GROUP, rows, activity, t0, now, args or None, None))
+
+    def spans(self, rows: tuple[str, ...], activity: str, starts: tuple[int, ...],
+              args: tuple[dict[str, object] | None, ...] = ()) -> None:
+        """Record ``activity`` on each row from its own start (:func:`clock_ns`) until now, e.g. each
+        tensor's wait in a bucket's ``QUEUE`` since its gradient was ready; one record for all rows."""
+        self._push((_GROUP, rows, activity, starts, _now_ns(), args or None, None))
 
     def instant(self, tensor_name: str, name: str) -> None:
         """Record an instant event called ``name`` on the row of ``tensor_name``."""

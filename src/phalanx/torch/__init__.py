@@ -20,8 +20,9 @@ Module map (public modules are Horovod's; the ``_*`` subpackages are private to 
   ``generations`` (``init`` again after ``shutdown`` on one job store).
 - ``_setup/``, a rank's process set-up: ``state`` (the process group, this rank's ``RankIdentity``),
   ``membership`` (registering process sets), ``log``, ``malloc``, ``observe``.
-- ``_train/``, the training side's helpers: ``buckets`` and ``sparse`` (the optimizer's), ``autograd`` (the
-  collectives' autograd Functions), ``durable`` (checkpoint files written whole).
+- ``_train/``, the training side's helpers: ``buckets``, ``sparse`` and ``grad_trace`` (the optimizer's: its
+  gradients' timeline rows, one per tensor), ``autograd`` (the collectives' autograd Functions), ``durable``
+  (checkpoint files written whole).
 
 Process-wide state, and its one reset path. Each of these lives in its module, one instance each:
 ``_setup.state.STATE`` (topology, group ownership), ``_engine.core.ENGINE`` (pending collectives, per-membership

@@ -22,10 +22,10 @@ from phalanx.job import stats
 from phalanx.torch import async_ops
 from phalanx.torch._engine import join as _join
 from phalanx.torch._engine import reduce as reduction
-from phalanx.torch._engine import trace as _trace
 from phalanx.torch._setup import state as _state
 from phalanx.torch._train import buckets as bucketing
 from phalanx.torch._train import sparse as _sparse
+from phalanx.torch._train.grad_trace import GradTrace
 from phalanx.torch.compression import Compression, Compressor
 from phalanx.torch.functions import allgather_object
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
@@ -125,6 +125,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bpps < 1:
             raise InvalidArgumentError(f"backward_passes_per_step must be >= 1, got {bpps}")
         self._names = _names(self, named_parameters)
+        self._trace = GradTrace(self._names)
         by_id = {id(p): p for g in self.param_groups for p in g["params"]}
         self._parameter_names = {by_id[k]: name for k, name in self._names.items()}  # Horovod's attribute
         self._compression, self._bpps, self._ps = compression, bpps, ps
@@ -208,6 +209,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if count == self._bpps and p.grad is not None and p.grad.is_sparse:
             self._sparse.hooked(p, self._names[key], self.sparse_as_dense)
         if count == self._bpps:
+            if timeline.current() is not None:  # off: one call per gradient and step
+                self._trace.ready(key)
             bucket, i = self._where[key]
             bucket.pending.discard(key)
             early = self._early
@@ -226,24 +229,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._next += 1
 
     def _launch(self, bucket: bucketing.Bucket, inline: bool) -> None:
-        row, grad = f"DistributedOptimizer.bucket{self._next}", groups_of(self._ps).grad
-        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        index, grad = self._next, groups_of(self._ps).grad
+        tl = self._trace.launching(index, bucket.params)
+        start = timeline.clock_ns() if tl is not None else 0
         if bucketing.launch_direct(bucket, self._compression, grad, self._prescale, inline):  # no copy to trace
-            _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params), "bytes": nbytes})
+            if tl is not None:  # (inline, the whole allreduce ran in the call)
+                self._trace.begin(tl, index, bucket.params, timeline.ALLREDUCE, start)
             return
-        _trace.begin(row, timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": nbytes})
+        if tl is not None:
+            self._trace.begin(tl, index, bucket.params, timeline.MEMCPY_IN_FUSION_BUFFER)
         bucketing.pack(bucket, self._prescale)
-        _trace.end(row, timeline.MEMCPY_IN_FUSION_BUFFER)
-        _trace.begin(row, timeline.ALLREDUCE, {"tensors": len(bucket.params)})
+        if tl is not None:
+            self._trace.end(index, timeline.MEMCPY_IN_FUSION_BUFFER)
+            self._trace.begin(tl, index, bucket.params, timeline.ALLREDUCE)
         bucketing.launch(bucket, self._compression, grad, inline)
 
     def _launch_early(self) -> None:
         """Agree with the peer on the first bucket's bytes reduced early; launch the rest of that bucket."""
         bucket = self._buckets[0]
+        tl = self._trace.launching(0, bucket.params)
+        start = timeline.clock_ns() if tl is not None else 0
         if bucketing.launch_early(bucket, self._early, groups_of(self._ps).grad, self._prescale):
-            nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-            _trace.begin("DistributedOptimizer.bucket0", timeline.ALLREDUCE, {"tensors": len(bucket.params),
-                                                                             "bytes": nbytes})
+            if tl is not None:  # the early reduction is part of the bucket's allreduce
+                self._trace.begin(tl, 0, bucket.params, timeline.ALLREDUCE, start)
             self._next = 1
 
     def synchronize(self) -> None:
@@ -264,7 +272,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             try:
                 for i, bucket in enumerate(self._buckets):
                     bucketing.wait(bucket, self._compression, self._postscale)
-                    _trace.end(f"DistributedOptimizer.bucket{i}", timeline.ALLREDUCE)
+                    self._trace.end(i, timeline.ALLREDUCE)
                     bucket.reset()
             except Exception as e:
                 if announce is not None and not isinstance(e, CollectiveMismatchError):

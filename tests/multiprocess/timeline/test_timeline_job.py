@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ def _job(path: str) -> dict[str, Any]:
     return {"path": tl.path, "mid_run": mid_run, "first": first, "interval": tl._interval_s}
 
 
+def torch_model_names() -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters of :func:`_job`'s model: name and shape."""
+    return [("0.weight", (16, 8)), ("0.bias", (16,)), ("2.weight", (2, 16)), ("2.bias", (2,))]
+
+
 def _flushed(tl: Any, row: str) -> str:
     """The trace's text once the writer has flushed ``row``'s allreduce and a cycle mark (Horovod's timeline
     test reads the file 0.1 s after the op returns: the writer flushes every 20 ms; the bound is for a loaded
@@ -88,10 +94,18 @@ def test_trace_has_every_collective_and_bucket(tmp_path: Path) -> None:
             ops = [s for s in mine if s.row == f"{op}.t.{op}"]  # Horovod's row names: op.name
             assert [s.name for s in ops] == [f"NEGOTIATE_{op.upper()}", op.upper()], (rank, op, ops)
             assert {"dtype", "shape"} <= set(ops[0].args) and all(s.nbytes > 0 for s in ops), ops
-        # The optimizer's fused buckets: the copy into the buffer, then the allreduce, at each of 2 steps.
-        buckets = [s for s in mine if s.row.startswith("DistributedOptimizer.bucket")]
-        assert [s.name for s in buckets][:2] == ["MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE"], buckets
-        assert sum(s.name == "ALLREDUCE" for s in buckets) >= 2 and all(s.nbytes > 0 for s in buckets)
+        # The optimizer's gradients: Horovod's row per tensor, allreduce.<parameter name>, stable over the steps;
+        # each shows its wait for the bucket (QUEUE), then the bucket's copy into its buffer and its allreduce,
+        # the fused operations the same event on each tensor's row, at each of 2 steps.
+        grads = [s for s in mine if s.row in {f"allreduce.{n}" for n, _ in torch_model_names()}]
+        for name, shape in torch_model_names():
+            row = [s for s in grads if s.row == f"allreduce.{name}"]
+            assert [s.name for s in row] == ["QUEUE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE"] * 2, (name, row)
+            assert {s.args["bucket"] for s in row} == {0} and all(s.args["shape"] == list(shape) for s in row), row
+            assert {s.nbytes for s in row} == {4 * math.prod(shape)}, row  # the tensor's own bytes
+        fused = {(s.name, s.start_us, s.dur_us) for s in grads if s.name != "QUEUE"}
+        assert len(fused) == 4, fused  # 2 steps x (copy, allreduce) of one bucket, shown on its 4 tensors' rows
+        assert not [s.row for s in mine if s.row.startswith("DistributedOptimizer.bucket")]
         # Rows are stable per tensor: 2 optimizer steps and a barrier make one row each, with the activities
         # docs/timeline.md names for them (the step is not a BARRIER).
         assert {s.row for s in mine if "noname" in s.row} == set(), sorted({s.row for s in mine})

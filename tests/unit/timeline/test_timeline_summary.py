@@ -99,3 +99,18 @@ def test_per_step_control_collectives_keep_one_row() -> None:
     assert {timeline_row("optimizer step", None, h) for h in range(230)} == {"optimizer.step"}
     assert timeline_row("barrier", None, 7) == "barrier" and timeline_row("allreduce", "w", 3) == "allreduce.w"
     assert timeline_row("allreduce", None, 3) == "allreduce.noname.3"  # Horovod's name for unnamed tensors
+
+
+def test_a_fused_operation_on_several_rows_counts_once_in_the_totals() -> None:
+    """Horovod's timeline shows a fusion as the same event on each fused tensor's row: the per-tensor rows
+    keep it, the totals (the bandwidth, the per-rank times) count its time once and every tensor's bytes."""
+    spans = [
+        _span("ALLREDUCE", "allreduce.w", 0, 1000, 3_000_000),
+        _span("ALLREDUCE", "allreduce.b", 0, 1000, 1_000_000),  # the same bucket's allreduce
+        _span("ALLREDUCE", "allreduce.w", 5000, 1000, 3_000_000, pid=1),  # the other rank's own
+    ]
+    total, w, b = summarize(spans)["ALLREDUCE"]
+    assert (total.count, total.nbytes, total.total_us) == (2, 7_000_000, 2000.0)
+    assert total.gbps == pytest.approx(7e6 / 2000e-6 / 1e9)
+    assert (w.count, w.total_us, b.count, b.total_us) == (2, 2000.0, 1, 1000.0)
+    assert [(r.ops, r.transfer_us) for r in per_rank(spans)] == [(1, 1000.0), (1, 1000.0)]

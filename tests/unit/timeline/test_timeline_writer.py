@@ -226,3 +226,28 @@ def test_writer_thread_cpu_is_accounted(tmp_path: Path) -> None:
         tl.end("grad", timeline.ALLREDUCE)
     tl.close()
     assert 0 < tl.writer_cpu_s < 5
+
+
+def test_one_record_for_several_rows_becomes_a_line_per_row(tmp_path: Path) -> None:
+    """A fused bucket: begin_all/end_all record once, each row gets the event with its own args; spans()
+    gives each row its own start (a tensor's QUEUE since its gradient was ready)."""
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path))
+    rows = ("allreduce.w", "allreduce.b")
+    args = ({"bytes": 12, "bucket": 0}, {"bytes": 4, "bucket": 0})
+    first = timeline.clock_ns()
+    second = timeline.clock_ns()
+    tl.spans(rows, timeline.QUEUE, (first, second), args)
+    tl.begin_all("opt.bucket0", rows, timeline.ALLREDUCE, args)
+    tl.end_all("opt.bucket0", timeline.ALLREDUCE)
+    tl.end_all("opt.bucket0", timeline.ALLREDUCE)  # no begin any more: counted, not written
+    tl.close()
+    events = load_events(str(path))
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = [(names[e["tid"]], e["name"], e["ts"], e["dur"], e["args"]["bytes"]) for e in events if e.get("ph") == "X"]
+    queue = [s for s in spans if s[1] == "QUEUE"]
+    assert [(r, b) for r, _, _, _, b in queue] == [("allreduce.w", 12), ("allreduce.b", 4)]
+    assert float(queue[0][2]) <= float(queue[1][2])  # each row from its own start
+    fused = [s for s in spans if s[1] == "ALLREDUCE"]
+    assert [r for r, *_ in fused] == list(rows) and len({(t, d) for _, _, t, d, _ in fused}) == 1
+    assert tl.unmatched == 1
