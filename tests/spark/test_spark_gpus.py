@@ -35,7 +35,10 @@ def _pinned_then_rank_3_dies(out_dir: str) -> None:
         Path(out_dir, "ranks.tmp").write_text(json.dumps(gathered))
         Path(out_dir, "ranks.tmp").rename(Path(out_dir, "ranks.json"))
     hvd.barrier()  # the file is written before rank 3 dies
-    if hvd.rank() == 3:
+    if hvd.rank() == 3:  # as torch's NCCL watchdog would, it leaves its Flight Recorder dump first
+        with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + "3", "wb") as f:
+            __import__("pickle").dump({"version": "2.10", "entries": [{"collective_seq_id": 9, "state": "started",
+                                                                      "profiling_name": "nccl:all_reduce"}]}, f)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(120)
 
@@ -65,6 +68,12 @@ def test_torch_distributor_runs_k_ranks_per_task_pinned_and_a_dying_rank_takes_i
                                                                                str(tmp_path))
     assert info.value.root_cause.rank == 3, str(info.value)
     assert "SIGKILL" in str(info.value)
+    # the task that ran rank 3 read its dump and sent it with the rank's last lines
+    assert "phalanx: torch's Flight Recorder dump of rank 3" in str(info.value), str(info.value)
+    assert "#9 nccl:all_reduce on group ? (started)" in str(info.value)
+    kept = str(info.value).split("(written by NCCL's watchdog; kept at ", 1)[1].split(")", 1)[0].split(":", 1)[1]
+    os.unlink(kept)
+    os.rmdir(os.path.dirname(kept))
     out = json.loads((tmp_path / "ranks.json").read_text())
     _check_pinned(out)
     deadline = time.monotonic() + 20

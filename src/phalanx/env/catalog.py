@@ -84,6 +84,12 @@ CONTRACT: tuple[Any, ...] = (
          "torch's Flight Recorder keeps each rank's last 2000 NCCL / gloo collectives, which the hang report shows "
          "(docs/torch.md); unless the user set it or its older name `TORCH_NCCL_TRACE_BUFFER_SIZE` (`0` turns it "
          "off)"),
+    _doc((names.TORCH_FR_DUMP_TEMP_FILE, names.TORCH_NCCL_DEBUG_INFO_TEMP_FILE),
+         "`/tmp/phalanx-fr-k2x9/nccl_trace_rank_`",
+         "where torch's NCCL watchdog writes the rank's Flight Recorder dump on a timeout: a directory of the rank's "
+         "own (0700, random name) made by the process that started it, which sends the dump's summary as the "
+         "rank's last lines when it fails and keeps the file for torch's `fr_trace` (docs/torch.md); unless the "
+         "user set either"),
 )
 
 #: Set by particular launchers or jobs (read_by: who sets it).

@@ -57,6 +57,8 @@ GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 # which the hang report reads (phalanx.torch._health.hang).
 TORCH_NCCL_TRACE_BUFFER_SIZE = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 TORCH_FR_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
+TORCH_FR_DUMP_TEMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
+TORCH_NCCL_DEBUG_INFO_TEMP_FILE = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 # phalanx timeline knobs: "1" makes every rank write its own trace (path with a ".rankN" suffix) so a
 # straggler shows; the cap (MB, both rotation segments together) bounds the trace for long runs.
 PHALANX_TIMELINE_ALL_RANKS = "PHALANX_TIMELINE_ALL_RANKS"

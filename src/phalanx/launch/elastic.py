@@ -25,6 +25,7 @@ from phalanx.job.logs import LogSink
 from phalanx.job.monitor import JobMonitor
 from phalanx.launch import warm
 from phalanx.launch.discovery import HostDiscovery, local_slots
+from phalanx.launch.fr_dump import DumpDir
 from phalanx.launch.local import LocalJobSpec, LocalLauncher
 from phalanx.launch.rendezvous import RendezvousStore
 
@@ -138,9 +139,10 @@ class ElasticLocalLauncher(LocalLauncher):
                            host_rank=0, host_count=1, hostname=socket.gethostname())
         own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), **own}
         env = compose_env(os.environ, self.spec.env, {**worker_env(self._job, who), **own}, os.cpu_count())
-        proc = self._spawn(env, template)
+        dumps = DumpDir.create(env)
+        proc = self._spawn({**env, **dumps.env()}, template)
         self._procs.append(proc)
-        self._watch(wid, proc, self._channel)
+        self._watch(wid, proc, self._channel, dumps)
 
     def _publish(self, world: list[int]) -> None:
         assert self._store is not None

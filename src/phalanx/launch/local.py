@@ -25,9 +25,10 @@ from phalanx.job.channel import DriverChannel, Role
 from phalanx.job.logs import ConsoleSink, FileSink, LogSink, pump_lines
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
 from phalanx.job.progress import Progress
-from phalanx.job.records import Stream
+from phalanx.job.records import LogLine, Stream
 from phalanx.launch import warm
 from phalanx.launch.core import DRAIN_WAIT_S, monitor_config, new_run_id, python_command, spawn_rank, worker_argv
+from phalanx.launch.fr_dump import DumpDir
 from phalanx.launch.proctree import terminate_tree
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.warm import RankProcess
@@ -185,32 +186,35 @@ class LocalLauncher:
         template = self._template()
         for who in assign_ranks([host] * self.spec.np):
             env = compose_env(os.environ, self.spec.env, {**worker_env(job, who), **own}, os.cpu_count())
-            proc = self._spawn(env, template)
+            dumps = DumpDir.create(env)
+            proc = self._spawn({**env, **dumps.env()}, template)
             self._procs.append(proc)
-            self._watch(who.rank, proc, channel)
+            self._watch(who.rank, proc, channel, dumps)
         if self.spec.command is not None:  # a command says no hello: its process started is all there is to say
             self.progress.count("ranks started", self.spec.np, self.spec.np)
         log.debug("started %d ranks (%s): pids %s", self.spec.np, "warm" if template else "cold",
                   [p.pid for p in self._procs])
 
-    def _watch(self, rank: int, proc: RankProcess, channel: DriverChannel) -> None:
+    def _watch(self, rank: int, proc: RankProcess, channel: DriverChannel, dumps: DumpDir) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         emit = channel.events.put
         pumps = [
             threading.Thread(target=pump_lines, args=(proc.stdout, rank, Stream.STDOUT, emit), daemon=True),
             threading.Thread(target=pump_lines, args=(proc.stderr, rank, Stream.STDERR, emit), daemon=True),
         ]
-        waiter = threading.Thread(target=self._await_exit, args=(rank, proc, pumps, channel), daemon=True)
+        waiter = threading.Thread(target=self._await_exit, args=(rank, proc, pumps, channel, dumps), daemon=True)
         for t in (*pumps, waiter):
             t.start()
         self._threads.extend((*pumps, waiter))
 
     def _await_exit(self, rank: int, proc: RankProcess, pumps: Sequence[threading.Thread],
-                    channel: DriverChannel) -> None:
+                    channel: DriverChannel, dumps: DumpDir) -> None:
         returncode = proc.wait()
         ended_at = time.monotonic()
         for pump in pumps:
             pump.join(DRAIN_WAIT_S)
+        for line in dumps.collect(failed=returncode != 0):
+            channel.events.put(LogLine(rank, Stream.STDERR, line))
         if self.spec.command is None and channel.is_connected(rank):
             channel.worker_done(rank, DRAIN_WAIT_S)
         # The rank's connection may have been seen closed before this thread woke (a loaded driver): the

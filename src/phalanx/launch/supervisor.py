@@ -23,6 +23,7 @@ from phalanx.job.monitor import RankExit
 from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch import warm
 from phalanx.launch.core import DRAIN_WAIT_S, spawn_rank
+from phalanx.launch.fr_dump import DumpDir
 from phalanx.launch.proctree import terminate_tree
 from phalanx.launch.warm import RankProcess
 
@@ -109,10 +110,12 @@ class RankSupervisor:
         exit code."""
         if self._heartbeat:
             self._start_beating()
+        dumps = DumpDir.create(env)
         try:
-            self.proc = spawn_rank(argv, env, template, cwd, python)
+            self.proc = spawn_rank(argv, {**env, **dumps.env()}, template, cwd, python)
         except BaseException:
             self._done.set()
+            dumps.collect(failed=False)
             raise
         assert self.proc.stdout is not None and self.proc.stderr is not None
         pumps = [
@@ -131,6 +134,8 @@ class RankSupervisor:
             terminate_tree([self.proc.pid], 0.5)
         for t in pumps:
             t.join(DRAIN_WAIT_S)
+        for line in dumps.collect(failed=returncode != 0):
+            self.emit(LogLine(self.rank, Stream.STDERR, line))
         return returncode
 
     def stop(self, grace_s: float | None = None) -> None:
