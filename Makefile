@@ -48,7 +48,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(PIP) install -c constraints-dev.txt 'pandas<3' pyarrow
 	touch $@
 
-BENCHES ?= launch spark_launch allreduce train timeline shm keras hosts lightning_horovod driver_memory estimator deepspeed \
+BENCHES ?= launch spark_launch allreduce train timeline shm keras tf_dlpack hosts lightning_horovod driver_memory estimator deepspeed \
 	dashboard data checkpoint control_plane scale_launch
 
 bench: $(VENV)/.bench-installed

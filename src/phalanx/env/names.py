@@ -119,6 +119,7 @@ PHALANX_WARM_START = "PHALANX_WARM_START"
 PHALANX_DASHBOARD = "PHALANX_DASHBOARD"
 #: "1": log the job's metrics and timeline summary to the driver's active MLflow run.
 PHALANX_MLFLOW = "PHALANX_MLFLOW"
+PHALANX_TF_DLPACK = "PHALANX_TF_DLPACK"
 #: MLflow's own: the run to log to where none was started in the driver's thread (``phalanxrun --mlflow``).
 MLFLOW_RUN_ID = "MLFLOW_RUN_ID"
 

@@ -83,6 +83,16 @@ def byte_count(raw: str) -> int:
     return int(number("bytes", positive=True)(raw))
 
 
+def auto_bool(raw: str) -> str:
+    """``auto`` (any case), else a boolean as :func:`boolean` reads it: ``"auto"``, ``"always"`` or ``"never"``."""
+    if raw.lower() == "auto":
+        return "auto"
+    try:
+        return "always" if boolean(raw) else "never"
+    except ParseError as e:
+        raise ParseError("is not auto or a boolean (1/true/yes/on, 0/false/no/off)") from e
+
+
 def level(raw: str) -> str:
     """One of :data:`LOG_LEVELS` (any case), upper-cased."""
     if raw.upper() not in LOG_LEVELS:
@@ -274,6 +284,12 @@ SHM_EARLY_REDUCE = _bool(names.PHALANX_SHM_EARLY_REDUCE, True, "`DistributedOpti
                          "first reduces the gradients already final on both ranks while it waits for the other "
                          "(see [shm.md](shm.md#early-reduction-the-waiting-rank-reduces-what-is-already-final-2-"
                          "ranks)); a rank that sets it makes both reduce as usual")
+TF_DLPACK = Setting(names.PHALANX_TF_DLPACK, "auto", auto_bool, "auto/bool", "`auto`",
+                    "`phalanx.tensorflow` collectives (each rank)",
+                    "how TensorFlow tensors reach the collectives: `auto` hands a tensor on a GPU over by DLPack "
+                    "(its own memory, reduced by NCCL, never copied to the host) and a CPU tensor as a numpy "
+                    "array; `1`: DLPack for every tensor; `0`: numpy arrays (host memory) for every tensor "
+                    "(docs/tensorflow.md); must be the same on every rank")
 STALL_CHECK_DISABLE = _bool(names.HOROVOD_STALL_CHECK_DISABLE, False, EVERY_RANK,
                             "`1`: no stall warning, no shutdown and (unless `PHALANX_STALL_CHECK_S` is set) no "
                             "stall inspector (`phalanxrun --no-stall-check`)")
@@ -345,7 +361,7 @@ LAUNCHER_SET: tuple[Setting[Any], ...] = (LOG_TO_DRIVER, ELASTIC_WORKER_ID, STAT
 KNOBS: tuple[Setting[Any], ...] = (
     HOROVOD_START_TIMEOUT, FUSION_THRESHOLD, CYCLE_TIME, TIMELINE, TIMELINE_MARK_CYCLES, TIMELINE_ALL_RANKS,
     TIMELINE_MAX_MB, DYNAMIC_PROCESS_SETS, WARM_START, SHM, SHM_TIMEOUT, SHM_SLOT_BYTES, SHM_NATIVE, SHM_CMA,
-    SHM_THP, SHM_GRAD_ASYNC, SHM_EARLY_REDUCE, STALL_CHECK_DISABLE, STALL_CHECK_TIME, STALL_SHUTDOWN_TIME,
+    SHM_THP, SHM_GRAD_ASYNC, SHM_EARLY_REDUCE, TF_DLPACK, STALL_CHECK_DISABLE, STALL_CHECK_TIME, STALL_SHUTDOWN_TIME,
     GLOO_TIMEOUT, LOG_LEVEL, NCCL_IB_DISABLE, LOG_HIDE_TIME, STALL_CHECK, MALLOC_TUNE, ELASTIC_TIMEOUT,
     ELASTIC_CHECKPOINT_DIR, TEARDOWN_GRACE, CONNECT_CLIENT_HOST, DASHBOARD, MLFLOW,
 )

@@ -177,17 +177,19 @@ def _guard(fn: Any) -> Any:
     return call
 
 
-def numpy_op(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None) -> Any:
+def numpy_op(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None,
+             function: Any = tf.numpy_function) -> Any:
     """``body(name, *arrays)`` as one stateful ``tf.numpy_function`` named ``op_name`` in the graph being
-    built. An unnamed collective takes the TF op's name (unique in its graph, and the same on every rank,
-    which builds the same graph), as Horovod names its ops: ranks whose executors start a graph's
-    collectives in different orders still match them."""
+    built (``function``: another of its kind, ``tf.py_function``'s signature with ``stateful``). An unnamed
+    collective takes the TF op's name (unique in its graph, and the same on every rank, which builds the
+    same graph), as Horovod names its ops: ranks whose executors start a graph's collectives in different
+    orders still match them."""
     cell = [name]
 
     def fn(*arrays: np.ndarray) -> Any:
         return body(cell[0], *arrays)
 
-    out = tf.numpy_function(_guard(fn), inputs, Tout=tout, stateful=True, name=op_name)
+    out = function(_guard(fn), inputs, Tout=tout, stateful=True, name=op_name)
     if cell[0] is None:
         cell[0] = (out[0] if isinstance(out, (list, tuple)) else out).op.name
     return out

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from phalanx.tensorflow import _bridge
+from phalanx.tensorflow import _bridge, _dlpack
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
@@ -35,10 +35,10 @@ def _grad_name(name: str | None, what: str = "grad") -> str | None:
 
 def _own_slice(dy: tf.Tensor, x: tf.Tensor, name: str | None, process_set: ProcessSet) -> tf.Tensor:
     """This member's rows of an allgather's gradient (averaged over the set first, as Horovod does)."""
-    averaged = _bridge.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0, 1.0,
+    averaged = _dlpack.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0, 1.0,
                                     process_set)
     rows = tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1])
-    sizes = tf.reshape(_bridge.tf_allgather(rows, _grad_name(name, "rows"), process_set), [process_set.size()])
+    sizes = tf.reshape(_dlpack.tf_allgather(rows, _grad_name(name, "rows"), process_set), [process_set.size()])
     start = tf.reduce_sum(sizes[: process_set.rank()])
     return averaged[start : start + sizes[process_set.rank()]]
 
@@ -50,7 +50,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
 
     @tf.custom_gradient
     def gather(x: tf.Tensor) -> Any:
-        return _bridge.tf_allgather(x, name, process_set), lambda dy: _own_slice(dy, x, name, process_set)
+        return _dlpack.tf_allgather(x, name, process_set), lambda dy: _own_slice(dy, x, name, process_set)
 
     return gather(tf.convert_to_tensor(tensor))
 
@@ -87,11 +87,11 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     @tf.custom_gradient
     def bcast(x: tf.Tensor) -> Any:
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            averaged = _bridge.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0,
+            averaged = _dlpack.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0,
                                             1.0, process_set)
             return averaged if _global_rank() == root_rank else averaged * 0
 
-        return _bridge.tf_broadcast(x, root_rank, name, process_set), grad
+        return _dlpack.tf_broadcast(x, root_rank, name, process_set), grad
 
     return bcast(tf.convert_to_tensor(tensor))
 
@@ -194,7 +194,7 @@ def _reducescatter(x: tf.Tensor, op: int, name: str | None, pre: float, post: fl
             dy = tf.convert_to_tensor(dy)
             if op == reduce_ops.Sum:
                 dy = dy * tf.cast(process_set.size(), dy.dtype)
-            return _bridge.tf_allgather(dy, _grad_name(name), process_set)
+            return _dlpack.tf_allgather(dy, _grad_name(name), process_set)
 
         return out, grad
 
@@ -232,7 +232,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
     del inplace
     variables = list(variables)
     if not tf.executing_eagerly():
-        return tf.group(*[v.assign(_bridge.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}",
+        return tf.group(*[v.assign(_dlpack.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}",
                                                         process_set)) for i, v in enumerate(variables)])
     if not variables:
         return None

@@ -13,7 +13,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from phalanx.tensorflow import _bridge
+from phalanx.tensorflow import _dlpack
 from phalanx.tensorflow.collectives import allgather, broadcast_variables, scoped_name
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.torch import frontend as reduce_ops
@@ -53,9 +53,9 @@ def _dense_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float, p
     @tf.custom_gradient
     def reduce(x: tf.Tensor) -> Any:
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            return _bridge.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), op, pre, post, process_set)
+            return _dlpack.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), op, pre, post, process_set)
 
-        return _bridge.tf_allreduce(x, name, op, pre, post, process_set), grad
+        return _dlpack.tf_allreduce(x, name, op, pre, post, process_set), grad
 
     return reduce(tensor)
 
@@ -141,10 +141,10 @@ def _differentiable_fused(tensors: list[tf.Tensor], op: int, name: str, pre: flo
     @tf.custom_gradient
     def reduce(*xs: tf.Tensor) -> Any:
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            return _bridge.tf_fused_allreduce([tf.convert_to_tensor(d) for d in dys], f"{name}.grad", op, pre, post,
+            return _dlpack.tf_fused_allreduce([tf.convert_to_tensor(d) for d in dys], f"{name}.grad", op, pre, post,
                                               process_set)
 
-        return _bridge.tf_fused_allreduce(list(xs), name, op, pre, post, process_set), grad
+        return _dlpack.tf_fused_allreduce(list(xs), name, op, pre, post, process_set), grad
 
     return list(reduce(*tensors))
 
@@ -178,7 +178,7 @@ def fused_allreduce(
     if not present:
         return out
     packed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in present]
-    reduced = _bridge.tf_fused_allreduce([p[0] for p in packed], name, op, pre, post, process_set)
+    reduced = _dlpack.tf_fused_allreduce([p[0] for p in packed], name, op, pre, post, process_set)
     for i, r, (_, ctx) in zip(present, reduced, packed):
         out[i] = compression.decompress(r, ctx)
     return out
