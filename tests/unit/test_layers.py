@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _source_tree import run_time_nodes
 
 import phalanx
 
@@ -83,11 +84,12 @@ def _layer_of(module: str) -> str:
 
 def _phalanx_modules(path: Path, *, by_name: bool = True) -> set[str]:
     """The phalanx modules ``path`` imports (``from phalanx.x import y``: ``phalanx.x.y`` when that is a
-    module, else ``phalanx.x``); with ``by_name``, also the modules it names in strings."""
+    module, else ``phalanx.x``); with ``by_name``, also the modules it names in strings; without it, only
+    the imports that run (not those under ``if TYPE_CHECKING:``)."""
     found: set[str] = set()
     tree = ast.parse(path.read_text())
     started = _process_entry_points(tree)
-    for node in ast.walk(tree):
+    for node in ast.walk(tree) if by_name else run_time_nodes(tree):
         names = []
         if by_name and isinstance(node, ast.Constant) and isinstance(node.value, str) and node not in started:
             names = [node.value] if _is_module(node.value) else []

@@ -13,6 +13,7 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.torch._engine import background as _background
 from phalanx.torch._engine import core as _engine
 from phalanx.torch._health import generations as _generations
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import log as _log
 from phalanx.torch._setup import malloc as _malloc
 from phalanx.torch._setup import membership as _membership
@@ -44,7 +45,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
             "hvd.init(comm=...) (MPI communicators) is not supported by phalanx; call hvd.init()")
     if isinstance(process_sets, str) and process_sets != "dynamic":
         raise InvalidArgumentError(f"hvd.init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
-    if _state.STATE.topology is not None:
+    if RUNTIME.process.topology is not None:
         if _generations.JOB.superseded is None:
             return
         shutdown()  # a peer has moved on to a new hvd.init(): rejoin it (see _generations)
@@ -64,11 +65,16 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
 
 
 def shutdown() -> None:
-    """Forget process sets and pending collectives and leave the process group ``init`` created."""
+    """Forget process sets and pending collectives and leave the process group ``init`` created.
+
+    phalanx.torch's one reset path: release what the last ``init`` holds (pending collectives, the process
+    sets' groups, the process group, the timeline), then ``RUNTIME.reset()`` forgets its state (``_runtime``).
+    """
     _engine.reset()
     clear_process_sets()
     _state.leave_process_group()
     timeline.stop_timeline()
+    RUNTIME.reset()
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -87,7 +93,7 @@ def stop_timeline() -> None:
 
 def is_initialized() -> bool:
     """Whether :func:`init` has been called (and :func:`shutdown` not since)."""
-    return _state.STATE.topology is not None
+    return RUNTIME.process.topology is not None
 
 
 def size() -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from phalanx.errors import InvalidArgumentError
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import state as _state
 from phalanx.transport import api as shm
 
@@ -126,7 +127,7 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
     if ranks == world and dist.get_world_size() == 1:
         ctrl = data = grad = dist.group.WORLD
     else:
-        backend = "cpu:gloo,cuda:nccl" if _state.STATE.cuda_backend else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if RUNTIME.process.cuda_backend else "gloo"
         timeout = _state.gloo_timeout(os.environ)  # the user's, on every group (else torch's 30 min default)
         ctrl = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
         data = dist.new_group(list(ranks), backend=backend, timeout=timeout)

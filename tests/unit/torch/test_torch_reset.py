@@ -12,7 +12,7 @@ from phalanx.torch import process_sets
 from phalanx.torch._engine import background as _background
 from phalanx.torch._engine import core as _engine
 from phalanx.torch._health import stall as _stall
-from phalanx.torch._setup import state as _state
+from phalanx.torch._runtime import RUNTIME, ProcessState
 
 
 def _use_everything() -> None:
@@ -27,7 +27,7 @@ def _use_everything() -> None:
 
 def _assert_fresh() -> None:
     assert not dist.is_initialized() and not hvd.is_initialized()
-    assert (_state.STATE.topology, _state.STATE.owns_group, _state.STATE.cuda_backend) == (None, False, False)
+    assert RUNTIME.process == ProcessState()
     engine = _engine.ENGINE
     assert not (engine.queue or engine.handles or engine.inflight or engine.predictors or engine.rounds
                 or engine.issued or engine.tables)

@@ -22,24 +22,8 @@ from phalanx.env import names as env_names
 from phalanx.env.foreign import contract_from_foreign
 from phalanx.errors import NotInitializedError
 from phalanx.torch._health import generations as _generations
+from phalanx.torch._runtime import RUNTIME
 from phalanx.transport import api as transport
-
-
-class _State:
-    """Mutable module state; one instance, ``STATE``."""
-
-    def __init__(self) -> None:
-        self.topology: RankIdentity | None = None
-        self.owns_group = False
-        self.cuda_backend = False
-
-    def reset(self) -> None:
-        self.topology = None
-        self.owns_group = False
-        self.cuda_backend = False
-
-
-STATE = _State()
 
 
 def topology_from_env(env: Mapping[str, str], rank: int, size: int) -> RankIdentity:
@@ -93,30 +77,30 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
         os.environ.update(foreign)  # env:// and the shm transport read these names from the process
         env = {**env, **foreign}
     backend = _backend()
-    STATE.cuda_backend = "nccl" in backend
+    RUNTIME.process.cuda_backend = "nccl" in backend
     if dist.is_initialized():
-        STATE.owns_group = False
-        STATE.cuda_backend = "nccl" in str(dist.get_backend())
+        RUNTIME.process.owns_group = False
+        RUNTIME.process.cuda_backend = "nccl" in str(dist.get_backend())
     elif settings.ELASTIC_WORKER_ID.get(env) is not None:
         from phalanx.torch.elastic import _rendezvous  # only elastic jobs pay for it
 
         env = _rendezvous.join(backend, env)
-        STATE.owns_group = True
+        RUNTIME.process.owns_group = True
     elif _generations.JOB.store is not None:  # init again after shutdown (see _generations)
         _generations.rejoin(backend, *_rank_and_size(env), gloo_timeout(env))
-        STATE.owns_group = True
+        RUNTIME.process.owns_group = True
     elif env.get(env_names.MASTER_ADDR):
         rank, size = _rank_and_size(env)
         transport.init_process_group(backend, init_method="env://", rank=rank, world_size=size,
                                      timeout=gloo_timeout(env))
         _generations.first(rank)
-        STATE.owns_group = True
+        RUNTIME.process.owns_group = True
     else:
         # No launcher: one rank on a private in-process store (no TCP port, so no port race).
         transport.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        STATE.owns_group = True
-    STATE.topology = topology_from_env(env, dist.get_rank(), dist.get_world_size())
-    _share_cores(env, STATE.topology)
+        RUNTIME.process.owns_group = True
+    RUNTIME.process.topology = topology_from_env(env, dist.get_rank(), dist.get_world_size())
+    _share_cores(env, RUNTIME.process.topology)
 
 
 def gloo_timeout(env: Mapping[str, str]) -> timedelta | None:
@@ -144,10 +128,10 @@ def _share_cores(env: Mapping[str, str], topo: RankIdentity) -> None:
 
 
 def leave_process_group() -> None:
-    """Destroy the default process group if ``init()`` created it, and forget the topology."""
-    if STATE.owns_group and dist.is_initialized():
+    """Destroy the default process group if ``init()`` created it (the topology is forgotten by
+    ``RUNTIME.reset()``)."""
+    if RUNTIME.process.owns_group and dist.is_initialized():
         dist.destroy_process_group()
-    STATE.reset()
 
 
 def topology() -> RankIdentity:
@@ -156,7 +140,7 @@ def topology() -> RankIdentity:
     Raises:
         NotInitializedError: ``hvd.init()`` has not been called.
     """
-    topo = STATE.topology
+    topo = RUNTIME.process.topology
     if topo is None:
         raise NotInitializedError(
             "phalanx.torch has not been initialized; call hvd.init() (import phalanx.torch as hvd) "

@@ -1,0 +1,44 @@
+"""phalanx.torch's process-wide state: one :class:`Runtime`, ``RUNTIME``, and its one reset path.
+
+Every piece of mutable state of ``phalanx.torch`` is a field of ``RUNTIME``, as plain data; the modules that
+act on it (named at each class) hold none of their own. Two lifetimes:
+
+* **one ``hvd.init()``**: the process group's topology. :meth:`Runtime.reset` replaces it with a fresh one;
+  ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what it holds (the process group), so
+  that the next ``hvd.init()`` starts from nothing.
+
+This module imports nothing of phalanx.torch at run time (the field types are for the type checker only),
+so every module of the package can read ``RUNTIME``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.env import RankIdentity
+
+
+@dataclass
+class ProcessState:
+    """The process group ``init`` joined and this rank's place in it (``_setup.state``)."""
+
+    topology: RankIdentity | None = None
+    owns_group: bool = False  # init created the default group, so shutdown destroys it
+    cuda_backend: bool = False
+
+
+class Runtime:
+    """All of phalanx.torch's state; one instance, ``RUNTIME`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything of the last ``hvd.init()``. The caller has released what it held
+        (``basics.shutdown``); the process-lifetime fields are left as they are."""
+        self.process = ProcessState()
+
+
+RUNTIME = Runtime()
