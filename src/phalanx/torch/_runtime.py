@@ -6,6 +6,8 @@ act on it (named at each class) hold none of their own. Two lifetimes:
 * **one ``hvd.init()``**: the process group's topology. :meth:`Runtime.reset` replaces it with a fresh one;
   ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what it holds (the process group), so
   that the next ``hvd.init()`` starts from nothing.
+* **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
+  rejoins the same job).
 
 This module imports nothing of phalanx.torch at run time (the field types are for the type checker only),
 so every module of the package can read ``RUNTIME``.
@@ -14,7 +16,7 @@ so every module of the package can read ``RUNTIME``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from phalanx.env import RankIdentity
@@ -29,10 +31,21 @@ class ProcessState:
     cuda_backend: bool = False
 
 
+@dataclass
+class Generations:
+    """This process's view of the job's generations of ``hvd.init()`` (``_health.generations``)."""
+
+    store: Any = None  # the launcher's store
+    generation: int = 0
+    rank: int = 0
+    superseded: str | None = None  # why this generation can no longer run collectives
+
+
 class Runtime:
     """All of phalanx.torch's state; one instance, ``RUNTIME`` (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.job = Generations()
         self.reset()
 
     def reset(self) -> None:

@@ -12,7 +12,6 @@ import phalanx.timeline as timeline
 from phalanx.errors import InvalidArgumentError
 from phalanx.torch._engine import background as _background
 from phalanx.torch._engine import core as _engine
-from phalanx.torch._health import generations as _generations
 from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import log as _log
 from phalanx.torch._setup import malloc as _malloc
@@ -27,7 +26,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
 
     Works under phalanx launchers and ``torchrun`` (``env://``), inside an already initialized
     ``torch.distributed`` job, and with no launcher at all (one rank). After :func:`shutdown`, ``init``
-    joins the job again (every rank must call both the same number of times; see ``_generations``).
+    joins the job again (every rank must call both the same number of times; see ``_health.generations``).
 
     Args:
         comm: an MPI communicator in Horovod; only ``None`` is supported.
@@ -46,9 +45,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     if isinstance(process_sets, str) and process_sets != "dynamic":
         raise InvalidArgumentError(f"hvd.init(process_sets={process_sets!r}): pass a list of ProcessSet or 'dynamic'")
     if RUNTIME.process.topology is not None:
-        if _generations.JOB.superseded is None:
+        if RUNTIME.job.superseded is None:
             return
-        shutdown()  # a peer has moved on to a new hvd.init(): rejoin it (see _generations)
+        shutdown()  # a peer has moved on to a new hvd.init(): rejoin it (see _health.generations)
     _log.configure()  # HOROVOD_LOG_LEVEL / HOROVOD_LOG_HIDE_TIME (phalanxrun --log-level ...)
     _state.join_process_group()
     _malloc.tune()  # large tensors reuse heap memory instead of fresh page-faulted mmaps (PHALANX_MALLOC_TUNE)

@@ -34,8 +34,8 @@ from phalanx.torch._engine import speculate as speculation
 from phalanx.torch._engine import trace as _trace
 from phalanx.torch._engine.collective import Collective, Entry
 from phalanx.torch._engine.rounds import EngineState
-from phalanx.torch._health import generations as _generations
 from phalanx.torch._health import stall as _stall
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet, _Groups, groups_of
 from phalanx.transport import api as shm
@@ -114,8 +114,8 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     if n == 1:
         _finish_single(entry)
     else:
-        if _generations.JOB.superseded is not None:
-            raise CollectiveMismatchError(_generations.JOB.superseded)
+        if RUNTIME.job.superseded is not None:
+            raise CollectiveMismatchError(RUNTIME.job.superseded)
         if _stall.INSPECTOR.broken and (error := _stall.broken(groups.ranks)) is not None:
             raise error
         if ENGINE.queue:

@@ -11,7 +11,7 @@ Every rank publishes its generation (``phalanx.gen/<rank>``) when it enters ``in
   the error names each missing rank's
   generation and, when it is blocked in a collective, that collective;
 * a rank blocked in a collective whose peer has entered a later generation can never be served: the stall
-  inspector asks :func:`moved_on` and raises at once, and the next ``hvd.init()`` rejoins (:attr:`_Job.superseded`).
+  inspector asks :func:`moved_on` and raises at once, and the next ``hvd.init()`` rejoins (``RUNTIME.job.superseded``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import HorovodInternalError
+from phalanx.torch._runtime import RUNTIME
 from phalanx.transport import api as transport
 
 PREFIX = "phalanx.gen/"
@@ -34,32 +35,19 @@ POLL_MAX_S = 0.1
 STALL_PREFIX = "phalanx.stall/"  # the stall inspector's records (``_stall``), read to describe a peer
 
 
-class _Job:
-    """This process's view of the job's generations; one instance, ``JOB``."""
-
-    def __init__(self) -> None:
-        self.store: Any = None  # the launcher's store (kept across hvd.shutdown)
-        self.generation = 0
-        self.rank = 0
-        self.superseded: str | None = None  # why this generation can no longer run collectives
-
-
-JOB = _Job()
-
-
 def store_of(generation: int) -> Any:
     """The default store of ``generation``'s process group (the job store itself for the first)."""
     if generation <= 1:
-        return JOB.store
-    return dist.PrefixStore(f"phalanx.init.{generation}/", JOB.store)
+        return RUNTIME.job.store
+    return dist.PrefixStore(f"phalanx.init.{generation}/", RUNTIME.job.store)
 
 
 def first(rank: int) -> None:
     """Record the first generation, created by ``env://`` rendezvous (call right after it)."""
-    JOB.store = dist.distributed_c10d._get_default_store()
-    JOB.generation, JOB.rank, JOB.superseded = 1, rank, None
-    JOB.store.set(f"{PREFIX}{rank}", "1")
-    JOB.store.add("phalanx.init.1/arrived", 1)
+    RUNTIME.job.store = dist.distributed_c10d._get_default_store()
+    RUNTIME.job.generation, RUNTIME.job.rank, RUNTIME.job.superseded = 1, rank, None
+    RUNTIME.job.store.set(f"{PREFIX}{rank}", "1")
+    RUNTIME.job.store.add("phalanx.init.1/arrived", 1)
 
 
 def rejoin(backend: str, rank: int, size: int, timeout: timedelta | None) -> None:
@@ -74,18 +62,18 @@ def rejoin(backend: str, rank: int, size: int, timeout: timedelta | None) -> Non
     Raises:
         HorovodInternalError: some rank did not call ``hvd.init()`` in time.
     """
-    gen = JOB.generation + 1
-    JOB.store.set(f"{PREFIX}{rank}", str(gen))
-    JOB.store.add(f"phalanx.init.{gen}/arrived", 1)
+    gen = RUNTIME.job.generation + 1
+    RUNTIME.job.store.set(f"{PREFIX}{rank}", str(gen))
+    RUNTIME.job.store.add(f"phalanx.init.{gen}/arrived", 1)
     _await_peers(gen, rank, size, timeout.total_seconds() if timeout is not None else start_timeout_s())
     transport.init_process_group(backend, store=store_of(gen), rank=rank, world_size=size, timeout=timeout)
-    JOB.generation, JOB.rank, JOB.superseded = gen, rank, None
+    RUNTIME.job.generation, RUNTIME.job.rank, RUNTIME.job.superseded = gen, rank, None
 
 
 def _await_peers(gen: int, rank: int, size: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     pause = POLL_S
-    while JOB.store.add(f"phalanx.init.{gen}/arrived", 0) < size:
+    while RUNTIME.job.store.add(f"phalanx.init.{gen}/arrived", 0) < size:
         if time.monotonic() > deadline:
             raise HorovodInternalError(_missing(gen, rank, size, timeout_s))
         time.sleep(pause)
@@ -95,9 +83,9 @@ def _await_peers(gen: int, rank: int, size: int, timeout_s: float) -> None:
 def generation_of(rank: int) -> int:
     """The generation ``rank`` last entered (0: it never called ``hvd.init()`` under this store)."""
     key = f"{PREFIX}{rank}"
-    if not JOB.store.check([key]):
+    if not RUNTIME.job.store.check([key]):
         return 0
-    return int(JOB.store.get(key).decode() or 0)
+    return int(RUNTIME.job.store.get(key).decode() or 0)
 
 
 def position(rank: int) -> str:
@@ -129,18 +117,19 @@ def _missing(gen: int, rank: int, size: int, timeout_s: float) -> str:
 def moved_on(ranks: tuple[int, ...]) -> str | None:
     """Why a collective among ``ranks`` of this generation can never complete (a member entered a later
     generation: it called ``hvd.shutdown()`` and ``hvd.init()``), else None."""
-    if JOB.store is None:
+    job = RUNTIME.job
+    if job.store is None:
         return None
-    gone = [(r, g) for r in ranks if r != JOB.rank and (g := generation_of(r)) > JOB.generation]
+    gone = [(r, g) for r in ranks if r != job.rank and (g := generation_of(r)) > job.generation]
     if not gone:
         return None
     where = ", ".join(f"rank {r} is in hvd.init() #{g}" for r, g in gone)
-    JOB.superseded = (
-        f"rank(s) {[r for r, _ in gone]} left hvd.init() #{JOB.generation} of rank {JOB.rank} ({where}: they "
+    job.superseded = (
+        f"rank(s) {[r for r, _ in gone]} left hvd.init() #{job.generation} of rank {job.rank} ({where}: they "
         "called hvd.shutdown() and hvd.init() again); its collectives can never complete. Call "
         "hvd.shutdown() and hvd.init() to rejoin them"
     )
-    return JOB.superseded
+    return job.superseded
 
 
 def start_timeout_s() -> float:

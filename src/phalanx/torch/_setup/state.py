@@ -86,7 +86,7 @@ def join_process_group(env: Mapping[str, str] | None = None) -> None:
 
         env = _rendezvous.join(backend, env)
         RUNTIME.process.owns_group = True
-    elif _generations.JOB.store is not None:  # init again after shutdown (see _generations)
+    elif RUNTIME.job.store is not None:  # init again after shutdown (see _health.generations)
         _generations.rejoin(backend, *_rank_and_size(env), gloo_timeout(env))
         RUNTIME.process.owns_group = True
     elif env.get(env_names.MASTER_ADDR):
