@@ -7,7 +7,7 @@ act on it (named at each class) hold none of their own. Two lifetimes:
   ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what it holds (the process group), so
   that the next ``hvd.init()`` starts from nothing.
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
-  rejoins the same job).
+  rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it).
 
 This module imports nothing of phalanx.torch at run time (the field types are for the type checker only),
 so every module of the package can read ``RUNTIME``.
@@ -41,11 +41,20 @@ class Generations:
     superseded: str | None = None  # why this generation can no longer run collectives
 
 
+@dataclass
+class Round:
+    """This process's place in an elastic job (``elastic._rendezvous``)."""
+
+    number: int = -1
+    store: Any = None  # the driver's store (kept across rounds)
+
+
 class Runtime:
     """All of phalanx.torch's state; one instance, ``RUNTIME`` (see the module docstring)."""
 
     def __init__(self) -> None:
         self.job = Generations()
+        self.round = Round()
         self.reset()
 
     def reset(self) -> None:

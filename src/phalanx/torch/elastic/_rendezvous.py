@@ -23,18 +23,8 @@ from phalanx.env import elastic as elastic_keys
 from phalanx.env import names as env_names
 from phalanx.errors import ElasticTimeoutError, WorkerContractError
 from phalanx.job import store_client
+from phalanx.torch._runtime import RUNTIME
 from phalanx.transport import api as transport
-
-
-class _Round:
-    """This process's place in the elastic job; one instance, ``ROUND``."""
-
-    def __init__(self) -> None:
-        self.number = -1
-        self.store: Any = None
-
-
-ROUND = _Round()
 
 
 def is_elastic(env: Mapping[str, str]) -> bool:
@@ -59,9 +49,9 @@ def _worker_id(env: Mapping[str, str]) -> int:
 
 
 def _client(env: Mapping[str, str]) -> Any:
-    if ROUND.store is None:
-        ROUND.store = store_client.from_env(env, timedelta(seconds=timeout_s(env)))
-    return ROUND.store
+    if RUNTIME.round.store is None:
+        RUNTIME.round.store = store_client.from_env(env, timedelta(seconds=timeout_s(env)))
+    return RUNTIME.round.store
 
 
 def wait_assignment(env: Mapping[str, str]) -> tuple[int, int, int]:
@@ -74,11 +64,11 @@ def wait_assignment(env: Mapping[str, str]) -> tuple[int, int, int]:
     store = _client(env)
     wait = timeout_s(env)
     try:
-        store.wait([elastic_keys.round_key(ROUND.number + 1)], timedelta(seconds=wait))
+        store.wait([elastic_keys.round_key(RUNTIME.round.number + 1)], timedelta(seconds=wait))
     except (RuntimeError, dist.DistError) as e:
         raise ElasticTimeoutError(
             f"elastic worker {settings.ELASTIC_WORKER_ID.get(env)} waited {wait:g} s for round "
-            f"{ROUND.number + 1} from the driver and none came; raise {env_names.PHALANX_ELASTIC_TIMEOUT_S} if "
+            f"{RUNTIME.round.number + 1} from the driver and none came; raise {env_names.PHALANX_ELASTIC_TIMEOUT_S} if "
             f"re-forming the world takes longer ({e})"
         ) from e
     latest = int(store.get(elastic_keys.LATEST_KEY))
@@ -97,7 +87,7 @@ def join(backend: str, env: Mapping[str, str]) -> dict[str, str]:
     """
     number, rank, size = wait_assignment(env)
     # Before the group forms: a round that fails to form (another loss meanwhile) is not waited for again.
-    ROUND.number = number
+    RUNTIME.round.number = number
     prefixed = dist.PrefixStore(elastic_keys.group_prefix(number), _client(env))
     transport.init_process_group(backend, store=prefixed, rank=rank, world_size=size,
                                  timeout=timedelta(seconds=timeout_s(env)))
@@ -122,8 +112,8 @@ def _topology_env(env: Mapping[str, str], rank: int) -> dict[str, str]:
 def mark_synced(env: Mapping[str, str] | None = None) -> None:
     """Tell the driver this worker holds the job's state in the current round (no-op outside elastic jobs)."""
     env = os.environ if env is None else env
-    if ROUND.store is not None and is_elastic(env):
-        ROUND.store.set(elastic_keys.synced_key(ROUND.number, _worker_id(env)), "1")
+    if RUNTIME.round.store is not None and is_elastic(env):
+        RUNTIME.round.store.set(elastic_keys.synced_key(RUNTIME.round.number, _worker_id(env)), "1")
 
 
 def new_round_published(wait_s: float = 0.0) -> bool:
@@ -132,11 +122,11 @@ def new_round_published(wait_s: float = 0.0) -> bool:
     Args:
         wait_s: seconds to keep looking (0: look once).
     """
-    if ROUND.store is None:
+    if RUNTIME.round.store is None:
         return False
     give_up = time.monotonic() + wait_s
     while True:
-        if ROUND.store.check([elastic_keys.round_key(ROUND.number + 1)]):
+        if RUNTIME.round.store.check([elastic_keys.round_key(RUNTIME.round.number + 1)]):
             return True
         if time.monotonic() >= give_up:
             return False

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from phalanx.errors import ElasticTimeoutError, HorovodInternalError, HostsUpdatedInterrupt, PhalanxError
 from phalanx.torch import basics, process_sets
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch.elastic import _rendezvous
 from phalanx.torch.elastic.state import State
 
@@ -94,7 +95,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             except HostsUpdatedInterrupt as e:
                 skip_sync = e.skip_sync
             except Exception as e:
-                if not _rendezvous.ROUND.store or not (is_peer_loss(e) or _confirmed_loss(e)):
+                if not RUNTIME.round.store or not (is_peer_loss(e) or _confirmed_loss(e)):
                     raise
                 log.warning("collective failed (%s: %s); rolling back to commit %d", type(e).__name__, e,
                             state.commits)
