@@ -86,8 +86,7 @@ def _scalar_op(fn: Any, name: str | None) -> tf.Tensor:
 def _set_by_id(process_set_id: int) -> ProcessSet | None:
     if process_set_id == 0:
         return global_process_set
-    registry = getattr(process_sets, "REGISTRY", None)
-    return None if registry is None else registry.sets.get(process_set_id)
+    return process_sets.registered(process_set_id)
 
 
 def _set_size(process_set_id: int) -> int:

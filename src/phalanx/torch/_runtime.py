@@ -3,9 +3,10 @@
 Every piece of mutable state of ``phalanx.torch`` is a field of ``RUNTIME``, as plain data; the modules that
 act on it (named at each class) hold none of their own. Two lifetimes:
 
-* **one ``hvd.init()``**: the process group's topology. :meth:`Runtime.reset` replaces it with a fresh one;
-  ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what it holds (the process group), so
-  that the next ``hvd.init()`` starts from nothing.
+* **one ``hvd.init()``**: the process group's topology, the process-set registry. :meth:`Runtime.reset`
+  replaces them with fresh ones; ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what they
+  hold (the process sets' groups, the process group), so that the next ``hvd.init()`` starts from nothing.
+  ``hvd.global_process_set`` is Horovod's public object and is kept: ``shutdown`` clears its id.
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
   rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it).
 
@@ -15,11 +16,14 @@ so every module of the package can read ``RUNTIME``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from phalanx.env import RankIdentity
+    from phalanx.torch.process_sets import ProcessSet, _Groups
+
+Ranks = tuple[int, ...]
 
 
 @dataclass
@@ -29,6 +33,17 @@ class ProcessState:
     topology: RankIdentity | None = None
     owns_group: bool = False  # init created the default group, so shutdown destroys it
     cuda_backend: bool = False
+
+
+@dataclass
+class Registry:
+    """The registered process sets and each membership's groups (``process_sets``, ``_setup.membership``)."""
+
+    sets: dict[int, ProcessSet] = field(default_factory=dict)
+    groups: dict[Ranks, _Groups] = field(default_factory=dict)
+    next_id: int = 0
+    static_done: bool = False
+    dynamic: bool = False  # hvd.init(process_sets="dynamic")
 
 
 @dataclass
@@ -61,6 +76,7 @@ class Runtime:
         """Forget everything of the last ``hvd.init()``. The caller has released what it held
         (``basics.shutdown``); the process-lifetime fields are left as they are."""
         self.process = ProcessState()
+        self.registry = Registry()
 
 
 RUNTIME = Runtime()

@@ -101,25 +101,12 @@ class ProcessSet:
         return hash((self.process_set_id, tuple(self.ranks)))
 
 
-class _Registry:
-    def __init__(self) -> None:
-        self.sets: dict[int, ProcessSet] = {}
-        self.groups: dict[tuple[int, ...], _Groups] = {}
-        self.next_id = 0
-        self.static_done = False
-        self.dynamic = False  # hvd.init(process_sets="dynamic")
-
-    def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
-
-
-REGISTRY = _Registry()
 global_process_set = ProcessSet([])
 
 
 def _groups_for(ranks: tuple[int, ...]) -> _Groups:
     """Create (collectively, on every rank) or reuse the control and data groups of a membership."""
-    cached = REGISTRY.groups.get(ranks)
+    cached = RUNTIME.registry.groups.get(ranks)
     if cached is not None:
         return cached
     world = tuple(range(dist.get_world_size()))
@@ -137,7 +124,7 @@ def _groups_for(ranks: tuple[int, ...]) -> _Groups:
             shm.register({"ctrl": ctrl, "data": data, "grad": grad}, transport)
         via_shm = transport is not None
     groups = _Groups(ctrl=ctrl, data=data, grad=shm.GradChannel(grad), ranks=ranks, shm=via_shm)
-    REGISTRY.groups[ranks] = groups
+    RUNTIME.registry.groups[ranks] = groups
     return groups
 
 
@@ -146,13 +133,13 @@ def _register(ps: ProcessSet) -> ProcessSet:
     bad = [r for r in ps.ranks if not 0 <= r < size]
     if bad or not ps.ranks:
         raise InvalidArgumentError(f"process set ranks {ps.ranks} must be a non-empty subset of 0..{size - 1}")
-    for existing in REGISTRY.sets.values():
+    for existing in RUNTIME.registry.sets.values():
         if existing is ps:
             return ps
     ps._groups = _groups_for(tuple(ps.ranks))
-    ps.process_set_id = REGISTRY.next_id
-    REGISTRY.next_id += 1
-    REGISTRY.sets[ps.process_set_id] = ps
+    ps.process_set_id = RUNTIME.registry.next_id
+    RUNTIME.registry.next_id += 1
+    RUNTIME.registry.sets[ps.process_set_id] = ps
     return ps
 
 
@@ -164,12 +151,16 @@ def abandon_process_sets(cause: str) -> None:
 
 
 def clear_process_sets() -> None:
-    """Forget every set (on ``hvd.shutdown``)."""
+    """Forget every set (on ``hvd.shutdown``; ``RUNTIME.reset()`` then drops the registry)."""
     shm.clear()
-    for ps in REGISTRY.sets.values():
+    for ps in RUNTIME.registry.sets.values():
         ps.process_set_id = None
         ps._groups = None
-    REGISTRY.reset()
+
+
+def registered(process_set_id: int) -> ProcessSet | None:
+    """The registered set of ``process_set_id`` (0: the global set), or None."""
+    return RUNTIME.registry.sets.get(process_set_id)
 
 
 def groups_of(process_set: ProcessSet) -> _Groups:

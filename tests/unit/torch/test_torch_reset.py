@@ -8,11 +8,10 @@ import torch
 import torch.distributed as dist
 
 import phalanx.torch as hvd
-from phalanx.torch import process_sets
 from phalanx.torch._engine import background as _background
 from phalanx.torch._engine import core as _engine
 from phalanx.torch._health import stall as _stall
-from phalanx.torch._runtime import RUNTIME, ProcessState
+from phalanx.torch._runtime import RUNTIME, ProcessState, Registry
 
 
 def _use_everything() -> None:
@@ -31,9 +30,7 @@ def _assert_fresh() -> None:
     engine = _engine.ENGINE
     assert not (engine.queue or engine.handles or engine.inflight or engine.predictors or engine.rounds
                 or engine.issued or engine.tables)
-    registry = process_sets.REGISTRY
-    assert (registry.sets, registry.groups, registry.next_id, registry.static_done, registry.dynamic) == (
-        {}, {}, 0, False, False)
+    assert RUNTIME.registry == Registry()
     assert hvd.global_process_set.process_set_id is None
     runner = _background.RUNNER
     assert not (runner.queue or runner.jobs or runner.busy or runner.inflight or runner.finished)
@@ -47,6 +44,6 @@ def test_shutdown_then_init_leaves_nothing_stale(no_launcher: None) -> None:
     hvd.shutdown()
     _assert_fresh()
     _use_everything()  # the same names again: nothing of the first init is in the way
-    assert hvd.global_process_set.process_set_id == 0 and process_sets.REGISTRY.dynamic
+    assert hvd.global_process_set.process_set_id == 0 and RUNTIME.registry.dynamic
     hvd.shutdown()
     _assert_fresh()

@@ -16,8 +16,9 @@ from phalanx.torch._engine import header
 from phalanx.torch._engine import reduce as reduction
 from phalanx.torch._engine import speculate as speculation
 from phalanx.torch._engine.collective import Collective
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import state as _state
-from phalanx.torch.process_sets import REGISTRY, _Groups
+from phalanx.torch.process_sets import _Groups
 from phalanx.transport import api as shm
 
 
@@ -233,7 +234,7 @@ class Broadcast(_OneWork):
         self.output.copy_(_from_bytes(payloads[index], self.tensor.dtype, tuple(self.output.shape)))
 
     def _root_index(self) -> int:
-        ranks = REGISTRY.sets[self.sig.process_set_id].ranks
+        ranks = RUNTIME.registry.sets[self.sig.process_set_id].ranks
         return ranks.index(self.root)
 
     def issue(self, groups: _Groups, sigs: list[header.Signature], aux: list[list[int]]) -> None:

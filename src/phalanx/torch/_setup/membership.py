@@ -14,9 +14,10 @@ import torch.distributed as dist
 from phalanx.env import names as env_names
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
+from phalanx.torch._runtime import RUNTIME, Registry
 from phalanx.torch._setup import state as _state
 from phalanx.torch.functions import allgather_object
-from phalanx.torch.process_sets import REGISTRY, ProcessSet, _register, global_process_set
+from phalanx.torch.process_sets import ProcessSet, _register, global_process_set
 
 
 def _agree(requested: list[list[int]], what: str) -> None:
@@ -44,8 +45,7 @@ def init_process_sets(process_sets: Sequence[ProcessSet] | None, dynamic: bool =
     Raises:
         CollectiveMismatchError: ranks passed different static sets.
     """
-    REGISTRY.reset()
-    REGISTRY.dynamic = dynamic
+    RUNTIME.registry = Registry(dynamic=dynamic)
     global_process_set.ranks = list(range(dist.get_world_size()))
     global_process_set.process_set_id = None
     _register(global_process_set)
@@ -56,7 +56,7 @@ def init_process_sets(process_sets: Sequence[ProcessSet] | None, dynamic: bool =
 
 
 def _dynamic_enabled() -> bool:
-    return REGISTRY.dynamic or settings.DYNAMIC_PROCESS_SETS.get()
+    return RUNTIME.registry.dynamic or settings.DYNAMIC_PROCESS_SETS.get()
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -90,7 +90,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 def _refuse_duplicate(ps: ProcessSet) -> None:
     """Raise when a registered set has ``ps``'s ranks (every rank holds the same registry, so every rank
     raises alike)."""
-    for existing in REGISTRY.sets.values():
+    for existing in RUNTIME.registry.sets.values():
         if existing.ranks == ps.ranks:
             raise InvalidArgumentError(
                 f"Attempted to add a duplicate process set: {ps.ranks} (already registered as {existing}); "
@@ -110,9 +110,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """
     _state.topology()
     psid = process_set.process_set_id
-    if psid is None or psid == 0 or REGISTRY.sets.get(psid) is not process_set:
+    if psid is None or psid == 0 or RUNTIME.registry.sets.get(psid) is not process_set:
         return False
-    del REGISTRY.sets[psid]
+    del RUNTIME.registry.sets[psid]
     process_set.process_set_id = None
     process_set._groups = None
     return True
