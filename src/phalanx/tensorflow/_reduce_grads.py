@@ -46,12 +46,16 @@ class GradReducer:
         """Keep ``variable``'s gradient out of the reduction from now on."""
         self.local.add(var_key(variable))
 
+    def is_local(self, variable: Any) -> bool:
+        """Whether ``variable`` was registered as local."""
+        return var_key(variable) in self.local
+
     def __call__(self, grads: list[Any], variables: list[Any]) -> list[Any]:
         """The reduced gradients, in order (None stays None)."""
         if not self.process_set.included():
             return list(grads)
         out = list(grads)
-        shared = [i for i, v in enumerate(variables) if var_key(v) not in self.local]
+        shared = [i for i, v in enumerate(variables) if not self.is_local(v)]
         for idx in self._groups([variables[i] for i in shared]):
             chosen = [shared[i] for i in idx]
             for i, r in zip(chosen, self._reduce([grads[i] for i in chosen], len(out))):
@@ -83,7 +87,7 @@ class GradReducer:
         n = self.process_set.size()
         for i, v in enumerate(variables):
             g = out[i]
-            if var_key(v) not in self.local or g is None:
+            if not self.is_local(v) or g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)

@@ -107,6 +107,9 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     """Broadcast ``variables`` in place from ``root_rank``; returns their new values (Horovod's
     ``broadcast_``). Every member passes the same variables (count, shapes, dtypes) in the same order."""
     variables = list(variables)
+    if not tf.executing_eagerly():  # each value read after its assignment: running it runs the broadcast
+        return [tf.convert_to_tensor(a) for a in _graph_assigns(variables, root_rank, name or "broadcast_",
+                                                                process_set)]
     broadcast_variables(variables, root_rank, process_set, name=name or "broadcast_")
     return [tf.convert_to_tensor(v) for v in variables]
 
@@ -232,8 +235,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
     del inplace
     variables = list(variables)
     if not tf.executing_eagerly():
-        return tf.group(*[v.assign(_dlpack.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}",
-                                                        process_set)) for i, v in enumerate(variables)])
+        return tf.group(*_graph_assigns(variables, root_rank, name, process_set))
     if not variables:
         return None
     groups: dict[str, list[tuple[Any, np.ndarray]]] = {}
@@ -248,3 +250,10 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
             v.assign(synced[offset : offset + a.size].reshape(a.shape))
             offset += a.size
     return None
+
+
+def _graph_assigns(variables: list[Any], root_rank: int, name: str, process_set: ProcessSet) -> list[Any]:
+    """In a TensorFlow 1-style graph: per variable, its assignment of ``root_rank``'s value (the assigned
+    value, read after the assignment)."""
+    return [v.assign(_dlpack.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}", process_set))
+            for i, v in enumerate(variables)]

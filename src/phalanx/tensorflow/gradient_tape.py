@@ -44,6 +44,19 @@ class _DistributedGradientTapeMixin:
         flat = self._hvd_reducer(tf.nest.flatten(grads), flat_sources)
         return tf.nest.pack_sequence_as(grads, flat)
 
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None) -> tuple[list[Any], list[Any]]:
+        """:meth:`gradient`'s results split into ``(local, global)`` lists of ``(variable, gradient)`` pairs,
+        in the order of ``sources``: the local sources' gradients (not reduced; divided by the set's size
+        with ``scale_local_gradients``) and the reduced ones."""
+        flat_sources = tf.nest.flatten(sources)
+        grads = tf.nest.flatten(self.gradient(target, sources, output_gradients))
+        local: list[Any] = []
+        shared: list[Any] = []
+        for source, grad in zip(flat_sources, grads):
+            (local if self._hvd_reducer.is_local(source) else shared).append((source, grad))
+        return local, shared
+
 
 def DistributedGradientTape(
     gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",

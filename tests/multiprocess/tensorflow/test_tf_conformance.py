@@ -136,13 +136,52 @@ def _empty_contributions(me: int) -> dict[str, Any]:
     return out
 
 
+def _inplace_broadcast_in_a_graph(me: int) -> dict[str, Any]:
+    """``broadcast_``'s results in a TF1 graph are the assigned values: running them runs the broadcast."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    graph = tf.Graph()
+    with graph.as_default():
+        var = tf.compat.v1.Variable(tf.fill([3], float(me)), use_resource=True)
+        ref = tf.compat.v1.Variable(tf.fill([2], float(me + 5)), use_resource=False)
+        results = hvd.broadcast_([var, ref], root_rank=1)
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            got = session.run(results)
+            return {"broadcast_ in a graph": ([r.tolist() for r in got], session.run(var).tolist(),
+                                              session.run(ref).tolist())}
+
+
+def _local_and_global_gradients(me: int) -> dict[str, Any]:
+    """A partial tape's gradients split into (variable, gradient) pairs of its local and shared sources."""
+    import horovod.tensorflow as hvd
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    shared = keras.layers.Dense(2, kernel_initializer=keras.initializers.Constant(me + 1.0))
+    local = keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(me + 1.0))
+    model = keras.Sequential([keras.Input((3,)), shared, local])
+    x = np.ones((1, 3), dtype="float32")
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(model(x))
+    plain = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(loss, model.trainable_variables)
+    index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    return {"local and global": (
+        [(index[id(v)], bool(np.allclose(g.numpy(), plain[index[id(v)]] / 2))) for v, g in local_pairs],
+        [(index[id(v)], hvd.allgather(tf.reshape(g, [1, -1])).numpy().tolist()) for v, g in global_pairs])}
+
+
 def _job() -> dict[str, Any]:
     import horovod.tensorflow as hvd
 
     hvd.init()
     me = hvd.rank()
     out = {**_graph_checks(me), **_tf_function_checks(me), **_eager_errors(me), **_empty_contributions(me),
-           **_elastic_sync_saves(me)}
+           **_inplace_broadcast_in_a_graph(me), **_local_and_global_gradients(me), **_elastic_sync_saves(me)}
     hvd.shutdown()
     return out
 
@@ -161,6 +200,11 @@ def test_tensorflow_conformance_on_two_ranks() -> None:
         for dtype in ("uint16", "int32", "float64", "bfloat16"):
             assert r[f"alltoall {dtype}"] == ([1], [1, 0])  # one row from rank 0, none from rank 1
             assert r[f"allgather {dtype}"] == [2]
+        assert r["broadcast_ in a graph"] == ([[1.0] * 3, [6.0] * 2], [1.0] * 3, [6.0] * 2)
+        local_pairs, global_pairs = r["local and global"]
+        assert local_pairs == [(2, True), (3, True)]  # the local layer's kernel and bias, divided by the size
+        assert [i for i, _ in global_pairs] == [0, 1]
+        assert all(rows[0] == rows[1] for _, rows in global_pairs)  # reduced: the same on both ranks
         # Horovod's sync() saves after broadcasting: a restore() keeps rank 0's values on every rank
         assert r["tf state restore after sync"] == ([1.0, 1.0], 0)
         assert r["keras state restore after sync"] == [1.0, 1.0]
