@@ -29,7 +29,8 @@ def _pinned_then_rank_3_dies(out_dir: str) -> None:
 
     hvd.init()
     mine = {**{k: os.environ.get(k) for k in KEYS}, "local_rank": hvd.local_rank(), "size": hvd.size(),
-            "pid": os.getpid(), "own_gpu": os.environ["CUDA_VISIBLE_DEVICES"].split(",")[hvd.local_rank()]}
+            "pid": os.getpid(), "own_gpu": os.environ["CUDA_VISIBLE_DEVICES"].split(",")[hvd.local_rank()],
+            "parent": Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ").decode()}
     gathered = hvd.allgather_object(mine)
     if hvd.rank() == 0:
         Path(out_dir, "ranks.tmp").write_text(json.dumps(gathered))
@@ -76,6 +77,9 @@ def test_torch_distributor_runs_k_ranks_per_task_pinned_and_a_dying_rank_takes_i
     os.rmdir(os.path.dirname(kept))
     out = json.loads((tmp_path / "ranks.json").read_text())
     _check_pinned(out)
+    # The fresh executors' first job: each task's two ranks forked from the one template its task started (one
+    # import of torch per executor; issue 36), not started as interpreters.
+    assert all("phalanx.worker.template" in o["parent"] for o in out), [o["parent"] for o in out]
     deadline = time.monotonic() + 20
     while any(is_alive(o["pid"]) for o in out) and time.monotonic() < deadline:
         time.sleep(0.1)

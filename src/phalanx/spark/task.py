@@ -187,11 +187,23 @@ def check_script(spec: TaskSpec) -> None:
 
 def _run_rank(spec: TaskSpec, supervisor: RankSupervisor, env: dict[str, str]) -> int:
     check_script(spec)
-    # Spark reuses its python workers between tasks, so a template started after an earlier job of this
-    # driver is still here: fork the rank from it (imports already paid). Started from the task's main
-    # thread: the worker's PR_SET_PDEATHSIG follows this thread.
-    template = warm.ready_template(spec.warm_wait_s) if spec.warm() else None
+    # The rank forks from this python worker's template: the one an earlier job of this driver left (Spark
+    # reuses its python workers), else the one this task started (``warm_early``; waited for up to
+    # ``warm_wait_s``: it imports what a cold rank would). Started from the rank's supervising thread: the
+    # worker's PR_SET_PDEATHSIG follows this thread.
+    template = warm.template_for_job(spec.warm_preload or (), spec.warm_wait_s) if spec.warm() else None
     return supervisor.run(_argv(spec), env, template)
+
+
+def warm_early(spec: TaskSpec) -> TaskSpec:
+    """Start this python worker's warm-start template now, as the task starts, when the job's ranks may fork
+    from one and none runs: its imports (one for all of the task's ranks) then overlap the barrier round
+    instead of following it. Returns ``spec`` with the ranks' wait for it raised to half the start timeout
+    (the rest is left for the ranks to connect)."""
+    if not spec.warm():
+        return spec
+    warm.prepare(spec.warm_preload or ())
+    return replace(spec, warm_wait_s=max(spec.warm_wait_s, spec.job.start_timeout_s / 2))
 
 
 def _status(rank: int, returncode: int, reported: bool, error: str = "") -> str:
@@ -371,10 +383,11 @@ def barrier_task(spec: TaskSpec) -> Any:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
+        warmed = warm_early(spec)
         # Every task learns every task's host and GPUs (in partition order) in one barrier round.
         mine = task_resources(dict(ctx.resources()))
         gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
         hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
-        yield from supervise_task(spec, ctx.partitionId(), hosts, gpus, mine.get("problem", ""))
+        yield from supervise_task(warmed, ctx.partitionId(), hosts, gpus, mine.get("problem", ""))
 
     return task

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from phalanx.env import JobContract, settings
@@ -22,7 +22,7 @@ from phalanx.launch.supervisor import EXIT_NOT_STARTED
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
 from phalanx.spark.launcher import SparkJobSpec
-from phalanx.spark.task import supervise_task, task_host, task_resources
+from phalanx.spark.task import supervise_task, task_host, task_resources, warm_early
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,8 @@ def _run_ranks(spec: ConnectTaskSpec, task: int, gathered: list[dict[str, Any]])
     if "failed" in hosted:
         return [connect_wire.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
                 for rank in range(task * per_task, (task + 1) * per_task)]
-    task_spec = _launcher(spec).task_spec(_contract(spec, hosted))
-    # The template started with this task imports what a cold rank would: waiting for it beats starting over.
-    task_spec = replace(task_spec, warm_wait_s=max(warm.READY_WAIT_S, spec.job.start_timeout_s / 2))
+    # The template started with this task (_warm_early) imports what a cold rank would: wait for it.
+    task_spec = warm_early(_launcher(spec).task_spec(_contract(spec, hosted)))
     hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
     statuses = supervise_task(task_spec, task, hosts, gpus, gathered[task].get("problem", ""))
     return [connect_wire.status_body(int(s["rank"]), int(s["exit"]), bool(s["reported"]), s.get("error") or "")
