@@ -38,7 +38,8 @@ def undisturbed(data: tuple[Any, Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(180)
 def test_sigkilled_worker_is_replaced_and_the_survivor_keeps_its_work(
-        data: tuple[Any, Any], undisturbed: list[dict[str, Any]], tmp_path: Path) -> None:
+        data: tuple[Any, Any], undisturbed: list[dict[str, Any]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     rng = random.Random()
     kill_at, victim = rng.randrange(COMMIT_EVERY + 1, STEPS - 1), rng.randrange(2)
     kwargs: dict[str, Any] = {"steps": STEPS, "commit_every": COMMIT_EVERY, "kill_at": kill_at, "victim": victim,
@@ -46,6 +47,10 @@ def test_sigkilled_worker_is_replaced_and_the_survivor_keeps_its_work(
     # No checkpoint_dir: a failed stage would not be re-submitted, so completing means the stage survived.
     out = run_elastic(job.train, (data,), kwargs, num_proc=2, reset_limit=1, env=ENV)
     assert (tmp_path / "killed").exists(), "the victim never died"
+    # The start's progress, in order, then nothing more: the replacement's start is not the job's.
+    steps = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("phalanx: ")]
+    assert steps == ["phalanx: waiting for 2 barrier task(s) of Spark to start the ranks",
+                     "phalanx: barrier tasks started 2/2", "phalanx: ranks started 2/2"], steps
     assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)
     survivor = next(r for r in out if r["resumed_from"] == 0)  # started at step 0 and never restarted
     replacement = next(r for r in out if r is not survivor)

@@ -66,6 +66,7 @@ class ElasticSparkLauncher(SparkLauncher):
             self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,
             on_custom=self._on_custom, policy=self.elastic.policy, reform=self._reform,
             free_slots=self._free_slots, holds_state=self._holds_state, give_up=self._give_up,
+            progress=self.progress, on_tick=lambda: self._count_tasks(channel),
         )
         return self._elastic_monitor
 

@@ -186,6 +186,11 @@ def test_bad_input_fails_before_any_process_starts() -> None:
         phalanx.run(lambda: lock.locked(), np=2)
     with pytest.raises(InvalidArgumentError, match="np must be a positive int"):
         phalanx.run(print, np=0)
+    for slots in (0, True, 1.5):
+        with pytest.raises(InvalidArgumentError, match=r"slots_per_host=.*: give the ranks one host may run"):
+            phalanx.run(print, np=2, hosts="localhost", slots_per_host=slots)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="np=3 is more than the 2 slot"):  # a bare host: slots_per_host
+        phalanx.run(print, np=3, hosts="localhost", slots_per_host=2)
 
 
 def _unpicklable_result() -> Any:
