@@ -123,12 +123,15 @@ def test_layout_and_collectives_then_ctrl_c_stops_every_host(cluster: Cluster) -
 
 
 def test_unchanged_horovod_script_trains_to_the_local_accuracy(cluster: Cluster, tmp_path: Path) -> None:
-    """examples/horovod_train.py on 2 hosts x 2 ranks reaches the floor tests/examples asserts locally."""
+    """examples/horovod_train.py on 2 hosts x 2 ranks reaches the floor tests/examples asserts locally; the hosts
+    are named without their slots, which horovodrun's --slots-per-host gives them."""
     script = str(cluster.workdir / "examples" / "horovod_train.py")
-    done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta:2,hostb:2", sys.executable, script,
-                                              "--epochs", "3", "--out", str(tmp_path / "digits_horovod.pt")),
+    done = cluster.run_on("hosta", phalanxrun(cluster, "-np", "4", "-H", "hosta,hostb", "--slots-per-host", "2",
+                                              sys.executable, script, "--epochs", "3",
+                                              "--out", str(tmp_path / "digits_horovod.pt")),
                            timeout=170, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert "phalanx: starting the ranks' agents on 2 host(s), 1 over ssh" in done.stderr, done.stderr[-3000:]
     found = re.search(r"\[0\]<stdout>:test accuracy: ([0-9.]+)", done.stdout)
     assert found is not None, done.stdout[-3000:]
     assert float(found.group(1)) > ACCURACY_FLOOR
