@@ -65,6 +65,7 @@ class _RankState:
     result: bytes | Spooled | None = None
     error: ErrorRecord | None = None
     failed_at: float | None = None
+    host: str = ""  # where the rank said it runs (its hello)
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,8 @@ class MonitorConfig:
         stop_wait_s: after a failure, seconds to wait for the other ranks to go.
         teardown_grace_s: seconds the teardown waits between SIGTERM and SIGKILL (a rank SIGKILLed sooner
             after the job was stopped was killed by someone else: a failure of its own, not a stopped rank).
-        rank_hosts: the host of each rank when the job spans several machines (failures name it); empty
-            for a job on one machine.
+        rank_hosts: the host of each rank when the launcher placed them (failures name it); empty: the host
+            each rank's hello named (Spark, where the cluster places them), else this machine's.
         raw_results: return each rank's result as the bytes it sent (a launcher that runs away from the
             user's code, e.g. in a Spark Connect task, leaves unpickling to the client).
     """
@@ -190,6 +191,7 @@ class JobMonitor:
         state = self._ranks[event.rank]
         if isinstance(event, Hello):
             state.hello = True
+            state.host = event.host
             if self.on_tick is not None:
                 self.on_tick()  # what the launcher counts (the tasks that started) is told before this rank
             self._started()
@@ -302,7 +304,7 @@ class JobMonitor:
             returncode=state.returncode,
             exc_type=state.error.exc_type if state.error else None,
             secondary=secondary,
-            host=hosts[rank] if rank < len(hosts) else socket.gethostname(),
+            host=hosts[rank] if rank < len(hosts) else state.host or socket.gethostname(),
             where=found.where,
             traceback_shown=found.from_output,
         )

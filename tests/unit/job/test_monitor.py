@@ -75,6 +75,14 @@ def test_signal_death_is_named() -> None:
         mon.run()
 
 
+def test_a_failed_rank_is_named_on_the_host_its_hello_gave_when_the_launcher_placed_none() -> None:
+    # Spark places the ranks: the driver's host is not theirs
+    mon, _ = _monitor([Hello(0, 1, "10.0.0.7"), Hello(1, 2, "10.0.0.8"), RankExit(1, -9)])
+    with pytest.raises(WorkerFailedError, match=r"^rank 1 \[on host 10\.0\.0\.8\] failed: process ended with "
+                                                r"signal SIGKILL"):
+        mon.run()
+
+
 def test_start_timeout_names_missing_ranks_and_knob() -> None:
     mon, stops = _monitor([Hello(0, 1, "h")], n=3, start_timeout_s=0.2)
     expected = r"rank\(s\) 1, 2 of 3 did not start within 0.2 s; raise start_timeout="
