@@ -7,7 +7,8 @@
 
 Rows: phalanx.torch collectives on CUDA tensors (every op, fp16/bf16/fp32, the global and a registered process
 set; results checked, and checked to stay on the GPU), DistributedOptimizer vs DDP on NCCL (a ResNet-18-layout
-CNN on synthetic images: images/s and the ratio), DDP and FSDP under ``phalanxrun``, Keras on GPU,
+CNN on synthetic images: images/s and the ratio), DDP and FSDP under ``phalanxrun``, Keras on GPU (and the
+DLPack route's time per fused gradient allreduce against the host route's),
 ``TorchDistributor(use_gpu=True, local_mode=True)``, the elastic kill test (a rank SIGKILLed mid-training, the
 job completes) and the hang report (a rank that skips a collective: the report names it, with stacks and the
 Flight Recorder). The exit status is 1 when a row failed.
@@ -353,7 +354,60 @@ def check_keras(plan: Plan) -> list[Row]:
 
     losses = phalanx.run(keras_rank, np=plan.ranks)
     same = max(losses) - min(losses) < 1e-4
-    return [Row("Keras", f"{plan.ranks} ranks, DistributedOptimizer", "ok" if same else f"FAIL: losses {losses}")]
+    rows = [Row("Keras", f"{plan.ranks} ranks, DistributedOptimizer", "ok" if same else f"FAIL: losses {losses}")]
+    route = phalanx.run(tf_route_rank, np=plan.ranks)[0]
+    ok = "ok" if route["cuda"] and route["agree"] else f"FAIL: {route}"
+    return [*rows, Row("TF DLPack route", "fused allreduce, 25.6M fp32 in 50 tensors", ok,
+                       f"{route['dlpack_ms']:.1f} ms vs host route {route['host_ms']:.1f} ms "
+                       f"({route['dlpack_ms'] / route['host_ms']:.2f}x)")]
+
+
+def _own_tf_gpu() -> None:
+    """Give TensorFlow this rank's GPU only (before it initializes them)."""
+    import tensorflow as tf
+
+    own = tf.config.list_physical_devices("GPU")[int(os.environ["LOCAL_RANK"])]
+    tf.config.set_visible_devices(own, "GPU")
+    tf.config.experimental.set_memory_growth(own, True)
+
+
+def tf_route_rank() -> dict[str, Any]:
+    """ms per fused gradient allreduce of ResNet-50's size on this rank's GPU, by the DLPack route (the default
+    for GPU tensors) and the host route (``PHALANX_TF_DLPACK=0``), interleaved; whether the DLPack route handed
+    torch CUDA tensors, and whether both routes agree."""
+    import statistics
+
+    import tensorflow as tf
+
+    import phalanx.tensorflow as hvd
+    from phalanx.tensorflow import _dlpack, ops
+
+    _own_tf_gpu()
+    hvd.init()
+    devices: set[str] = set()
+    to_torch = _dlpack.to_torch
+
+    def seen(tensor: Any) -> Any:
+        out = to_torch(tensor)
+        devices.add(out.device.type)
+        return out
+
+    _dlpack.to_torch = seen
+    tensors = [tf.random.normal([512_000], seed=hvd.rank()) for _ in range(50)]
+    times: dict[str, list[float]] = {"auto": [], "0": []}
+    results = {}
+    for route in ("auto", "0") * 4:
+        os.environ["PHALANX_TF_DLPACK"] = route
+        hvd.allreduce(tf.zeros([1]), name="gpu_check.sync")
+        start = time.perf_counter()
+        for _ in range(5):
+            last = ops.fused_allreduce(tensors, hvd.Average, hvd.Compression.none, "gpu_check.route")[-1]
+        assert last is not None
+        results[route] = last.numpy()
+        times[route].append((time.perf_counter() - start) / 5 * 1e3)
+    os.environ.pop("PHALANX_TF_DLPACK")
+    return {"dlpack_ms": statistics.median(times["auto"][1:]), "host_ms": statistics.median(times["0"][1:]),
+            "cuda": devices == {"cuda"}, "agree": bool(abs(results["auto"] - results["0"]).max() < 1e-5)}
 
 
 def keras_rank() -> float:
@@ -363,10 +417,7 @@ def keras_rank() -> float:
 
     import phalanx.tensorflow.keras as hvd
 
-    gpus = tf.config.list_physical_devices("GPU")  # before TensorFlow initializes them: one GPU per rank
-    own = gpus[int(os.environ["LOCAL_RANK"])]
-    tf.config.set_visible_devices(own, "GPU")
-    tf.config.experimental.set_memory_growth(own, True)
+    _own_tf_gpu()
     hvd.init()
     model = tf.keras.Sequential([tf.keras.Input((32,)), tf.keras.layers.Dense(64, activation="relu"),
                                  tf.keras.layers.Dense(1)])
