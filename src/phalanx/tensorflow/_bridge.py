@@ -24,6 +24,7 @@ import torch
 import phalanx.torch as ptorch
 from phalanx.env import settings
 from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
+from phalanx.tensorflow import _pools
 from phalanx.torch import frontend
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
@@ -184,6 +185,7 @@ def numpy_op(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: 
     collective takes the TF op's name (unique in its graph, and the same on every rank, which builds the
     same graph), as Horovod names its ops: ranks whose executors start a graph's collectives in different
     orders still match them."""
+    _pools.check_graph_pool()
     cell = [name]
 
     def fn(*arrays: np.ndarray) -> Any:

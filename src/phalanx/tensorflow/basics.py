@@ -17,8 +17,9 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     """Initialize phalanx for TensorFlow (idempotent; the same state as ``phalanx.torch.init``).
 
     When ``OMP_NUM_THREADS`` is not set and several ranks share a host, TensorFlow's intra-op pool gets
-    ``cpu_count // local_size`` threads and its inter-op pool 2 (only possible before TensorFlow runs its
-    first op; later calls leave the pools as they are), so ranks do not oversubscribe the host's cores.
+    ``cpu_count // local_size`` threads (only possible before TensorFlow runs its first op; later calls leave
+    it as it is), so ranks do not oversubscribe the host's cores. The inter-op pool is left wide: each
+    collective waiting inside a TensorFlow 1-style graph holds one of its threads (``_pools``).
 
     Args:
         comm: an MPI communicator in Horovod; only ``None`` is supported.
@@ -34,6 +35,5 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
     share = max(1, (os.cpu_count() or 1) // local)
     try:
         tf.config.threading.set_intra_op_parallelism_threads(share)
-        tf.config.threading.set_inter_op_parallelism_threads(2)
     except RuntimeError:
         pass  # TensorFlow's runtime is already initialized: its pools cannot change any more

@@ -176,11 +176,19 @@ def _local_and_global_gradients(me: int) -> dict[str, Any]:
 
 
 def _job() -> dict[str, Any]:
-    import horovod.tensorflow as hvd
+    import os
 
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    # Without OMP_NUM_THREADS hvd.init() sizes TensorFlow's pools for ranks sharing a host; it must leave the
+    # inter-op pool wide for the graph checks' 12 independent collectives in one Session.run.
+    os.environ.pop("OMP_NUM_THREADS", None)
     hvd.init()
     me = hvd.rank()
-    out = {**_graph_checks(me), **_tf_function_checks(me), **_eager_errors(me), **_empty_contributions(me),
+    pools = {"inter-op pool": (tf.config.threading.get_inter_op_parallelism_threads(),
+                               os.environ.get("TF_NUM_INTEROP_THREADS"))}
+    out = {**pools, **_graph_checks(me), **_tf_function_checks(me), **_eager_errors(me), **_empty_contributions(me),
            **_inplace_broadcast_in_a_graph(me), **_local_and_global_gradients(me), **_elastic_sync_saves(me)}
     hvd.shutdown()
     return out
@@ -190,6 +198,7 @@ def _job() -> dict[str, Any]:
 def test_tensorflow_conformance_on_two_ranks() -> None:
     r0, r1 = phalanx.run(_job, np=2, env=ENV)
     for r in (r0, r1):
+        assert r["inter-op pool"] == (0, "64")  # TensorFlow's setting untouched: the variable phalanx set
         assert r["graph unnamed sums"] == [[2] * (3 + i) for i in range(6)]
         assert r["graph named gathers"] == [[0.0, 0.0, 1.0, 1.0]] * 6
         assert r["graph error"].startswith("TFCollectiveMismatchError") and "shape" in r["graph error"]
