@@ -279,15 +279,16 @@ class _CancelRecorder:
 def test_a_stage_still_running_after_abort_and_grace_is_cancelled() -> None:
     import threading
 
-    from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
+    from phalanx.launch.core import JobSpec
+    from phalanx.spark.launcher import SparkLauncher
 
     sc = _CancelRecorder()
-    launcher = SparkLauncher(SparkJobSpec(np=2, teardown_grace_s=0.1), sc)  # type: ignore[arg-type]
+    launcher = SparkLauncher(JobSpec(np=2, teardown_grace_s=0.1), sc)  # type: ignore[arg-type]
     stage = threading.Thread(target=sc.event.wait, args=(20,), daemon=True)  # a stage that only ends on cancel
     stage.start()
-    launcher._job_thread = stage
-    launcher._stop_all()
-    launcher._stop_all()  # idempotent
+    launcher.stage._job_thread = stage
+    launcher.stage.stop(0.1)
+    launcher.stage.stop(0.1)  # idempotent
     assert sc.event.wait(20), "the job group was not cancelled"
     stage.join(5)
     assert sc.cancelled == [launcher.run_id]
@@ -315,17 +316,17 @@ def test_a_script_missing_on_the_executor_is_named_with_the_host(tmp_path: Path)
 
 def test_horovod_runner_and_run_keep_np_as_processes_on_a_cluster_of_k_gpu_tasks(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.launch.core import JobSpec
     from phalanx.spark import api, runner
-    from phalanx.spark.launcher import SparkJobSpec
     from phalanx.spark.runner import HorovodRunner
 
     sc: Any = _FakeContext("spark://m:1", [3], {"spark.task.resource.gpu.amount": "2"})
-    specs: list[SparkJobSpec] = []
+    specs: list[JobSpec] = []
 
     class _Done:
         values = [None]
 
-    def fake_launch(spec: SparkJobSpec, *rest: Any) -> _Done:
+    def fake_launch(spec: JobSpec, *rest: Any) -> _Done:
         specs.append(spec)
         return _Done()
 
@@ -342,10 +343,10 @@ def test_horovod_runner_and_run_keep_np_as_processes_on_a_cluster_of_k_gpu_tasks
 
 
 def test_a_connect_task_of_k_gpus_reports_a_status_row_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.launch.core import JobSpec
     from phalanx.spark.connect import task as connect_task
-    from phalanx.spark.launcher import SparkJobSpec
 
-    spec: Any = connect_task.ConnectTaskSpec(job=SparkJobSpec(np=4, ranks_per_task=2, use_gpu=True), run_id="r",
+    spec: Any = connect_task.ConnectTaskSpec(job=JobSpec(np=4, ranks_per_task=2, use_gpu=True), run_id="r",
                                              elastic=None, client="", secret="00", probe_s=0.0)
     failed = [{"host": "a", "gpus": ["3", "5"], "job": {"failed": "no store"}}, {"host": "b", "gpus": ["3", "5"]}]
     rows = [json.loads(b) for b in connect_task._run_ranks(spec, 1, failed)]

@@ -31,10 +31,10 @@ from phalanx.launch.api import (
     validate_np,
     validate_slots_per_host,
 )
-from phalanx.launch.core import start_timeout_hint
+from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
-from phalanx.launch.local import LocalJobSpec, LocalLauncher
+from phalanx.launch.local import LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 from phalanx.observe import ObserveOptions
 from phalanx.observe import resolve as resolve_observe
@@ -75,9 +75,9 @@ class RunConfig:
                 env[env_names.HOROVOD_TIMELINE_MARK_CYCLES] = "1"
         return env
 
-    def to_spec(self) -> LocalJobSpec:
+    def to_spec(self) -> JobSpec:
         """The launcher's job description."""
-        return LocalJobSpec(
+        return JobSpec(
             np=self.np,
             command=self.command,
             env=self.job_env(),

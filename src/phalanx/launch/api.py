@@ -17,12 +17,12 @@ from phalanx.job.payload import serialize_call
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch import warm
-from phalanx.launch.core import start_timeout_hint
+from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.discovery import HostDiscovery, check_script
 from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
 from phalanx.launch.hosts import HostSlots, check_host_name, only_this_machine, parse_hostfile, parse_hosts, place
-from phalanx.launch.local import LocalJobSpec, LocalLauncher
+from phalanx.launch.local import LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 from phalanx.launch.ssh import SshOptions
 from phalanx.observe import resolve as resolve_observe
@@ -275,7 +275,7 @@ def run(
     remote = resolve_hosts(hosts, np, slots_per_host=slots_per_host)
     # Across hosts the driver-local modules travel with the call, as on Spark (phalanx.job.shipping).
     pack = serialize_call if remote is None else shipped_payload
-    spec = LocalJobSpec(
+    spec = JobSpec(
         np=np,
         payload=pack(fn, tuple(args), dict(kwargs or {})),
         env=validate_env(env),

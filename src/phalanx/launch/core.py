@@ -1,9 +1,10 @@
-"""What every launcher shares: the run id, how a rank's process starts, how the monitor judges a job.
+"""What every launcher shares: the job's spec, the run id, how a rank's process starts, how the monitor
+judges a job.
 
 The local launcher (ranks are children of the driver), the Spark launcher (ranks are children of barrier
 tasks) and the hosts launcher (ranks are children of an agent started over ssh) differ only in *where*
-ranks start; the pieces below are the same for all three, so a rank starts, drains and is judged the same
-way wherever it runs.
+ranks start (:mod:`phalanx.launch.driver`); the pieces below are the same for all three, so a job is
+described, and a rank starts, drains and is judged, the same way wherever it runs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import IO, Any
 
 from phalanx.env import names as env_names
+from phalanx.env.contract import teardown_grace_s
 from phalanx.job.monitor import MonitorConfig
 from phalanx.launch import warm
 from phalanx.launch.warm import RankProcess
+from phalanx.observe import ObserveOptions
+from phalanx.observe import resolve as resolve_observe
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +35,78 @@ log = logging.getLogger(__name__)
 DRAIN_WAIT_S = 5.0
 #: Seconds the monitor waits, beyond the teardown grace and the drain, for stopped ranks to report.
 STOP_SLACK_S = 2.0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job, wherever its ranks run; validated by the public entry points before construction.
+
+    The job:
+
+    Attributes:
+        np: number of ranks.
+        payload: the serialized call of a function job; empty for a command job.
+        command: the command each rank runs (on Spark: ``(script, *args)`` run with the executor's python);
+            None for a function job.
+        env: the user's extra variables for every rank (the contract wins on conflicts).
+        start_timeout_s: seconds every rank has to reach the channel.
+        start_timeout_hint: the knob to name in a start-timeout error.
+        teardown_grace_s: seconds between SIGTERM and SIGKILL on teardown.
+        warm_preload: for function jobs, the modules a warm-start template should import; None turns
+            warm starts off for this job.
+        observe: the job's live page and MLflow logging on the driver (docs/observe.md); None: neither
+            (default: ``PHALANX_DASHBOARD`` / ``PHALANX_MLFLOW``, so every entry point honours them).
+
+    The driver's output (``prefix``, ``prefix_timestamp`` and ``output_dir`` for a job whose ranks are the
+    driver's: local, hosts):
+
+    Attributes:
+        progress: say on ``stderr`` what the start waits for (the warm-start template, the host agents, the
+            barrier tasks, the ranks started); False: ``phalanxrun -q``, ``phalanx.run(quiet=True)``,
+            ``phalanx.spark.run(verbose=0)``.
+        prefix: prefix each output line with ``[rank]<stream>:``.
+        prefix_timestamp: start each output line with the local time (horovodrun's
+            ``--prefix-output-with-timestamp``).
+        output_dir: also keep each rank's output under this directory.
+
+    A Spark job's tasks and its output on the driver:
+
+    Attributes:
+        use_gpu: give each rank its task's GPUs.
+        ranks_per_task: ranks each barrier task runs, one per GPU of the task
+            (``spark.task.resource.gpu.amount`` when it is above 1); ``np`` is a multiple of it
+            (:func:`phalanx.spark.gpus.ranks_per_task`).
+        console: ``"all"`` prints every rank's output on the driver; ``"log_callback_only"`` prints only
+            ``log_to_driver`` messages and keeps the full logs in files.
+        stdout: where rank output goes on the driver (default: ``sys.stdout`` at the time of writing).
+        stderr: where rank error output goes on the driver (default: ``sys.stderr``).
+        description: shown in the Spark UI.
+    """
+
+    np: int
+    payload: bytes = b""
+    command: tuple[str, ...] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    start_timeout_s: float = 30.0
+    start_timeout_hint: str = "start_timeout"
+    teardown_grace_s: float = field(default_factory=teardown_grace_s)
+    warm_preload: tuple[str, ...] | None = None
+    observe: ObserveOptions | None = field(default_factory=resolve_observe)
+    progress: bool = True
+    prefix: bool = True
+    prefix_timestamp: bool = False
+    output_dir: str | None = None
+    use_gpu: bool = False
+    ranks_per_task: int = 1
+    console: str = "all"
+    stdout: IO[str] | None = None
+    stderr: IO[str] | None = None
+    description: str = "phalanx job"
+
+    @property
+    def tasks(self) -> int:
+        """Barrier tasks of a Spark job (``np / ranks_per_task``)."""
+        return self.np // self.ranks_per_task
 
 
 def new_run_id() -> str:

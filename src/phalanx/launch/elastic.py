@@ -4,29 +4,37 @@ Each process is a *worker* with a stable id (its channel rank, ``PHALANX_ELASTIC
 rank comes from the round the driver publishes in the store it hosts (``phalanx.env.elastic``).
 Round 0 is workers ``0..np-1``; after a loss the survivors keep their order and replacements (new ids)
 fill the free slots, up to ``np`` (``max_np`` caps it, ``min_np`` is the floor).
+
+The elastic part of every launcher is one composed :class:`Elasticity`; what differs is how its
+:class:`Replacer` starts a replacement: a fork here (:class:`ElasticForks`), an agent on a host with a
+free slot (:class:`~phalanx.launch.elastic_hosts.ElasticHostAgents`), a command to a barrier task whose worker
+was lost (:class:`~phalanx.spark.launcher.TaskSlots`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
+import queue
 import socket
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from phalanx.env import JobContract, RankIdentity, compose_env, worker_env
+from phalanx.env import JobContract, RankIdentity
 from phalanx.env import elastic as elastic_keys
 from phalanx.env import names as env_names
 from phalanx.errors import PhalanxError
-from phalanx.job.channel import DriverChannel
+from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
 from phalanx.job.logs import LogSink
-from phalanx.job.monitor import JobMonitor
+from phalanx.job.monitor import MonitorConfig
+from phalanx.job.progress import Progress
 from phalanx.launch import warm
+from phalanx.launch.core import JobSpec, new_run_id
 from phalanx.launch.discovery import HostDiscovery, local_slots
-from phalanx.launch.fr_dump import DumpDir
-from phalanx.launch.local import LocalJobSpec, LocalLauncher
+from phalanx.launch.driver import DriverAddress
+from phalanx.launch.local import LocalForks, observed, run_on_driver
 from phalanx.launch.rendezvous import RendezvousStore
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,20 @@ def worker_id_budget(np: int, reset_limit: int | None) -> int:
     """How many worker ids an elastic job of ``np`` workers may use: the first world plus one replacement
     per worker per reset (100 resets when there is no limit)."""
     return np * (1 + (reset_limit if reset_limit is not None else 100))
+
+
+def elastic_env(wid: int, elastic: ElasticSpec, target: int, budget: int) -> dict[str, str]:
+    """The variables of worker ``wid`` of a driver-side elastic job over its contract (``LOCAL_WORLD_SIZE``, the
+    target size, sizes its OpenMP threads: cores / live workers).
+
+    Raises:
+        PhalanxError: ``wid`` is beyond the job's ``budget`` of worker ids.
+    """
+    if wid >= budget:
+        raise PhalanxError(f"elastic job used all {budget} worker ids; raise reset_limit")
+    return {env_names.PHALANX_ELASTIC_WORKER_ID: str(wid),
+            env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{elastic.timeout_s:g}",
+            env_names.LOCAL_WORLD_SIZE: str(target)}
 
 
 @dataclass(frozen=True)
@@ -61,108 +83,191 @@ class ElasticSpec:
     slots_per_host: int = 1
 
 
-class ElasticLocalLauncher(LocalLauncher):
-    """A :class:`LocalLauncher` whose lost workers are replaced while the policy allows."""
+class Replacer(Protocol):
+    """What an elastic job's rank starter does beyond :class:`~phalanx.launch.driver.RankStarter`: replace lost
+    workers (with new worker ids)."""
 
-    def __init__(self, spec: LocalJobSpec, elastic: ElasticSpec) -> None:
-        super().__init__(spec)
-        self.elastic = elastic
-        self._job: JobContract | None = None
+    def add(self, kept: list[int], count: int) -> list[int]:
+        """Start up to ``count`` replacements beside the workers ``kept``; return their worker ids (called in
+        the monitor's thread)."""
+
+    def free_slots(self, alive: list[int]) -> int:
+        """How many replacements could start now, given the alive worker ids."""
+
+    def give_up(self) -> str:
+        """A reason to fail instead of re-forming, whatever the policy says; empty when there is none."""
+
+    def leaving(self) -> set[int]:
+        """The worker ids being stopped because their host left the job."""
+
+
+class Elasticity:
+    """The elastic part of a job's driver: the policy, the rounds it publishes in the store, and the
+    re-formations, which start replacements through the job's :class:`Replacer`.
+
+    Args:
+        spec: the policy and the workers' round timeout.
+        starter: starts (and replaces) the workers.
+        first: the first world's size (workers ``0..first-1``, which hold the user's initial state).
+        most: the most workers at once (sizes the worker ids: :func:`worker_id_budget`).
+    """
+
+    def __init__(self, spec: ElasticSpec, starter: Replacer, first: int, most: int) -> None:
+        self.spec = spec
+        self.starter = starter
+        self.first = first
+        self.channel_size = worker_id_budget(most, spec.policy.reset_limit)
         self._store: RendezvousStore | None = None
-        self._channel: DriverChannel | None = None
         self._round = -1
-        self._target = min(spec.np, elastic.policy.max_np)
-        self._first = self._target  # worker ids below this are the first world's
-        self._discovery: HostDiscovery | None = None
-        self._warned: set[str] = set()
-        self._next_id = 0
+        self._monitor: ElasticMonitor | None = None
 
-    def run(self) -> list[Any]:
-        """Run the job (see :meth:`LocalLauncher.run`), polling the host discovery script if there is one."""
-        try:
-            return super().run()
-        finally:
-            if self._discovery is not None:
-                self._discovery.stop()
+    @property
+    def resets(self) -> int:
+        """Re-formations so far."""
+        return self._monitor.resets if self._monitor is not None else 0
 
-    def _channel_size(self) -> int:
-        # Every worker id ever used: the first world plus one replacement per worker per reset.
-        most = self.elastic.policy.max_np if self.elastic.discovery_script else self._first
-        return worker_id_budget(most, self.elastic.policy.reset_limit)
+    def begin(self, store: RendezvousStore) -> None:
+        """Publish round 0 (the first world) in the job's store, before any worker starts."""
+        self._store = store
+        self._publish(list(range(self.first)))
 
-    def _on_hosts(self, hosts: dict[str, int]) -> None:
-        # In the discovery thread: replacements fill up to the discovered slots from now on; the monitor grows.
-        self._on_slots(local_slots(hosts, self._warned))
-
-    def _on_slots(self, slots: int) -> None:
-        self._target = max(1, min(slots, self.elastic.policy.max_np))
-        assert self._channel is not None
-        self._channel.events.put(HostsUpdated(slots))
-
-    def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
-        return ElasticMonitor(
-            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,
-            policy=self.elastic.policy, reform=self._reform, free_slots=self._free_slots,
-            holds_state=self._holds_state,
+    def monitor(self, config: MonitorConfig, events: queue.Queue[Any], sinks: Sequence[LogSink],
+                stop_all: Callable[[], None], on_custom: Callable[[Custom], None] | None = None,
+                progress: Progress | None = None, on_tick: Callable[[], None] | None = None) -> ElasticMonitor:
+        """The job's monitor: it asks the policy on every loss and calls back here to re-form."""
+        starter = self.starter
+        self._monitor = ElasticMonitor(
+            config, events, sinks, stop_all=stop_all, on_custom=on_custom, progress=progress, on_tick=on_tick,
+            policy=self.spec.policy, reform=self._reform, free_slots=starter.free_slots,
+            holds_state=self._holds_state, give_up=starter.give_up, leaving=starter.leaving,
         )
+        return self._monitor
 
-    def _start(self, channel: DriverChannel, store: RendezvousStore) -> None:
-        self._job = self._contract(channel, store)
-        self._store, self._channel = store, channel
-        template = self._template()
-        for _ in range(self._target):
-            self._spawn_worker(template)
-        self._publish(list(range(self._target)))
-        log.debug("started elastic job: %d workers", self._target)
-        if self.elastic.discovery_script:
-            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts,
-                                            default_slots=self.elastic.slots_per_host)
-            self._discovery.start()
+    def _holds_state(self, worker: int) -> bool:
+        if worker < self.first:  # the first world: the user's initial state (or the durable checkpoint)
+            return True
+        assert self._store is not None
+        return self._store.check(elastic_keys.synced_key(self._round, worker))
 
-    def _spawn_worker(self, template: warm.Template | None) -> int:
-        assert self._job is not None
-        wid = self._next_id
-        if wid >= self._channel_size():
-            raise PhalanxError(f"elastic job used all {self._channel_size()} worker ids; raise reset_limit")
-        self._next_id += 1
-        own = {env_names.PHALANX_ELASTIC_WORKER_ID: str(wid),
-               env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{self.elastic.timeout_s:g}",
-               env_names.LOCAL_WORLD_SIZE: str(self._target)}  # OpenMP threads: cores / live workers
-        self._launch(wid, own, template)
-        return wid
-
-    def _launch(self, wid: int, own: dict[str, str], template: warm.Template | None) -> None:
-        """Start worker ``wid`` here with the elastic variables ``own`` laid over its contract."""
-        assert self._job is not None and self._channel is not None
-        size = self._channel_size()
-        who = RankIdentity(rank=wid, size=size, local_rank=wid, local_size=size, cross_rank=0, cross_size=1,
-                           host_rank=0, host_count=1, hostname=socket.gethostname())
-        own = {env_names.PHALANX_PARENT_PID: str(os.getpid()), **own}
-        env = compose_env(os.environ, self.spec.env, {**worker_env(self._job, who), **own}, os.cpu_count())
-        dumps = DumpDir.create(env)
-        proc = self._spawn({**env, **dumps.env()}, template)
-        self._procs.append(proc)
-        self._watch(wid, proc, self._channel, dumps)
+    def _reform(self, alive: list[int], size: int) -> list[int]:
+        started = time.monotonic()
+        kept = alive[:size]
+        world = kept + self.starter.add(kept, max(0, size - len(kept)))
+        self._publish(world)
+        log.info("elastic round %d: workers %s (re-formed in %.2f s)", self._round, world,
+                 time.monotonic() - started)
+        return world
 
     def _publish(self, world: list[int]) -> None:
         assert self._store is not None
         self._round += 1
         publish_round(self._store, self._round, world)
 
-    def _holds_state(self, worker: int) -> bool:
-        if worker < self._first:  # the first world: the user's initial state (or the durable checkpoint)
-            return True
-        assert self._store is not None
-        return self._store.check(elastic_keys.synced_key(self._round, worker))
 
-    def _free_slots(self, alive: list[int]) -> int:
-        return max(0, self._target - len(alive))
+class ElasticForks:
+    """The workers of an elastic job on this machine (a rank starter and a :class:`Replacer`):
+    :class:`LocalForks` started one worker id at a time, the world's target size following the host discovery
+    script when there is one.
 
-    def _reform(self, alive: list[int], size: int) -> list[int]:
-        started = time.monotonic()
-        template = self._template()
-        world = alive[:size] + [self._spawn_worker(template) for _ in range(max(0, size - len(alive)))]
-        self._publish(world)
-        log.info("elastic round %d: workers %s (re-formed in %.2f s)", self._round, world,
-                 time.monotonic() - started)
-        return world
+    Args:
+        spec: the job.
+        elastic: the policy and the discovery script.
+        run_id: the job's id.
+    """
+
+    def __init__(self, spec: JobSpec, elastic: ElasticSpec, run_id: str, progress: Progress | None = None) -> None:
+        self.spec = spec
+        self.elastic = elastic
+        self.forks = LocalForks(spec, run_id, progress)
+        self.target = min(spec.np, elastic.policy.max_np)
+        #: The most workers at once: the policy's, when discovery may grow the world, else the first world's.
+        self.most = elastic.policy.max_np if elastic.discovery_script else self.target
+        self.channel_size = worker_id_budget(self.most, elastic.policy.reset_limit)
+        self._channel: DriverChannel | None = None
+        self._discovery: HostDiscovery | None = None
+        self._warned: set[str] = set()
+        self._next_id = 0
+
+    def start(self, job: JobContract, channel: DriverChannel) -> None:
+        """Start the first world (workers ``0..target-1``), then poll the discovery script if there is one."""
+        self._channel = channel
+        self.forks.attach(job, channel)
+        template = self.forks.template()
+        for _ in range(self.target):
+            self._spawn(template)
+        log.debug("started elastic job: %d workers", self.target)
+        if self.elastic.discovery_script:
+            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts,
+                                            default_slots=self.elastic.slots_per_host)
+            self._discovery.start()
+
+    def add(self, kept: list[int], count: int) -> list[int]:
+        """Fork ``count`` replacements.
+
+        Raises:
+            PhalanxError: the job used all its worker ids.
+        """
+        template = self.forks.template()
+        return [self._spawn(template) for _ in range(count)]
+
+    def free_slots(self, alive: list[int]) -> int:
+        """Up to the target size."""
+        return max(0, self.target - len(alive))
+
+    def give_up(self) -> str:
+        """Never: a fork can always be started."""
+        return ""
+
+    def leaving(self) -> set[int]:
+        """None: this machine does not leave."""
+        return set()
+
+    def stop(self, grace_s: float) -> None:
+        """See :meth:`LocalForks.stop`."""
+        self.forks.stop(grace_s)
+
+    def unfinished(self) -> list[int]:
+        """See :meth:`LocalForks.unfinished`."""
+        return self.forks.unfinished()
+
+    def close(self) -> None:
+        """Stop polling the discovery script; see :meth:`LocalForks.close`."""
+        if self._discovery is not None:
+            self._discovery.stop()
+        self.forks.close()
+
+    def _on_hosts(self, hosts: dict[str, int]) -> None:
+        # In the discovery thread: replacements fill up to the discovered slots from now on; the monitor grows.
+        self.on_slots(local_slots(hosts, self._warned))
+
+    def on_slots(self, slots: int) -> None:
+        """Discovery found ``slots`` slots: the target follows, and the monitor may grow the world."""
+        self.target = max(1, min(slots, self.elastic.policy.max_np))
+        assert self._channel is not None
+        self._channel.events.put(HostsUpdated(slots))
+
+    def _spawn(self, template: warm.Template | None) -> int:
+        wid = self._next_id
+        own = elastic_env(wid, self.elastic, self.target, self.channel_size)
+        self._next_id += 1
+        size = self.channel_size
+        who = RankIdentity(rank=wid, size=size, local_rank=wid, local_size=size, cross_rank=0, cross_size=1,
+                           host_rank=0, host_count=1, hostname=socket.gethostname())
+        self.forks.spawn(who, own, template)
+        return wid
+
+
+class ElasticLocalLauncher:
+    """A local job whose lost workers are replaced while the policy allows; use :meth:`run` once."""
+
+    def __init__(self, spec: JobSpec, elastic: ElasticSpec) -> None:
+        self.spec = observed(spec)
+        self.run_id = new_run_id()
+        self.progress = Progress(enabled=self.spec.progress)
+        self.starter = ElasticForks(self.spec, elastic, self.run_id, self.progress)
+        self.elasticity = Elasticity(elastic, self.starter, self.starter.target, self.starter.most)
+
+    def run(self) -> list[Any]:
+        """Run the job (see :meth:`~phalanx.launch.local.LocalLauncher.run`)."""
+        return run_on_driver(self.spec, self.starter, DriverAddress.loopback(), self.run_id, self.progress,
+                             elasticity=self.elasticity)

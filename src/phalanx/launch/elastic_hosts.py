@@ -15,105 +15,130 @@ is left out for the rest of the job, with one warning naming it and the cause.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
-import sys
 import threading
 
+from phalanx.env import JobContract
 from phalanx.errors import InvalidArgumentError, PhalanxError
-from phalanx.job.channel import DriverChannel
-from phalanx.job.elastic import ElasticMonitor, HostsUpdated
-from phalanx.job.logs import LogSink
-from phalanx.job.monitor import JobMonitor, MonitorConfig
-from phalanx.launch import warm
-from phalanx.launch.agent_driver import AgentGroup, driver_address, plan_env, script_modules, silence_limit
-from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
-from phalanx.launch.host_agent import AgentPlan
+from phalanx.job.channel import Custom, DriverChannel
+from phalanx.job.elastic import HostsUpdated
+from phalanx.job.progress import Progress
+from phalanx.launch.core import JobSpec, new_run_id
+from phalanx.launch.discovery import HostDiscovery
+from phalanx.launch.driver import DriverAddress
+from phalanx.launch.elastic import Elasticity, ElasticSpec, elastic_env, worker_id_budget
 from phalanx.launch.hosts import check_host_name, is_local, place
-from phalanx.launch.local import LocalJobSpec
-from phalanx.launch.remote import HostsSpec
-from phalanx.launch.ssh import check_hosts, host_problems
-from phalanx.launch.supervisor import ExitReports
+from phalanx.launch.local import observed, run_on_driver
+from phalanx.launch.remote import AgentHosts, HostsSpec
+from phalanx.launch.ssh import host_problems
 
 log = logging.getLogger(__name__)
 
 
-class ElasticHostsLauncher(ElasticLocalLauncher):
-    """An elastic job whose workers run on ``hosts`` (see the module docstring); use :meth:`run` once."""
+class ElasticHostAgents:
+    """The workers of an elastic job across ``hosts``, one host agent per worker (a rank starter and a
+    :class:`~phalanx.launch.elastic.Replacer`; see the module docstring).
 
-    def __init__(self, spec: LocalJobSpec, elastic: ElasticSpec, hosts: HostsSpec) -> None:
-        super().__init__(spec, elastic)
+    Args:
+        spec: the job.
+        elastic: the policy and the discovery script.
+        hosts: the hosts of ``-H`` and how to reach them.
+        run_id: the job's id.
+    """
+
+    def __init__(self, spec: JobSpec, elastic: ElasticSpec, hosts: HostsSpec, run_id: str) -> None:
+        self.spec = spec
+        self.elastic = elastic
         self.hosts = hosts
+        self.target = min(spec.np, elastic.policy.max_np)
+        #: The most workers at once: the policy's, when discovery may grow the world, else the first world's.
+        self.most = elastic.policy.max_np if elastic.discovery_script else self.target
+        self.channel_size = worker_id_budget(self.most, elastic.policy.reset_limit)
         self._slots = {h.host: h.slots for h in hosts.hosts}
         self._down: set[str] = set()
-        self._initial = place(hosts.hosts, self._target)
-        local = {h for h in self._slots if is_local(h)}
-        self._remote = [h for h in self._slots if h not in local]
-        self._python = hosts.python or sys.executable
-        self._addr = driver_address(hosts.interfaces, self._remote)
-        self._agents = AgentGroup(self._python, hosts.ssh, local, ExitReports(spec.command is None),
-                                  on_lost=self._host_lost,
-                                  silence_s=silence_limit({**os.environ, **hosts.forward_env, **spec.env}))
-        self._host_of: list[str] = []  # worker id -> host (the monitor names hosts from it)
+        self._initial = place(hosts.hosts, self.target)
+        self.reach = AgentHosts(spec, hosts, list(self._slots), run_id, on_lost=self._host_lost)
+        self.agents = self.reach.agents
+        self.address = self.reach.address
+        #: Worker id -> host (the monitor names hosts from it).
+        self.host_of: list[str] = []
         self._agent_of: dict[int, subprocess.Popen[bytes]] = {}
         self._leaving: set[int] = set()
         self._lock = threading.RLock()
-        self._modules = script_modules(spec.command) if self._remote else {}
+        self._job: JobContract | None = None
+        self._channel: DriverChannel | None = None
+        self._discovery: HostDiscovery | None = None
 
-    def run(self) -> list[object]:
-        """Check the hosts of ``-H``, then run the job (see :meth:`ElasticLocalLauncher.run`)."""
-        check_hosts(self._remote, self.hosts.ssh, self._python, self.spec.start_timeout_s)
-        return super().run()
+    def on_custom(self, event: Custom) -> None:
+        """An agent's supervisor's EVENT frame (heartbeat, exit report)."""
+        self.agents.on_custom(event, self.channel_size)
 
-    def _address(self) -> str:
-        return self._addr
+    def start(self, job: JobContract, channel: DriverChannel) -> None:
+        """Start the first world's workers, each by its own agent; then poll the discovery script if any."""
+        self._job, self._channel = job, channel
+        self.agents.attach(channel)
+        for _ in range(self.target):
+            self._spawn()
+        log.debug("started elastic job: %d workers", self.target)
+        if self.elastic.discovery_script:
+            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts,
+                                            default_slots=self.elastic.slots_per_host)
+            self._discovery.start()
 
-    def _template(self) -> warm.Template | None:
-        return None  # the workers start on their hosts, from their agents
+    def add(self, kept: list[int], count: int) -> list[int]:
+        """Start up to ``count`` replacements on the first usable hosts with a free slot."""
+        with self._lock:
+            extra = min(count, self.free_slots(kept))
+            return [self._spawn() for _ in range(extra)]
 
-    def _monitor_config(self) -> MonitorConfig:
-        base = super()._monitor_config()
-        return MonitorConfig(**{**base.__dict__, "rank_hosts": self._host_of})
+    def give_up(self) -> str:
+        """Never: the policy judges the free slots."""
+        return ""
 
-    def _monitor(self, channel: DriverChannel, sinks: list[LogSink]) -> JobMonitor:
-        self._agents.attach(channel)
-        return ElasticMonitor(
-            self._monitor_config(), channel.events, sinks, stop_all=self._stop_all,
-            on_custom=lambda event: self._agents.on_custom(event, self._channel_size()),
-            policy=self.elastic.policy, reform=self._reform, free_slots=self._free_slots,
-            holds_state=self._holds_state, leaving=lambda: set(self._leaving),
-        )
+    def leaving(self) -> set[int]:
+        """The workers being stopped because their host left the job."""
+        return set(self._leaving)
 
-    def _launch(self, wid: int, own: dict[str, str], template: warm.Template | None) -> None:
+    def stop(self, grace_s: float) -> None:
+        """See :meth:`~phalanx.launch.remote.AgentHosts.stop`."""
+        self.reach.stop(grace_s)
+
+    def unfinished(self) -> list[int]:
+        """The workers whose end no agent reported."""
+        return [w for w in range(len(self.host_of)) if not self.agents.exits.reported([w])]
+
+    def close(self) -> None:
+        """Stop polling the discovery script; join the agents' readers and waiters."""
+        if self._discovery is not None:
+            self._discovery.stop()
+        self.reach.close()
+
+    def _spawn(self) -> int:
         assert self._job is not None
+        wid = len(self.host_of)
+        own = elastic_env(wid, self.elastic, self.target, self.channel_size)
         with self._lock:
             host = self._initial[wid] if wid < len(self._initial) else self._free_host()
-            self._host_of.append(host)
+            self.host_of.append(host)
         if is_local(host):
-            self._agents.local.add(host)
-        env = plan_env(os.environ, self.hosts.forward_env, self.hosts.interfaces, self.spec.env)
-        plan = AgentPlan(job=self._job, hosts=(host,) * self._channel_size(), ranks=(wid,),
-                         command=self.spec.command, env=env, cwd=os.getcwd(), python=self._python,
-                         teardown_grace_s=self.spec.teardown_grace_s, over=own,
-                         modules={} if host in self._agents.local else self._modules)
-        proc = self._agents.start(host, plan)
-        self._agent_of[wid] = proc
-        self._procs.append(proc)
-        self._threads.extend(self._agents.threads[-2:])
+            self.agents.local.add(host)
+        plan = self.reach.plan(self._job, (host,) * self.channel_size, (wid,), host, over=own)
+        self._agent_of[wid] = self.agents.start(host, plan)
         log.debug("elastic worker %d on host %s", wid, host)
+        return wid
 
     def _running(self, alive: list[int]) -> dict[str, int]:
         counts = dict.fromkeys(self._usable(), 0)
         for wid in alive:
-            if self._host_of[wid] in counts:
-                counts[self._host_of[wid]] += 1
+            if self.host_of[wid] in counts:
+                counts[self.host_of[wid]] += 1
         return counts
 
     def _usable(self) -> dict[str, int]:
         return {h: n for h, n in self._slots.items() if h not in self._down}
 
     def _free_host(self) -> str:
-        alive = [w for w in range(len(self._host_of)) if w not in self._leaving and not self._ended(w)]
+        alive = [w for w in range(len(self.host_of)) if w not in self._leaving and not self._ended(w)]
         running = self._running(alive)
         free = [h for h, n in self._usable().items() if running[h] < n]
         if not free:
@@ -122,19 +147,14 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
         return free[0]
 
     def _ended(self, wid: int) -> bool:
-        return self._agents.exits.reported([wid])
+        return self.agents.exits.reported([wid])
 
-    def _free_slots(self, alive: list[int]) -> int:
+    def free_slots(self, alive: list[int]) -> int:
+        """Free slots on the usable hosts, up to the target size."""
         with self._lock:
             running = self._running(alive)
             capacity = sum(max(0, n - running[h]) for h, n in self._usable().items())
-            return max(0, min(self._target - len(alive), capacity))
-
-    def _reform(self, alive: list[int], size: int) -> list[int]:
-        with self._lock:
-            kept = alive[:size]
-            extra = min(size - len(kept), self._free_slots(kept))
-            return super()._reform(kept, len(kept) + extra)
+            return max(0, min(self.target - len(alive), capacity))
 
     def _on_hosts(self, hosts: dict[str, int]) -> None:
         # In the discovery thread: the discovered hosts replace the known ones (a host that failed its check or
@@ -150,7 +170,7 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
             self._slots = valid
             self._retire_excess()
             usable = sum(self._usable().values())
-            self._target = max(1, min(usable, self.elastic.policy.max_np))
+            self.target = max(1, min(usable, self.elastic.policy.max_np))
         assert self._channel is not None
         self._channel.events.put(HostsUpdated(usable))
 
@@ -160,7 +180,7 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
         with self._lock:
             known = set(self._slots) | self._down
         joined = [h for h in hosts if h not in known and not is_local(h)]
-        problems = host_problems(joined, self.hosts.ssh, self._python, self.spec.start_timeout_s)
+        problems = host_problems(joined, self.hosts.ssh, self.reach.python, self.spec.start_timeout_s)
         for problem in problems.values():
             log.warning("elastic job: left out a host that host discovery added: %s",
                         " ".join(line.strip() for line in problem.splitlines()))
@@ -174,23 +194,37 @@ class ElasticHostsLauncher(ElasticLocalLauncher):
             self._down.add(host)
             self._retire_excess()
             usable = sum(self._usable().values())
-            self._target = max(1, min(self._target, usable))
+            self.target = max(1, min(self.target, usable))
         assert self._channel is not None
         self._channel.events.put(HostsUpdated(usable))  # the monitor re-forms without the host's workers now
 
     def _retire_excess(self) -> None:
-        alive = [w for w in range(len(self._host_of)) if w not in self._leaving and not self._ended(w)]
+        alive = [w for w in range(len(self.host_of)) if w not in self._leaving and not self._ended(w)]
         usable = self._usable()
         kept: dict[str, int] = {}
         for wid in alive:
-            host = self._host_of[wid]
+            host = self.host_of[wid]
             kept[host] = kept.get(host, 0) + 1
             if kept[host] > usable.get(host, 0):
                 log.warning("elastic job: stopping worker %d on host %s (the host left the job or has fewer slots)",
                             wid, host)
                 self._leaving.add(wid)
-                self._agents.retire(self._agent_of[wid])
+                self.agents.retire(self._agent_of[wid])
 
-    def _stop_all(self, grace_s: float | None = None) -> None:
-        self._agents.stop(self.spec.teardown_grace_s if grace_s is None else grace_s)
-        super()._stop_all(grace_s)
+
+class ElasticHostsLauncher:
+    """An elastic job whose workers run on ``hosts`` (see the module docstring); use :meth:`run` once."""
+
+    def __init__(self, spec: JobSpec, elastic: ElasticSpec, hosts: HostsSpec) -> None:
+        self.spec = observed(spec)
+        self.run_id = new_run_id()
+        self.starter = ElasticHostAgents(self.spec, elastic, hosts, self.run_id)
+        self.elasticity = Elasticity(elastic, self.starter, self.starter.target, self.starter.most)
+
+    def run(self) -> list[object]:
+        """Check the hosts of ``-H``, then run the job (see :meth:`~phalanx.launch.local.LocalLauncher.run`)."""
+        starter = self.starter
+        starter.reach.check()
+        return run_on_driver(self.spec, starter, DriverAddress(starter.address, starter.address), self.run_id,
+                             Progress(enabled=self.spec.progress), elasticity=self.elasticity,
+                             on_custom=starter.on_custom, rank_hosts=starter.host_of)

@@ -12,13 +12,13 @@ from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_env, validate_np
-from phalanx.launch.core import start_timeout_hint
+from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.observe import resolve as resolve_observe
 from phalanx.spark.connect.client import ConnectLauncher
 from phalanx.spark.connect.session import is_connect
 from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
-from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
+from phalanx.spark.launcher import SparkLauncher
 from phalanx.spark.session import every_slot, spark_target, wait_for_slots
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ _START_HINT = start_timeout_hint("start_timeout=")
 AnyLauncher = SparkLauncher | ConnectLauncher
 
 
-def launch_spark(spec: SparkJobSpec, sc: Any, launcher: AnyLauncher | None = None) -> AnyLauncher:
+def launch_spark(spec: JobSpec, sc: Any, launcher: AnyLauncher | None = None) -> AnyLauncher:
     """Check the slots, then run the job; return the finished launcher (values in ``.values``).
 
     Args:
@@ -157,7 +157,7 @@ def run(
 
 def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, num_proc: int | None,
              start_timeout: float | None, env: Mapping[str, str] | None, stdout: IO[str] | None,
-             stderr: IO[str] | None, verbose: int, compat: Mapping[str, object]) -> tuple[SparkJobSpec, Any]:
+             stderr: IO[str] | None, verbose: int, compat: Mapping[str, object]) -> tuple[JobSpec, Any]:
     """Validate :func:`run`'s arguments and build its job; return it with the SparkContext (or the Spark
     Connect session) to run it on.
 
@@ -177,9 +177,9 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         np = every_slot(sc, timeout, _START_HINT) * gpus_per_task(sc, gpus)
     else:
         np = validate_np(num_proc, "num_proc")
-    spec = SparkJobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout, use_gpu=gpus,
-                        ranks_per_task=ranks_per_task(sc, np, gpus, "num_proc"),
-                        start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
-                        description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})", progress=verbose > 0,
-                        warm_preload=preload_for(fn))
+    spec = JobSpec(np=np, payload=payload, env=user_env, start_timeout_s=timeout, use_gpu=gpus,
+                   ranks_per_task=ranks_per_task(sc, np, gpus, "num_proc"),
+                   start_timeout_hint=_START_HINT, stdout=stdout, stderr=stderr,
+                   description=f"phalanx.spark.run({getattr(fn, '__name__', 'fn')})", progress=verbose > 0,
+                   warm_preload=preload_for(fn))
     return spec, sc

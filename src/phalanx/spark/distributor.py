@@ -19,11 +19,10 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_np
-from phalanx.launch.core import start_timeout_hint
+from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
-from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import spark_target
 from phalanx.spark.task import task_gpus
 
@@ -143,7 +142,7 @@ class TorchDistributor:
         sc = spark_target()
         check_gpu_conf(sc, self.use_gpu)
         name = Path(command[0]).name if command else "function"
-        spec = SparkJobSpec(
+        spec = JobSpec(
             np=self.num_processes, payload=payload, command=command, use_gpu=self.use_gpu,
             ranks_per_task=ranks_per_task(sc, self.num_processes, self.use_gpu, "num_processes"),
             start_timeout_s=resolve_start_timeout(None), start_timeout_hint=_START_HINT,
@@ -171,12 +170,12 @@ class TorchDistributor:
         return run_local(fn, args=args, kwargs=kwargs, np=self.num_processes, env=env, **elastic)[0]
 
     def _local_script(self, command: tuple[str, ...]) -> str:
-        from phalanx.launch.local import LocalJobSpec, LocalLauncher
+        from phalanx.launch.local import LocalLauncher
 
         env = self._gpu_env()
         with tempfile.TemporaryDirectory(prefix="phalanx-distributor-") as logs:
-            spec = LocalJobSpec(np=self.num_processes, command=(sys.executable, *command), env=env,
-                                start_timeout_s=resolve_start_timeout(None), output_dir=logs)
+            spec = JobSpec(np=self.num_processes, command=(sys.executable, *command), env=env,
+                           start_timeout_s=resolve_start_timeout(None), output_dir=logs)
             LocalLauncher(spec).run()
             out = Path(logs, "rank.0", "stdout")
             return out.read_text(encoding="utf-8") if out.exists() else ""

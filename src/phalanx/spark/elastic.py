@@ -1,7 +1,7 @@
 """Elastic Spark jobs: ``run_elastic``, and the opt-in of ``HorovodRunner`` and ``TorchDistributor``.
 
 Two levels. Within a barrier stage, a worker that dies while its executor lives is replaced in its own
-slot and the survivors keep their work (:class:`~phalanx.spark.elastic_launcher.ElasticSparkLauncher`).
+slot and the survivors keep their work (:class:`~phalanx.spark.launcher.SparkLauncher` with an elastic policy).
 When Spark fails the whole stage (a lost executor), the job is submitted again with
 ``PHALANX_ELASTIC_CHECKPOINT_DIR`` set, and ``hvd.elastic.run`` on the new rank 0 resumes from the last
 durable commit. Both count against one ``reset_limit``.
@@ -19,11 +19,11 @@ from typing import IO, Any
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SparkJobError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, validate_np
+from phalanx.launch.core import JobSpec
 from phalanx.spark.api import AnyLauncher, launch_spark, run_spec
 from phalanx.spark.connect.client import ConnectLauncher
 from phalanx.spark.connect.session import is_connect
-from phalanx.spark.elastic_launcher import ElasticSparkLauncher
-from phalanx.spark.launcher import SparkJobSpec
+from phalanx.spark.launcher import SparkLauncher
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def elastic_options(min_np: object = None, max_np: object = None, reset_limit: o
     return ElasticOptions(lo, hi, limit, ckpt)
 
 
-def launch(spec: SparkJobSpec, sc: Any, options: ElasticOptions | None) -> AnyLauncher:
+def launch(spec: JobSpec, sc: Any, options: ElasticOptions | None) -> AnyLauncher:
     """Run ``spec``: elastically with ``options``, else as a plain job (:func:`~phalanx.spark.api.launch_spark`)."""
     return launch_elastic(spec, sc, options) if options is not None else launch_spark(spec, sc)
 
@@ -99,7 +99,7 @@ def local_elastic_kwargs(options: ElasticOptions | None) -> dict[str, Any]:
             "env": options.env({})}
 
 
-def launch_elastic(spec: SparkJobSpec, sc: Any, options: ElasticOptions) -> AnyLauncher:
+def launch_elastic(spec: JobSpec, sc: Any, options: ElasticOptions) -> AnyLauncher:
     """Run ``spec`` elastically; return the launcher of the attempt that completed.
 
     Raises:
@@ -119,8 +119,8 @@ def launch_elastic(spec: SparkJobSpec, sc: Any, options: ElasticOptions) -> AnyL
     while True:
         elastic = elastic_spec(spec.np, options.min_np, options.max_np, remaining, spec.env)
         assert elastic is not None
-        launcher: ElasticSparkLauncher | ConnectLauncher = (
-            ConnectLauncher(spec, sc, elastic) if connect else ElasticSparkLauncher(spec, sc, elastic))
+        launcher: SparkLauncher | ConnectLauncher = (
+            ConnectLauncher(spec, sc, elastic) if connect else SparkLauncher(spec, sc, elastic))
         started = time.monotonic()
         try:
             return launch_spark(spec, sc, launcher)

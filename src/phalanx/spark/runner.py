@@ -11,10 +11,10 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout
+from phalanx.launch.core import JobSpec
 from phalanx.launch.warm import preload_for
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
-from phalanx.spark.launcher import SparkJobSpec
 from phalanx.spark.session import every_slot, spark_target
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class HorovodRunner:
             np *= gpus_per_task(sc, gpus)
             warnings.warn(f"HorovodRunner(np=0) is deprecated: using every task slot ({np}); pass np=N",
                           DeprecationWarning, stacklevel=2)
-        spec = SparkJobSpec(
+        spec = JobSpec(
             np=np, payload=payload, use_gpu=gpus, ranks_per_task=ranks_per_task(sc, np, gpus, "np"),
             start_timeout_s=resolve_start_timeout(None),
             start_timeout_hint="the HOROVOD_START_TIMEOUT variable", console=self._console(),

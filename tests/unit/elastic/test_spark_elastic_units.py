@@ -11,10 +11,10 @@ from phalanx.env import elastic as elastic_keys
 from phalanx.errors import InvalidArgumentError, SparkJobError
 from phalanx.job.channel import Role
 from phalanx.job.elastic import ElasticPolicy
-from phalanx.launch.elastic import ElasticSpec
+from phalanx.launch.core import JobSpec
+from phalanx.launch.elastic import Elasticity, ElasticSpec
 from phalanx.spark.elastic import elastic_options
-from phalanx.spark.elastic_launcher import ElasticSparkLauncher
-from phalanx.spark.launcher import SparkJobSpec
+from phalanx.spark.launcher import BarrierTasks
 
 
 class FakeChannel:
@@ -46,34 +46,36 @@ class FakeStore:
         return key in self.keys
 
 
-def _launcher(np: int, gone: set[int] | None = None) -> tuple[ElasticSparkLauncher, FakeChannel, FakeStore]:
-    launcher = ElasticSparkLauncher(SparkJobSpec(np=np), None, ElasticSpec(ElasticPolicy(1, np, 3)))  # type: ignore[arg-type]
+def _elastic(np: int, gone: set[int] | None = None) -> tuple[Elasticity, BarrierTasks, FakeChannel, FakeStore]:
+    spec = ElasticSpec(ElasticPolicy(1, np, 3))
+    tasks = BarrierTasks(JobSpec(np=np), spec, lambda rank, text: None)
+    elasticity = Elasticity(spec, tasks, np, np)
     channel, store = FakeChannel(gone or set()), FakeStore()
-    launcher._channel = channel  # type: ignore[assignment]
-    launcher._prepare(store)  # type: ignore[arg-type]
-    return launcher, channel, store
+    tasks.channel = channel  # type: ignore[assignment]
+    elasticity.begin(store)  # type: ignore[arg-type]
+    return elasticity, tasks, channel, store
 
 
 def test_a_lost_worker_is_replaced_in_its_own_slot_and_the_round_is_published() -> None:
-    launcher, channel, store = _launcher(3)
+    elasticity, tasks, channel, store = _elastic(3)
     assert store.keys[elastic_keys.round_key(0)] == "1"
-    assert launcher._free_slots([0, 2]) == 1
-    world = launcher._reform([0, 2], 3)
-    assert world == [0, 2, 3] and channel.sent == [(1, {"spawn": 3})] and launcher.slot_of[3] == 1
+    assert tasks.free_slots([0, 2]) == 1
+    world = elasticity._reform([0, 2], 3)
+    assert world == [0, 2, 3] and channel.sent == [(1, {"spawn": 3})] and tasks.slot_of[3] == 1
     assert elastic_keys.decode_assignment(store.keys[elastic_keys.assign_key(1, 3)]) == (2, 3)
     # The replacement dies too: the next one goes to the same slot, with a new id.
-    assert launcher._reform([0, 2], 3) == [0, 2, 4] and channel.sent[-1] == (1, {"spawn": 4})
-    assert not launcher._holds_state(4)
+    assert elasticity._reform([0, 2], 3) == [0, 2, 4] and channel.sent[-1] == (1, {"spawn": 4})
+    assert not elasticity._holds_state(4)
     store.set(elastic_keys.synced_key(2, 4), "1")
-    assert launcher._holds_state(4) and launcher._holds_state(0)
+    assert elasticity._holds_state(4) and elasticity._holds_state(0)
 
 
 def test_a_gone_task_gets_no_replacement_and_a_failed_stage_gives_up() -> None:
-    launcher, channel, _ = _launcher(2, gone={1})
-    assert launcher._reform([0], 2) == [0] and channel.sent == []
-    assert launcher._give_up() == ""
-    launcher.spark_error = SparkJobError("stage failed")
-    assert launcher._free_slots([0]) == 0 and "Spark failed the barrier stage" in launcher._give_up()
+    elasticity, tasks, channel, _ = _elastic(2, gone={1})
+    assert elasticity._reform([0], 2) == [0] and channel.sent == []
+    assert tasks.give_up() == ""
+    tasks.spark_error = SparkJobError("stage failed")
+    assert tasks.free_slots([0]) == 0 and "Spark failed the barrier stage" in tasks.give_up()
 
 
 def test_elastic_options_are_checked_before_spark_starts() -> None:

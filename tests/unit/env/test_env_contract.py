@@ -5,7 +5,7 @@ import pytest
 from phalanx.env import JobContract, assign_ranks, compose_env, read_contract, worker_env
 from phalanx.env.contract import teardown_grace_s
 from phalanx.errors import SettingError, WorkerContractError
-from phalanx.launch.local import LocalJobSpec
+from phalanx.launch.core import JobSpec
 
 JOB = JobContract(run_id="r1", master_addr="10.0.0.1", master_port=1234, channel="10.0.0.1:99", secret="ab" * 32)
 
@@ -78,4 +78,4 @@ def test_teardown_grace_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SettingError, match="PHALANX_TEARDOWN_GRACE_S='soon' is not a number"):
         teardown_grace_s({"PHALANX_TEARDOWN_GRACE_S": "soon"})
     monkeypatch.setenv("PHALANX_TEARDOWN_GRACE_S", "7")
-    assert LocalJobSpec(np=1).teardown_grace_s == 7.0
+    assert JobSpec(np=1).teardown_grace_s == 7.0

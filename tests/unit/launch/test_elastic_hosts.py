@@ -16,11 +16,11 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.elastic import ElasticPolicy, HostsUpdated
 from phalanx.job.shipping import script_of, write_modules
 from phalanx.launch import elastic_hosts
+from phalanx.launch.core import JobSpec
 from phalanx.launch.elastic import ElasticSpec
-from phalanx.launch.elastic_hosts import ElasticHostsLauncher
+from phalanx.launch.elastic_hosts import ElasticHostAgents
 from phalanx.launch.host_agent import Agent, AgentPlan
 from phalanx.launch.hosts import HostSlots
-from phalanx.launch.local import LocalJobSpec
 from phalanx.launch.remote import HostsSpec
 
 JOB = JobContract(run_id="r", master_addr="127.0.0.1", master_port=1, channel="127.0.0.1:2", secret="s" * 64,
@@ -71,14 +71,13 @@ class _Channel:
         self.events: queue.Queue[object] = queue.Queue()
 
 
-def _launcher(retired: list[int]) -> ElasticHostsLauncher:
+def _launcher(retired: list[int]) -> ElasticHostAgents:
     # Two names of this machine, so nothing resolves or connects: placement and retirement only.
     hosts = HostsSpec(hosts=(HostSlots("localhost", 2), HostSlots("127.0.0.1", 1)))
-    launcher = ElasticHostsLauncher(LocalJobSpec(np=3, command=("true",)),
-                                    ElasticSpec(ElasticPolicy(1, 3)), hosts)
-    launcher._host_of.extend(["localhost", "localhost", "127.0.0.1"])
+    launcher = ElasticHostAgents(JobSpec(np=3, command=("true",)), ElasticSpec(ElasticPolicy(1, 3)), hosts, "r")
+    launcher.host_of.extend(["localhost", "localhost", "127.0.0.1"])
     launcher._agent_of.update({w: w for w in range(3)})  # type: ignore[misc]
-    launcher._agents.retire = retired.append  # type: ignore[assignment, method-assign]
+    launcher.agents.retire = retired.append  # type: ignore[assignment, method-assign]
     launcher._channel = _Channel()  # type: ignore[assignment]
     return launcher
 
@@ -88,18 +87,18 @@ def test_a_host_that_leaves_discovery_has_its_workers_retired() -> None:
     launcher = _launcher(retired)
     assert launcher._initial == ["localhost", "localhost", "127.0.0.1"]
     launcher._on_hosts({"localhost": 2, "-bad": 4})
-    assert retired == [2] and launcher._leaving == {2} and launcher._target == 2
+    assert retired == [2] and launcher._leaving == {2} and launcher.target == 2
     assert launcher._channel.events.get_nowait() == HostsUpdated(2)  # type: ignore[union-attr]
-    assert launcher._free_slots([0, 1]) == 0 and launcher._free_slots([0]) == 1
+    assert launcher.free_slots([0, 1]) == 0 and launcher.free_slots([0]) == 1
 
 
 def test_a_host_whose_ssh_fails_leaves_the_job() -> None:
     retired: list[int] = []
     launcher = _launcher(retired)
     launcher._host_lost("localhost")
-    assert retired == [0, 1] and launcher._down == {"localhost"} and launcher._target == 1
+    assert retired == [0, 1] and launcher._down == {"localhost"} and launcher.target == 1
     assert launcher._channel.events.get_nowait() == HostsUpdated(1)  # type: ignore[union-attr]
-    assert launcher._free_slots([2]) == 0
+    assert launcher.free_slots([2]) == 0
     launcher._leaving.add(2)
     assert launcher._free_host() == "127.0.0.1"
 
@@ -119,7 +118,7 @@ def test_a_joining_host_is_checked_first_and_left_out_when_it_fails(monkeypatch:
     launcher._on_hosts(listed)
     # Only the hosts new to the job are checked (this machine's names never), with the start timeout.
     assert checked == [(["badhost.invalid", "goodhost.invalid"], launcher.spec.start_timeout_s)]
-    assert launcher._down == {"badhost.invalid"} and launcher._target == 3
+    assert launcher._down == {"badhost.invalid"} and launcher.target == 3
     assert launcher._usable() == {"localhost": 2, "127.0.0.1": 1, "goodhost.invalid": 1}
     assert [r.getMessage() for r in caplog.records if "left out" in r.getMessage()] == [
         "elastic job: left out a host that host discovery added: host 'badhost.invalid': ssh could not connect "

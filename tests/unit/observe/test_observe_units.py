@@ -316,8 +316,8 @@ def test_a_commands_rank_reports_on_a_channel_of_its_own(monkeypatch: pytest.Mon
 
 def test_phalanxrun_and_the_spark_spec_take_the_switches(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from phalanx.cli.main import parse_config
-    from phalanx.launch.local import LocalJobSpec, LocalLauncher
-    from phalanx.spark.launcher import SparkJobSpec
+    from phalanx.launch.core import JobSpec
+    from phalanx.launch.local import LocalLauncher
 
     script = tmp_path / "train.py"
     script.write_text("print(1)\n")
@@ -330,10 +330,10 @@ def test_phalanxrun_and_the_spark_spec_take_the_switches(tmp_path: Any, monkeypa
         options.ObserveOptions(("127.0.0.1", 9100))
     assert parse_config(["-np", "2", "python", str(script)]).observe is None
     # Every launcher's ranks get the stats interval; a user's own value wins.
-    spec = LocalLauncher(LocalJobSpec(np=2, command=("true",), observe=config.observe)).spec
+    spec = LocalLauncher(JobSpec(np=2, command=("true",), observe=config.observe)).spec
     assert spec.env["PHALANX_STATS_INTERVAL_S"] == "1"
-    assert "PHALANX_STATS_INTERVAL_S" not in LocalLauncher(LocalJobSpec(np=2, command=("true",))).spec.env
+    assert "PHALANX_STATS_INTERVAL_S" not in LocalLauncher(JobSpec(np=2, command=("true",))).spec.env
     # HorovodRunner and TorchDistributor build their specs without the switch: the variable is their way in.
-    assert SparkJobSpec(np=2).observe is None
+    assert JobSpec(np=2).observe is None
     monkeypatch.setenv("PHALANX_DASHBOARD", "9300")
-    assert SparkJobSpec(np=2).observe == options.ObserveOptions(("127.0.0.1", 9300))
+    assert JobSpec(np=2).observe == options.ObserveOptions(("127.0.0.1", 9300))

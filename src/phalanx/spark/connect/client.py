@@ -25,13 +25,13 @@ from phalanx.errors import PayloadError, SlotsUnavailableError, SparkJobError
 from phalanx.job.channel import Closed, Custom, DriverChannel
 from phalanx.job.logs import FileSink, LogSink
 from phalanx.job.records import LogLine, Stream
-from phalanx.launch.core import DRAIN_WAIT_S, new_run_id
+from phalanx.launch.core import DRAIN_WAIT_S, JobSpec, new_run_id
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.session import StageWatch, check_slots, client_bind_host, client_host
 from phalanx.spark.connect.task import ConnectTaskSpec, connect_task
 from phalanx.spark.driver_log import rank_log_dir
-from phalanx.spark.launcher import Rank0Stdout, SparkJobSpec, StreamSink
+from phalanx.spark.launcher import Rank0Stdout, StreamSink
 
 log = logging.getLogger("phalanx")
 
@@ -77,7 +77,7 @@ class ConnectLauncher:
         elastic: the elastic policy, or None for a plain job.
     """
 
-    def __init__(self, spec: SparkJobSpec, session: Any, elastic: ElasticSpec | None = None) -> None:
+    def __init__(self, spec: JobSpec, session: Any, elastic: ElasticSpec | None = None) -> None:
         self.spec = spec
         self.session = session
         self.elastic = elastic

@@ -3,9 +3,9 @@
 Under Spark Connect the client may be unreachable from the executors, so rank 0's task does what the
 driver does in a classic job: it hosts the channel and the rendezvous store (advertised at the
 executor address Spark gives the task), runs the job monitor, and ends with an
-:class:`~phalanx.spark.connect.wire.Outcome`. It is the classic launcher with the Spark submission taken
-out (:class:`HostedLauncher`, and :class:`HostedElasticLauncher` for elastic jobs, whose slot commands
-and rounds work unchanged). Log records go through a :class:`LogRelay`: live over an authenticated link
+:class:`~phalanx.spark.connect.wire.Outcome`. It is the classic launcher's driver with another rank starter
+(:class:`HostedStage`: the tasks run already, nothing to submit or cancel); an elastic job's slot commands
+and rounds work unchanged. Log records go through a :class:`LogRelay`: live over an authenticated link
 to the client when the task reached it (probed with a short timeout), else kept for the outcome.
 """
 
@@ -16,21 +16,19 @@ import logging
 import pickle
 import socket
 import threading
-from dataclasses import replace
 from typing import Any
 
 from phalanx.env import JobContract
 from phalanx.errors import ChannelError, SparkJobError
-from phalanx.job.channel import Custom, DriverChannel, Role, WorkerChannel
+from phalanx.job.channel import DriverChannel, Role, WorkerChannel
 from phalanx.job.framing import Kind
-from phalanx.job.logs import LogSink
-from phalanx.job.monitor import MonitorConfig
+from phalanx.job.monitor import JobMonitor
 from phalanx.job.records import LogLine
-from phalanx.launch.elastic import ElasticSpec
-from phalanx.launch.rendezvous import RendezvousStore
+from phalanx.launch.core import JobSpec
+from phalanx.launch.driver import DriverAddress, JobDriver
+from phalanx.launch.elastic import Elasticity, ElasticSpec
 from phalanx.spark.connect.wire import LogRecord, Outcome
-from phalanx.spark.elastic_launcher import ElasticSparkLauncher
-from phalanx.spark.launcher import SparkJobSpec, SparkLauncher
+from phalanx.spark.launcher import BarrierTasks, Rank0Stdout
 from phalanx.spark.task import TaskSpec
 
 log = logging.getLogger(__name__)
@@ -126,95 +124,84 @@ def probe_client(relay: LogRelay, address: str, secret: str, timeout_s: float) -
     relay.attach(link)
 
 
-class Hosted(SparkLauncher):
-    """A :class:`SparkLauncher` whose stage is already running: the one this object runs in."""
+class HostedStage:
+    """The ranks as children of the tasks of the stage this driver runs in (a
+    :class:`~phalanx.launch.driver.RankStarter`): they start themselves once the barrier round told them the
+    job's address; stopping sends ABORT to every task (there is nothing to cancel from inside the stage)."""
 
-    def __init__(self, spec: SparkJobSpec, run_id: str) -> None:
-        SparkLauncher.__init__(self, spec, None)  # type: ignore[arg-type]  # no SparkContext inside a task
-        self.run_id = run_id
+    def __init__(self, tasks: BarrierTasks) -> None:
+        self.tasks = tasks
+
+    def start(self, job: JobContract, channel: DriverChannel) -> None:
+        """Nothing to start: the tasks run already; their reports arrive on ``channel``."""
+        self.tasks.attach(channel)
+
+    def stop(self, grace_s: float) -> None:
+        """ABORT every task; each stops its ranks' process trees within its own teardown grace."""
+        self.tasks.abort()
+
+    def unfinished(self) -> list[int]:
+        """See :class:`~phalanx.spark.launcher.BarrierTasks`."""
+        return self.tasks.unfinished()
+
+    def close(self) -> None:
+        """Nothing to reap here: every task ends with its ranks."""
+
+
+class HostedJob:
+    """A Connect job's driver side in rank 0's task: the one :class:`~phalanx.launch.driver.JobDriver` with a
+    :class:`HostedStage`, its monitor in a thread of its own while this task supervises its rank.
+
+    Args:
+        spec: the job.
+        run_id: the job's id (the client's).
+        elastic: the elastic policy (lost workers are replaced in their slots), or None for a plain job.
+    """
+
+    def __init__(self, spec: JobSpec, run_id: str, elastic: ElasticSpec | None = None) -> None:
         self.relay = LogRelay()
+        self.rank0_stdout = Rank0Stdout()
+        self.tasks = BarrierTasks(spec, elastic, self.relay.message)
+        self.elasticity = Elasticity(elastic, self.tasks, spec.np, spec.np) if elastic is not None else None
+        self.driver = JobDriver(spec, HostedStage(self.tasks), DriverAddress.loopback(),
+                                [self.rank0_stdout, self.relay], run_id=run_id, elasticity=self.elasticity,
+                                on_custom=self.tasks.on_custom, raw_results=True)
+        self.values: list[Any] = []
         self._error: BaseException | None = None
         self._monitor_thread: threading.Thread | None = None
-        self._store: RendezvousStore | None = None
 
     def host(self, advertise: str) -> JobContract:
         """Open the channel and the store on this executor, start the monitor; return the job's contract."""
-        bind = _bind_host(advertise)
-        channel = DriverChannel(self._channel_size(), self.spec.payload, bind_host=bind, advertise_host=advertise)
-        self._channel = channel
-        self._exits.attach(channel)
-        self._store = RendezvousStore(self._channel_size(), channel.secret, bind_host=bind)
-        job = JobContract(run_id=self.run_id, master_addr=advertise, master_port=self._store.port,
-                          channel=channel.address, secret=channel.secret, start_timeout_s=self.spec.start_timeout_s)
-        monitor = self._monitor(channel, self._sinks())
-        self._prepare(self._store)
+        self.driver.address = DriverAddress(bind=_bind_host(advertise), advertise=advertise)
+        job, monitor = self.driver.open()
+        assert self.driver.channel is not None
+        self.driver.starter.start(job, self.driver.channel)
         self._monitor_thread = threading.Thread(target=self._watch, args=(monitor,), name="phalanx-host", daemon=True)
         self._monitor_thread.start()
         return job
 
-    def _watch(self, monitor: Any) -> None:
+    def task_spec(self, job: JobContract) -> TaskSpec:
+        """What every task of this job runs its rank with, once the job's contract is known."""
+        return self.tasks.task_spec(job)
+
+    def _watch(self, monitor: JobMonitor) -> None:
         try:
-            self.values = monitor.run()
-            self._succeeded()
+            self.values = self.driver.judge(monitor)
+            self.tasks.release()
         except BaseException as e:  # the job's error travels to the client in the outcome
             self._error = e
-            self._stop_all()
+            self.driver.stop()
 
     def finish(self) -> Outcome:
         """Wait for the monitor (it bounds every wait of its own), close the services; return the outcome."""
-        assert self._monitor_thread is not None and self._channel is not None and self._store is not None
+        assert self._monitor_thread is not None
         while self._monitor_thread.is_alive():
             self._monitor_thread.join(1.0)
-        self._channel.close()
-        self._store.close()
+        self.driver.close()
+        resets = self.elasticity.resets if self.elasticity is not None else 0
         return Outcome(values=None if self._error else list(self.values), error=_pickled(self._error),
                        rank0_stdout=list(self.rank0_stdout.lines), logs=self.relay.close(),
-                       dropped=self.relay.dropped, link=self.relay.link_error, resets=self._resets())
-
-    def task_spec(self, job: JobContract) -> TaskSpec:
-        """What every task of this job runs its rank with, once the job's contract is known."""
-        return self._task_spec(job)
-
-    def _resets(self) -> int:
-        return 0
-
-    def _monitor_config(self) -> MonitorConfig:
-        return replace(super()._monitor_config(), raw_results=True)
-
-    def _sinks(self) -> list[LogSink]:
-        return [self.rank0_stdout, self.relay]
-
-    def _on_custom(self, event: Custom) -> None:
-        try:
-            body = json.loads(event.body)
-        except ValueError:
-            return
-        if isinstance(body, dict) and "log" in body:
-            self.relay.message(event.rank, str(body["log"]))
-        else:
-            super()._on_custom(event)
-
-    def _cancel_after_grace(self) -> None:
-        """Nothing to cancel from inside the stage: tasks stop their workers on ABORT and end."""
-
-
-class HostedLauncher(Hosted):
-    """A plain job's driver side in rank 0's task."""
-
-
-class HostedElasticLauncher(Hosted, ElasticSparkLauncher):
-    """An elastic job's driver side in rank 0's task: lost workers are replaced in their slots."""
-
-    def __init__(self, spec: SparkJobSpec, run_id: str, elastic: ElasticSpec) -> None:
-        Hosted.__init__(self, spec, run_id)
-        # ElasticSparkLauncher's state, set here: its __init__ wants the SparkContext a task does not have.
-        self.elastic = elastic
-        self.slot_of = list(range(spec.np))
-        self._round = -1
-        self._elastic_monitor = None
-
-    def _resets(self) -> int:
-        return self.resets
+                       dropped=self.relay.dropped, link=self.relay.link_error, resets=resets)
 
 
 def _bind_host(advertise: str) -> str:

@@ -17,11 +17,12 @@ from typing import Any
 
 from phalanx.env import JobContract, settings
 from phalanx.launch import warm
+from phalanx.launch.core import JobSpec
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.supervisor import EXIT_NOT_STARTED
 from phalanx.spark.connect import wire as connect_wire
-from phalanx.spark.connect.host import Hosted, HostedElasticLauncher, HostedLauncher, probe_client
-from phalanx.spark.launcher import SparkJobSpec
+from phalanx.spark.connect.host import HostedJob, probe_client
+from phalanx.spark.launcher import task_spec as launcher_task_spec
 from phalanx.spark.task import supervise_task, task_host, task_resources, warm_early
 
 
@@ -38,7 +39,7 @@ class ConnectTaskSpec:
         probe_s: seconds rank 0's task tries to reach the client's log link.
     """
 
-    job: SparkJobSpec
+    job: JobSpec
     run_id: str
     elastic: ElasticSpec | None
     client: str
@@ -51,16 +52,9 @@ def _host_address(ctx: Any) -> str:
     return str(ctx.getTaskInfos()[0].address).rpartition(":")[0] or task_host()
 
 
-def _launcher(spec: ConnectTaskSpec) -> Hosted:
-    """The job's driver side (cheap: it opens nothing until :meth:`~HostedLauncher.host`)."""
-    if spec.elastic is not None:
-        return HostedElasticLauncher(spec.job, spec.run_id, spec.elastic)
-    return HostedLauncher(spec.job, spec.run_id)
-
-
-def _start_host(spec: ConnectTaskSpec, ctx: Any) -> tuple[Hosted | None, dict[str, Any]]:
+def _start_host(spec: ConnectTaskSpec, ctx: Any) -> tuple[HostedJob | None, dict[str, Any]]:
     """Rank 0: host the job; return the host and what the other tasks must learn (or the failure)."""
-    host = _launcher(spec)
+    host = HostedJob(spec.job, spec.run_id, spec.elastic)
     try:
         job = host.host(_host_address(ctx))
     except OSError as e:
@@ -84,14 +78,14 @@ def _run_ranks(spec: ConnectTaskSpec, task: int, gathered: list[dict[str, Any]])
         return [connect_wire.status_body(rank, EXIT_NOT_STARTED, False, str(hosted["failed"]))
                 for rank in range(task * per_task, (task + 1) * per_task)]
     # The template started with this task (_warm_early) imports what a cold rank would: wait for it.
-    task_spec = warm_early(_launcher(spec).task_spec(_contract(spec, hosted)))
+    task_spec = warm_early(launcher_task_spec(spec.job, _contract(spec, hosted), spec.elastic))
     hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
     statuses = supervise_task(task_spec, task, hosts, gpus, gathered[task].get("problem", ""))
     return [connect_wire.status_body(int(s["rank"]), int(s["exit"]), bool(s["reported"]), s.get("error") or "")
             for s in map(json.loads, statuses)]
 
 
-def _warm_early(job: SparkJobSpec) -> None:
+def _warm_early(job: JobSpec) -> None:
     """Start this executor's warm-start template now, when the job's ranks may fork from one and none runs:
     its imports then overlap the barrier round, and the rank forks from it (it waits for its imports up to
     ``warm.READY_WAIT_S``, else starts cold) instead of paying them after the round."""
