@@ -23,6 +23,14 @@ Run: ``.venv/bin/python bench/hosts.py [--rounds 3] [--calls 10]``.
   over N ranks sends 2(N-1)/N of the tensor out of each host it crosses; any allreduce among H hosts at least
   2(H-1)/H of it), and so the best ratio any algorithm without compression can reach at that rate.
   Target: >= 1.5x at 1 Gbit/s.
+* the shaping itself (``--link-check RATES``, e.g. ``none,10gbit,1gbit``): one TCP transfer between two hosts
+  with the links unshaped and shaped to each rate, interleaved round by round in one cluster; medians. A rate
+  whose transfer is no faster than the unshaped one is not simulated: the host's own TCP path is slower.
+* DDP and FSDP2 on shaped links (``--shaped RATE --ddp``): in one phalanxrun job per layout, the default
+  group stays gloo (``PHALANX_SHM_NATIVE=0``: flat gloo, what torchrun's ranks get) and a ``phalanx_shm``
+  group (hierarchical: shared memory in a host, the pipelined cross-host step) is built beside it; DDP and
+  FSDP2 of bench/train.py's CNN and MLP train on each, interleaved chunk by chunk (bench/shm.py's A/B);
+  steps/s per rank.
 """
 
 from __future__ import annotations
@@ -36,10 +44,17 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.hosts.simhosts import Cluster, host_names, simulated_hosts, why_unavailable  # noqa: E402
+from tests.hosts.simhosts import (  # noqa: E402
+    Cluster,
+    host_names,
+    set_link_rate,
+    simulated_hosts,
+    why_unavailable,
+)
 
 ELEMENTS_64MB = (64 << 20) // 4
 _CONTRACT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "PHALANX_CHANNEL")
@@ -114,6 +129,17 @@ def rank_floor(calls: int) -> None:
     hvd.shutdown()
 
 
+def rank_ddp(steps_rounds: str) -> None:
+    """A rank of ``--ddp``: DDP and FSDP2 on the gloo default group vs on a ``phalanx_shm`` group."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import shm  # bench/shm.py: the A/B of the launchers' backend substitution
+
+    steps, rounds = (int(x) for x in steps_rounds.split(","))
+    out = shm._ddp_ab(steps, rounds)
+    if int(os.environ["RANK"]) == 0:
+        print("DDP " + json.dumps(out), flush=True)
+
+
 def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _CONTRACT and not k.startswith(("SLURM_", "TORCHELASTIC"))}
 
@@ -153,17 +179,24 @@ def _torchrun_launch(cluster: Cluster, round_no: int, hosts: int = 2) -> float:
     return _firsts(out, 2 * hosts)
 
 
-def _allreduce(cluster: Cluster, calls: int, kind: str = "allreduce",
-               layout: tuple[int, int] = (2, 2)) -> dict[str, list[float]]:
+def _job(cluster: Cluster, layout: tuple[int, int], kind: str, arg: str, tag: str,
+         flags: tuple[str, ...] = ()) -> Any:
+    """Run ``--rank kind arg`` in one phalanxrun job on ``layout`` (HOSTS, RANKS per host); rank 0's JSON
+    after ``tag``."""
     hosts, per_host = layout
     spec = ",".join(f"{h}:{per_host}" for h in host_names(hosts))
     argv = [sys.executable, "-m", "phalanx.cli.main", "-np", str(hosts * per_host), "-H", spec,
-            "-i", str(cluster.key), sys.executable, __file__, "--rank", kind, str(calls)]
-    done = cluster.run_on("hosta", argv, timeout=600, env=_env())
+            "-i", str(cluster.key), *flags, sys.executable, __file__, "--rank", kind, arg]
+    done = cluster.run_on("hosta", argv, timeout=1800, env=_env())
     if done.returncode != 0:
         raise RuntimeError(f"phalanxrun failed: {done.stderr[-2000:]}")
-    line = next(line for line in done.stdout.splitlines() if "TIMES " in line)
-    times: dict[str, list[float]] = json.loads(line.split("TIMES ", 1)[1])
+    line = next(line for line in done.stdout.splitlines() if tag + " " in line)  # after the rank's prefix
+    return json.loads(line.split(tag + " ", 1)[1])
+
+
+def _allreduce(cluster: Cluster, calls: int, kind: str = "allreduce",
+               layout: tuple[int, int] = (2, 2)) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = _job(cluster, layout, kind, str(calls), "TIMES")
     return times
 
 
@@ -244,6 +277,34 @@ def _shaped(cluster: Cluster, rate: str, layouts: list[tuple[int, int]], calls: 
               f"flat {[round(x * 1e3) for x in times['flat']]} ms")
 
 
+def _link_check(rates: list[str | None], rounds: int, mbytes: int) -> None:
+    """One TCP transfer hostb -> hosta with the links at each rate (None: unshaped), interleaved; medians."""
+    got: dict[str | None, list[float]] = {r: [] for r in rates}
+    with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
+        for i in range(rounds):
+            for rate in rates if i % 2 == 0 else rates[::-1]:
+                for host in cluster.hosts:
+                    set_link_rate(host, rate)
+                got[rate].append(_link_rate(cluster, mbytes))
+    print(f"one TCP transfer of {mbytes} MiB hostb -> hosta, links set per transfer, {rounds} rounds interleaved "
+          "(medians; MB/s and Gbit/s):")
+    for rate, runs in got.items():
+        med = statistics.median(runs)
+        print(f"  {rate or 'unshaped'}: {med:.0f} MB/s = {med * 8 / 1e3:.2f} Gbit/s; rounds "
+              f"{[round(x) for x in runs]}")
+
+
+def _ddp(cluster: Cluster, rate: str, layouts: list[tuple[int, int]], steps: int, rounds: int) -> None:
+    for hosts, per_host in layouts:
+        out = _job(cluster, (hosts, per_host), "ddp", f"{steps},{rounds}", "DDP", ("-x", "PHALANX_SHM_NATIVE=0"))
+        for name, m in out.items():
+            print(f"{name}, {hosts} hosts x {per_host} ranks, links {rate}, steps/s per rank: DDP flat gloo "
+                  f"{m['gloo']:.2f}, DDP phalanx_shm (hierarchical) {m['shm']:.2f} -> {m['shm'] / m['gloo']:.2f}x "
+                  f"(per-round IQR {m['shm/gloo q1']:.2f}-{m['shm/gloo q3']:.2f}); FSDP2 flat gloo "
+                  f"{m['fsdp gloo']:.2f}, FSDP2 phalanx_shm {m['fsdp shm']:.2f} -> "
+                  f"{m['fsdp shm'] / m['fsdp gloo']:.2f}x", flush=True)
+
+
 def _launch_many(hosts: int, rounds: int) -> None:
     """``phalanxrun -H`` over ``hosts`` simulated hosts x 2 ranks vs torchrun started on each host at the same
     moment, interleaved; medians."""
@@ -280,6 +341,10 @@ def main() -> int:
     p.add_argument("--layouts", default="3x2,2x4", help="with --shaped: HOSTSxRANKS,... (default 3x2,2x4)")
     p.add_argument("--launch-hosts", type=int, default=0, metavar="N",
                    help="only the launch to the first allreduce, N hosts x 2 ranks")
+    p.add_argument("--link-check", metavar="RATES", default=None,
+                   help="only the single-transfer check, links at each of RATES (e.g. none,10gbit,1gbit)")
+    p.add_argument("--ddp", action="store_true", help="with --shaped: DDP / FSDP2 on flat gloo vs phalanx_shm")
+    p.add_argument("--steps", type=int, default=3, help="with --ddp: training steps per interleaved chunk")
     p.add_argument("--rank", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank is not None:
@@ -291,11 +356,17 @@ def main() -> int:
         return 0
     if args.launch_hosts:
         _launch_many(args.launch_hosts, args.rounds)
+    elif args.link_check is not None:
+        rates = [None if r == "none" else r for r in args.link_check.split(",")]
+        _link_check(rates, args.rounds, 256)
     elif args.shaped is not None:
         layouts = _layouts(args.layouts)
         names = host_names(max(2, *(h for h, _ in layouts)))
         with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys), names, args.shaped) as cluster:
-            _shaped(cluster, args.shaped, layouts, args.calls)
+            if args.ddp:
+                _ddp(cluster, args.shaped, layouts, args.steps, args.rounds)
+            else:
+                _shaped(cluster, args.shaped, layouts, args.calls)
     else:
         with tempfile.TemporaryDirectory() as keys, simulated_hosts(REPO, Path(keys)) as cluster:
             if args.floor:
@@ -310,6 +381,8 @@ def _rank(kind: str, value: str) -> None:
         rank_first(float(value))
     elif kind == "floor":
         rank_floor(int(value))
+    elif kind == "ddp":
+        rank_ddp(value)
     else:
         rank_allreduce(int(value))
 

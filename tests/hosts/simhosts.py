@@ -161,8 +161,18 @@ def _network(names: tuple[str, ...], rate: str | None) -> None:
         _sh("ip", "-n", ns, "link", "set", "eth0", "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         if rate is not None:
-            shape_link(ns, "eth0", rate)  # what the host sends
-            shape_link(BRIDGE_NS, peer, rate)  # what it receives: a full-duplex link of that rate
+            set_link_rate(host, rate)
+
+
+def set_link_rate(host: str, rate: str | None) -> None:
+    """Limit ``host``'s link to ``rate`` in each direction (None: no limit): what it sends (its ``eth0``) and
+    what it receives (its port on the bridge), a full-duplex link of that rate."""
+    for netns, dev in ((f"{PREFIX}-{host}", "eth0"), (BRIDGE_NS, f"v{host}")):
+        if rate is None:
+            subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", dev, "root"],
+                           capture_output=True, check=False)  # fails harmlessly when there is none
+        else:
+            shape_link(netns, dev, rate)
 
 
 def shape_link(netns: str, dev: str, rate: str) -> None:
