@@ -3,12 +3,14 @@
 Every piece of mutable state of ``phalanx.torch`` is a field of ``RUNTIME``, as plain data; the modules that
 act on it (named at each class) hold none of their own. Two lifetimes:
 
-* **one ``hvd.init()``**: the process group's topology, the process-set registry. :meth:`Runtime.reset`
+* **one ``hvd.init()``**: the process group's topology, the process-set registry, the grouped handles.
+  :meth:`Runtime.reset`
   replaces them with fresh ones; ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what they
   hold (the process sets' groups, the process group), so that the next ``hvd.init()`` starts from nothing.
   ``hvd.global_process_set`` is Horovod's public object and is kept: ``shutdown`` clears its id.
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
-  rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it).
+  rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it), the
+  per-thread inline mode (set only while a synchronous call runs).
 
 This module imports nothing of phalanx.torch at run time (the field types are for the type checker only),
 so every module of the package can read ``RUNTIME``.
@@ -16,6 +18,8 @@ so every module of the package can read ``RUNTIME``.
 
 from __future__ import annotations
 
+import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,20 @@ class Registry:
 
 
 @dataclass
+class Grouped:
+    """The handles of ``grouped_*_async`` calls: a group's handle -> its members' handles (``async_ops``)."""
+
+    members: dict[int, list[int]] = field(default_factory=dict)
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1 << 40))  # above the engine's
+
+
+class Mode(threading.local):
+    """Per thread: the caller waits for the result at once, so collectives run on its thread (``async_ops``)."""
+
+    inline = False
+
+
+@dataclass
 class Generations:
     """This process's view of the job's generations of ``hvd.init()`` (``_health.generations``)."""
 
@@ -70,6 +88,7 @@ class Runtime:
     def __init__(self) -> None:
         self.job = Generations()
         self.round = Round()
+        self.mode = Mode()
         self.reset()
 
     def reset(self) -> None:
@@ -77,6 +96,7 @@ class Runtime:
         (``basics.shutdown``); the process-lifetime fields are left as they are."""
         self.process = ProcessState()
         self.registry = Registry()
+        self.grouped = Grouped()
 
 
 RUNTIME = Runtime()

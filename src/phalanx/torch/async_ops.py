@@ -13,8 +13,6 @@ same functions hand the collective to the engine on the caller's thread instead:
 from __future__ import annotations
 
 import functools
-import itertools
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -28,19 +26,11 @@ from phalanx.torch._engine import header
 from phalanx.torch._engine import join as _join
 from phalanx.torch._engine import reduce as reduction
 from phalanx.torch._engine.collectives import Allgather, Allreduce, Alltoall, Barrier, Broadcast, Reducescatter
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import state as _state
 from phalanx.torch.process_sets import ProcessSet, global_process_set, groups_of
 
-_GROUPS: dict[int, list[int]] = {}
-_GROUP_IDS = itertools.count(1 << 40)
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class _Mode(threading.local):
-    inline = False  # the caller waits for the result at once: run on its thread
-
-
-_MODE = _Mode()
 
 
 def runs_inline(fn: _F) -> _F:
@@ -49,7 +39,7 @@ def runs_inline(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        mode = _MODE
+        mode = RUNTIME.mode
         if mode.inline:
             return fn(*args, **kwargs)
         mode.inline = True
@@ -63,7 +53,7 @@ def runs_inline(fn: _F) -> _F:
 
 def _start(coll: Any, ps: ProcessSet) -> int:
     """Hand ``coll`` to the engine now (inline mode), or queue it for the background thread."""
-    if _MODE.inline or _background.in_worker():
+    if RUNTIME.mode.inline or _background.in_worker():
         return _engine.submit(coll, ps)
     groups_of(ps)  # a rank outside the set fails here, at the call, not in synchronize()
     return _background.start(lambda: _engine.run_job(coll, ps), coll.sig.name, _engine.busy)
@@ -173,8 +163,9 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 
 
 def _group(handles: list[int]) -> int:
-    gid = next(_GROUP_IDS)
-    _GROUPS[gid] = handles
+    grouped = RUNTIME.grouped
+    gid = next(grouped.ids)
+    grouped.members[gid] = handles
     return gid
 
 
@@ -262,7 +253,7 @@ def poll(handle: int) -> bool:
     Raises:
         ValueError: the handle is unknown (or was already synchronized).
     """
-    subs = _GROUPS.get(handle)
+    subs = RUNTIME.grouped.members.get(handle)
     if subs is not None:
         return all(poll(h) for h in subs)
     if _background.is_handle(handle):
@@ -280,7 +271,7 @@ def synchronize(handle: int) -> Any:
         CollectiveMismatchError: ranks disagreed about the collective (on every rank; a RuntimeError).
         ValueError: the handle is unknown.
     """
-    subs = _GROUPS.pop(handle, None)
+    subs = RUNTIME.grouped.members.pop(handle, None)
     if subs is not None:
         return [synchronize(h) for h in subs]
     if _background.is_handle(handle):
@@ -301,7 +292,7 @@ def synchronize_shared(handle: int, blocked: Callable[[], bool]) -> Any:
         blocked: whether this rank can issue nothing more (then a round in which every rank is blocked
             fails the pending collectives instead of waiting forever).
     """
-    subs = _GROUPS.pop(handle, None)
+    subs = RUNTIME.grouped.members.pop(handle, None)
     if subs is not None:
         return [synchronize_shared(h, blocked) for h in subs]
     if not _background.is_handle(handle):

@@ -21,6 +21,7 @@ def _use_everything() -> None:
     pending = hvd.allgather_async(torch.ones(2), name="left pending")  # never synchronized
     assert hvd.synchronize(pending).shape == (2,)
     hvd.allgather_async(torch.ones(3), name="dropped")  # its handle is dropped
+    hvd.grouped_allreduce_async([torch.ones(2), torch.ones(3)], name="grouped, dropped")
     hvd.allreduce(torch.ones(2), process_set=hvd.global_process_set, name="in the global set")
 
 
@@ -31,6 +32,7 @@ def _assert_fresh() -> None:
     assert not (engine.queue or engine.handles or engine.inflight or engine.predictors or engine.rounds
                 or engine.issued or engine.tables)
     assert RUNTIME.registry == Registry()
+    assert not RUNTIME.grouped.members
     assert hvd.global_process_set.process_set_id is None
     runner = _background.RUNNER
     assert not (runner.queue or runner.jobs or runner.busy or runner.inflight or runner.finished)
