@@ -10,7 +10,8 @@ act on it (named at each class) hold none of their own. Two lifetimes:
   ``hvd.global_process_set`` is Horovod's public object and is kept: ``shutdown`` clears its id.
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
   rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it), the
-  per-thread inline mode (set only while a synchronous call runs).
+  per-thread inline mode (set only while a synchronous call runs), the ``*_async`` thread and its queue
+  (``shutdown`` fails the queued jobs and forgets the finished ones; the thread waits for the next).
 
 This module imports nothing of phalanx.torch at run time (the field types are for the type checker only),
 so every module of the package can read ``RUNTIME``.
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from phalanx.env import RankIdentity
+    from phalanx.torch._engine.background import Job
     from phalanx.torch.process_sets import ProcessSet, _Groups
 
 Ranks = tuple[int, ...]
@@ -58,6 +61,27 @@ class Grouped:
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1 << 40))  # above the engine's
 
 
+class Runner:
+    """The ``*_async`` jobs: the queue, the thread and the jobs by handle (``_engine.background``)."""
+
+    def __init__(self, first_handle: int) -> None:
+        self.cond = threading.Condition()
+        self.queue: deque[Job] = deque()
+        self.jobs: dict[int, Job] = {}
+        self.busy = 0  # jobs queued or running
+        self.next_handle = first_handle
+        self.thread: threading.Thread | None = None
+        # Names of the jobs queued, running, or finished since the caller's thread last entered the engine
+        # (``drain``): a name stays taken until the caller could have seen its job end, so a second call
+        # right after the first raises whether or not the thread was quick. ``finished``: those that ended.
+        self.inflight: set[str] = set()
+        self.finished: set[str] = set()
+
+
+#: Background handles live above the engine's and the groups' (``async_ops``).
+FIRST_ASYNC_HANDLE = 1 << 50
+
+
 class Mode(threading.local):
     """Per thread: the caller waits for the result at once, so collectives run on its thread (``async_ops``)."""
 
@@ -89,6 +113,7 @@ class Runtime:
         self.job = Generations()
         self.round = Round()
         self.mode = Mode()
+        self.runner = Runner(FIRST_ASYNC_HANDLE)
         self.reset()
 
     def reset(self) -> None:

@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 import phalanx.torch as hvd
-from phalanx.torch._engine import background as _background
 from phalanx.torch._engine import core as _engine
 from phalanx.torch._health import stall as _stall
 from phalanx.torch._runtime import RUNTIME, ProcessState, Registry
@@ -34,7 +33,7 @@ def _assert_fresh() -> None:
     assert RUNTIME.registry == Registry()
     assert not RUNTIME.grouped.members
     assert hvd.global_process_set.process_set_id is None
-    runner = _background.RUNNER
+    runner = RUNTIME.runner
     assert not (runner.queue or runner.jobs or runner.busy or runner.inflight or runner.finished)
     assert _stall.WATCH.entry is None
     fresh = {k: v for k, v in vars(_stall.Inspector()).items() if not callable(v)}

@@ -15,14 +15,12 @@ order of issue is kept (a synchronous call after ``*_async`` runs after it, as o
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.errors import HorovodInternalError, InvalidArgumentError
-
-FIRST_HANDLE = 1 << 50  # background handles live above the engine's and the groups' (``async_ops``)
+from phalanx.torch._runtime import FIRST_ASYNC_HANDLE, RUNTIME, Runner
 
 
 @dataclass
@@ -36,59 +34,42 @@ class Job:
     error: BaseException | None = None
 
 
-class _Runner:
-    """The queue, the thread and the jobs by handle; one instance, ``RUNNER``."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.queue: deque[Job] = deque()
-        self.jobs: dict[int, Job] = {}
-        self.busy = 0  # jobs queued or running
-        self.next_handle = FIRST_HANDLE
-        self.thread: threading.Thread | None = None
-        # Names of the jobs queued, running, or finished since the caller's thread last entered the engine
-        # (``drain``): a name stays taken until the caller could have seen its job end, so a second call
-        # right after the first raises whether or not the thread was quick. ``finished``: those that ended.
-        self.inflight: set[str] = set()
-        self.finished: set[str] = set()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self.queue:
-                    self.cond.wait()
-                job = self.queue.popleft()
-            try:
-                job.result = job.run()
-            except BaseException as e:  # handed to synchronize(); the thread goes on with the next job
-                job.error = e
-            with self.cond:
-                if job.name:  # from now on the engine holds the name while its collective is pending
-                    self.finished.add(job.name)
-                self.busy -= 1
-                job.done.set()
-                self.cond.notify_all()
-
-
-RUNNER = _Runner()
+def _loop(runner: Runner) -> None:
+    """The background thread: run the queued jobs in issue order, for the life of the process."""
+    while True:
+        with runner.cond:
+            while not runner.queue:
+                runner.cond.wait()
+            job = runner.queue.popleft()
+        try:
+            job.result = job.run()
+        except BaseException as e:  # handed to synchronize(); the thread goes on with the next job
+            job.error = e
+        with runner.cond:
+            if job.name:  # from now on the engine holds the name while its collective is pending
+                runner.finished.add(job.name)
+            runner.busy -= 1
+            job.done.set()
+            runner.cond.notify_all()
 
 
 def _start_thread() -> None:
-    RUNNER.thread = threading.Thread(target=RUNNER._loop, name="phalanx-async", daemon=True)
-    RUNNER.thread.start()
+    runner = RUNTIME.runner
+    runner.thread = threading.Thread(target=_loop, args=(runner,), name="phalanx-async", daemon=True)
+    runner.thread.start()
 
 
 def prepare() -> None:
     """Start the background thread if it is not running (``hvd.init``: the first ``*_async`` then returns
     without paying for the thread's start)."""
-    with RUNNER.cond:
-        if RUNNER.thread is None:
+    with RUNTIME.runner.cond:
+        if RUNTIME.runner.thread is None:
             _start_thread()
 
 
 def in_worker() -> bool:
     """Whether the caller is the background thread (inside a job)."""
-    return threading.current_thread() is RUNNER.thread
+    return threading.current_thread() is RUNTIME.runner.thread
 
 
 def start(run: Callable[[], Any], name: str, busy: Callable[[str], bool]) -> int:
@@ -102,7 +83,7 @@ def start(run: Callable[[], Any], name: str, busy: Callable[[str], bool]) -> int
     Raises:
         ValueError: a queued or running job, or an unfinished collective, has the same (non-empty) name.
     """
-    runner = RUNNER
+    runner = RUNTIME.runner
     with runner.cond:
         if name and (name in runner.inflight or busy(name)):
             raise InvalidArgumentError(
@@ -125,7 +106,7 @@ def start(run: Callable[[], Any], name: str, busy: Callable[[str], bool]) -> int
 
 def is_handle(handle: int) -> bool:
     """Whether ``handle`` came from :func:`start`."""
-    return handle >= FIRST_HANDLE
+    return handle >= FIRST_ASYNC_HANDLE
 
 
 def poll(handle: int) -> tuple[bool, Any]:
@@ -141,24 +122,24 @@ def poll(handle: int) -> tuple[bool, Any]:
 
 def idle() -> bool:
     """Whether no job is queued or running (the caller's thread may then use the engine)."""
-    return not RUNNER.busy
+    return not RUNTIME.runner.busy
 
 
 def wait(handle: int) -> Any:
     """Wait for the job and return its result (or raise its error); forgets the handle."""
     job = _job(handle)
     job.done.wait()
-    with RUNNER.cond:
-        RUNNER.jobs.pop(handle, None)
-        RUNNER.inflight.discard(job.name)
-        RUNNER.finished.discard(job.name)
+    with RUNTIME.runner.cond:
+        RUNTIME.runner.jobs.pop(handle, None)
+        RUNTIME.runner.inflight.discard(job.name)
+        RUNTIME.runner.finished.discard(job.name)
     if job.error is not None:
         raise job.error
     return job.result
 
 
 def _job(handle: int) -> Job:
-    job = RUNNER.jobs.get(handle)
+    job = RUNTIME.runner.jobs.get(handle)
     if job is None:
         raise InvalidArgumentError(f"handle {handle!r} is unknown or was already synchronized")
     return job
@@ -167,7 +148,7 @@ def _job(handle: int) -> Job:
 def drain() -> None:
     """Wait until every queued job has run (a no-op on the background thread and when nothing is queued);
     the names of the jobs that have ended are free again."""
-    runner = RUNNER
+    runner = RUNTIME.runner
     if not (runner.busy or runner.finished) or in_worker():
         return
     if runner.busy:
@@ -183,7 +164,7 @@ def drain() -> None:
 def abandon(reason: str) -> None:
     """Fail the jobs not started yet with ``reason`` and wait for the running one (``hvd.shutdown``); the
     results of finished jobs are forgotten."""
-    runner = RUNNER
+    runner = RUNTIME.runner
     with runner.cond:
         while runner.queue:
             job = runner.queue.popleft()
