@@ -3,10 +3,10 @@
 Every piece of mutable state of ``phalanx.torch`` is a field of ``RUNTIME``, as plain data; the modules that
 act on it (named at each class) hold none of their own. Two lifetimes:
 
-* **one ``hvd.init()``**: the process group's topology, the process-set registry, the grouped handles.
-  :meth:`Runtime.reset`
-  replaces them with fresh ones; ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what they
-  hold (the process sets' groups, the process group), so that the next ``hvd.init()`` starts from nothing.
+* **one ``hvd.init()``**: the process group's topology, the engine (pending collectives, per-membership
+  counters), the process-set registry, the grouped handles. :meth:`Runtime.reset` replaces them with fresh
+  ones; ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what they hold (the queued jobs, the
+  process sets' groups, the process group), so that the next ``hvd.init()`` starts from nothing.
   ``hvd.global_process_set`` is Horovod's public object and is kept: ``shutdown`` clears its id.
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
   rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it), the
@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from phalanx.env import RankIdentity
     from phalanx.torch._engine.background import Job
+    from phalanx.torch._engine.collective import Entry
+    from phalanx.torch._engine.names import Table
+    from phalanx.torch._engine.speculate import Predictor
     from phalanx.torch.process_sets import ProcessSet, _Groups
 
 Ranks = tuple[int, ...]
@@ -40,6 +43,21 @@ class ProcessState:
     topology: RankIdentity | None = None
     owns_group: bool = False  # init created the default group, so shutdown destroys it
     cuda_backend: bool = False
+
+
+@dataclass
+class EngineState:
+    """The engine's queue, handles and per-membership counters (``_engine.core``; ``_engine.rounds`` receives
+    it as an argument)."""
+
+    queue: deque[Entry] = field(default_factory=deque)
+    handles: dict[int, Entry] = field(default_factory=dict)
+    inflight: dict[str, Entry] = field(default_factory=dict)  # named collectives not finished yet
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+    predictors: dict[Ranks, Predictor] = field(default_factory=dict)
+    rounds: dict[Ranks, int] = field(default_factory=dict)  # negotiated control blocks per membership
+    issued: dict[Ranks, int] = field(default_factory=dict)  # submitted control blocks per membership
+    tables: dict[Ranks, Table] = field(default_factory=dict)  # memberships with parked entries
 
 
 @dataclass
@@ -120,6 +138,7 @@ class Runtime:
         """Forget everything of the last ``hvd.init()``. The caller has released what it held
         (``basics.shutdown``); the process-lifetime fields are left as they are."""
         self.process = ProcessState()
+        self.engine = EngineState()
         self.registry = Registry()
         self.grouped = Grouped()
 

@@ -1,17 +1,13 @@
-"""Horovod's names in ``horovod.torch`` / ``horovod.torch.mpi_ops``, and module state that must follow
-``hvd.shutdown()`` + ``hvd.init()``."""
+"""Horovod's names in ``horovod.torch`` / ``horovod.torch.mpi_ops``."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Iterator
 
 import pytest
 
 import phalanx.torch as hvd
 from phalanx.torch import mpi_ops
-from phalanx.torch._engine import core as _engine
 
 # Every public name of horovod/torch/mpi_ops.py in Horovod 0.28.1, except the modules it imports (torch,
 # warnings) and its compiled extension (mpi_lib).
@@ -68,27 +64,6 @@ def test_init_dynamic_allows_adding_process_sets(single: None, monkeypatch: pyte
     hvd.init(process_sets="dynamic")
     with pytest.raises(ValueError, match=r"duplicate process set: \[0\]"):  # one rank: [0] is the global set
         hvd.add_process_set([0])
-
-
-def _engine_bindings() -> dict[str, object]:
-    """Every module of phalanx.torch that holds an attribute named ENGINE, and its value."""
-    out = {}
-    for info in pkgutil.walk_packages(hvd.__path__, "phalanx.torch."):
-        module = importlib.import_module(info.name)
-        if hasattr(module, "ENGINE"):
-            out[info.name] = module.ENGINE
-    return out
-
-
-def test_no_module_keeps_the_engine_of_an_earlier_init(single: None) -> None:
-    first = _engine.ENGINE
-    hvd.shutdown()
-    hvd.init()  # what hvd.elastic.run's reset does
-    assert _engine.ENGINE is not first
-    _engine.ENGINE.rounds[(0, 1)] = 7
-    assert _engine.rounds((0, 1)) == 7  # hvd.join() orders the joined ranks by these counts
-    stale = [name for name, engine in _engine_bindings().items() if engine is not _engine.ENGINE]
-    assert stale == []
 
 
 def test_process_set_takes_any_iterable_sorted_and_prints_as_horovod() -> None:

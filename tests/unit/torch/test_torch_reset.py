@@ -1,13 +1,17 @@
 """``hvd.shutdown()`` is phalanx.torch's one reset path: after it nothing of the last ``hvd.init()`` is left
 (engine, process sets, background jobs, stall watch, topology, process group), and ``hvd.init()`` starts
-afresh. The module state is private: no public name shows it, so this test reads it."""
+afresh. The state is private (``_runtime.RUNTIME``): no public name shows it, so these tests read it."""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 import torch
 import torch.distributed as dist
 
 import phalanx.torch as hvd
+from phalanx.torch import _runtime
 from phalanx.torch._engine import core as _engine
 from phalanx.torch._health import stall as _stall
 from phalanx.torch._runtime import RUNTIME, ProcessState, Registry
@@ -27,7 +31,7 @@ def _use_everything() -> None:
 def _assert_fresh() -> None:
     assert not dist.is_initialized() and not hvd.is_initialized()
     assert RUNTIME.process == ProcessState()
-    engine = _engine.ENGINE
+    engine = RUNTIME.engine
     assert not (engine.queue or engine.handles or engine.inflight or engine.predictors or engine.rounds
                 or engine.issued or engine.tables)
     assert RUNTIME.registry == Registry()
@@ -48,3 +52,31 @@ def test_shutdown_then_init_leaves_nothing_stale(no_launcher: None) -> None:
     assert hvd.global_process_set.process_set_id == 0 and RUNTIME.registry.dynamic
     hvd.shutdown()
     _assert_fresh()
+
+
+def test_the_engine_of_a_new_init_is_the_one_every_module_reads(no_launcher: None) -> None:
+    hvd.init()
+    first = RUNTIME.engine
+    hvd.shutdown()
+    hvd.init()  # what hvd.elastic.run's reset does
+    try:
+        assert RUNTIME.engine is not first
+        RUNTIME.engine.rounds[(0, 1)] = 7
+        assert _engine.rounds((0, 1)) == 7  # hvd.join() orders the joined ranks by these counts
+    finally:
+        hvd.shutdown()
+
+
+def _state_types() -> tuple[type, ...]:
+    return tuple(v for v in vars(_runtime).values() if isinstance(v, type) and v.__module__ == _runtime.__name__)
+
+
+def test_every_piece_of_state_lives_in_the_runtime() -> None:
+    """No module of phalanx.torch holds one of the Runtime's state objects itself (it would outlive a reset)."""
+    held = {}
+    for info in pkgutil.walk_packages(hvd.__path__, "phalanx.torch."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if isinstance(value, _state_types()) and value is not RUNTIME:
+                held[f"{info.name}.{name}"] = type(value).__name__
+    assert held == {}

@@ -33,7 +33,6 @@ from phalanx.torch._engine import rounds as _rounds
 from phalanx.torch._engine import speculate as speculation
 from phalanx.torch._engine import trace as _trace
 from phalanx.torch._engine.collective import Collective, Entry
-from phalanx.torch._engine.rounds import EngineState
 from phalanx.torch._health import stall as _stall
 from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import state as _state
@@ -48,25 +47,21 @@ class Parked:
     handle: int
 
 
-ENGINE = EngineState()
-
-
 def reset() -> None:
-    """Forget every pending collective (``hvd.shutdown``)."""
-    global ENGINE
+    """Fail the queued ``*_async`` jobs and stop the stall inspector (``hvd.shutdown``; ``RUNTIME.reset()``
+    then forgets the pending collectives)."""
     _background.abandon("hvd.shutdown() was called before this *_async collective ran")
-    ENGINE = EngineState()
     _stall.stop()
 
 
 def rounds(ranks: tuple[int, ...]) -> int:
     """Control blocks negotiated so far on this membership by the current engine (common knowledge)."""
-    return ENGINE.rounds.get(ranks, 0)
+    return RUNTIME.engine.rounds.get(ranks, 0)
 
 
 def start_inspector() -> None:
     """Start the stall inspector for a new ``hvd.init()`` (before its first collective)."""
-    _stall.INSPECTOR.start(lambda: (ENGINE.issued, ENGINE.rounds))
+    _stall.INSPECTOR.start(lambda: (RUNTIME.engine.issued, RUNTIME.engine.rounds))
 
 
 def _inline_candidate(coll: Collective) -> torch.Tensor | None:
@@ -108,7 +103,7 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
             "synchronize() it first or give the new one a different name="
         )
     entry = Entry(coll=coll, groups=groups, name=name)
-    handle = next(ENGINE.counter)
+    handle = next(RUNTIME.engine.counter)
     entry.row = timeline_row(coll.sig.kind, name, handle)
     n = len(groups.ranks)
     if n == 1:
@@ -118,11 +113,11 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
             raise CollectiveMismatchError(RUNTIME.job.superseded)
         if _stall.INSPECTOR.broken and (error := _stall.broken(groups.ranks)) is not None:
             raise error
-        if ENGINE.queue:
+        if RUNTIME.engine.queue:
             advance()  # predictions need every earlier control block: common knowledge on every rank
-        entry.seq = ENGINE.issued[groups.ranks] = ENGINE.issued.get(groups.ranks, 0) + 1
+        entry.seq = RUNTIME.engine.issued[groups.ranks] = RUNTIME.engine.issued.get(groups.ranks, 0) + 1
         _stall.WATCH.entry = entry
-        entry.spec = None if groups.ranks in ENGINE.tables else _speculate(coll, groups)
+        entry.spec = None if groups.ranks in RUNTIME.engine.tables else _speculate(coll, groups)
         if _trace.recording():
             _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
                                                                       "shape": list(coll.sig.shape)})
@@ -132,20 +127,20 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
             block = header.encode(coll.sig, coll.aux(), None, n, inline_words=0)
         _send(entry, groups, block)
     if name:
-        ENGINE.inflight[name] = entry
-    ENGINE.handles[handle] = entry
+        RUNTIME.engine.inflight[name] = entry
+    RUNTIME.engine.handles[handle] = entry
     return handle
 
 
 def busy(name: str) -> bool:
     """Whether a collective named ``name`` is in flight: issued and not finished (Horovod's rule; a finished
     one frees its name even before ``synchronize``)."""
-    entry = ENGINE.inflight.get(name)
+    entry = RUNTIME.engine.inflight.get(name)
     if entry is None:
         return False
     if entry.state == "done" or (entry.state == "running" and entry.coll.is_done()):
-        if ENGINE.inflight.get(name) is entry:  # the caller's thread and the background thread may both free it
-            ENGINE.inflight.pop(name, None)
+        if RUNTIME.engine.inflight.get(name) is entry:  # the caller's thread and the background thread may both free it
+            RUNTIME.engine.inflight.pop(name, None)
         return False
     return True
 
@@ -154,14 +149,14 @@ def _send(entry: Entry, groups: _Groups, block: torch.Tensor) -> None:
     """Start the allgather of this rank's control block and queue the entry."""
     entry.gathered = torch.empty(block.numel() * len(groups.ranks), dtype=torch.int64)
     entry.work = shm.all_gather_single(entry.gathered, block, group=groups.ctrl, async_op=True)
-    ENGINE.queue.append(entry)
+    RUNTIME.engine.queue.append(entry)
 
 
 def _send_wait(groups: _Groups, awaited: Entry, blocked: bool) -> None:
     """Send a ``wait`` block for ``awaited`` (parked): the round lets the peers' blocks fill its table."""
     coll = _names.Wait(awaited.coll.sig, blocked)
     entry = Entry(coll=coll, groups=groups)
-    entry.seq = ENGINE.issued[groups.ranks] = ENGINE.issued.get(groups.ranks, 0) + 1
+    entry.seq = RUNTIME.engine.issued[groups.ranks] = RUNTIME.engine.issued.get(groups.ranks, 0) + 1
     _send(entry, groups, header.encode(coll.sig, [], coll.payload_bytes(), len(groups.ranks)))
 
 
@@ -189,7 +184,7 @@ def step_parked(handle: int, blocked: bool) -> bool:
 
 
 def _speculate(coll: Collective, groups: _Groups) -> tuple[speculation.Key, torch.Tensor, Any] | None:
-    key = _rounds.predictor(ENGINE, groups.ranks).predict()
+    key = _rounds.predictor(RUNTIME.engine, groups.ranks).predict()
     if key is None:
         return None
     mine = coll.speculative_buffer(key) if speculation.key_of(coll.sig) == key else None
@@ -213,7 +208,7 @@ def advance(until: Entry | None = None, block: bool = True) -> None:
         until: stop after this entry (None: drain the whole queue).
         block: wait for control blocks that have not arrived yet; when False stop at the first one.
     """
-    queue = ENGINE.queue
+    queue = RUNTIME.engine.queue
     while queue:
         entry = queue[0]
         if _stall.INSPECTOR.broken and _abandoned(entry):
@@ -224,7 +219,7 @@ def advance(until: Entry | None = None, block: bool = True) -> None:
         _stall.WATCH.entry = entry
         _stall.wait(entry.work)
         queue.popleft()
-        _rounds.negotiated(ENGINE, entry)
+        _rounds.negotiated(RUNTIME.engine, entry)
         if entry is until:
             return
 
@@ -242,12 +237,12 @@ def _abandoned(entry: Entry) -> bool:
 def flush() -> None:
     """Issue every pending payload (callers that use the data group directly call this first)."""
     _background.drain()
-    if ENGINE.queue:
+    if RUNTIME.engine.queue:
         advance()
 
 
 def _lookup(handle: int) -> Entry:
-    entry = ENGINE.handles.get(handle)
+    entry = RUNTIME.engine.handles.get(handle)
     if entry is None:
         raise InvalidArgumentError(f"handle {handle!r} is unknown or was already synchronized")
     return entry
@@ -261,7 +256,7 @@ def poll(handle: int) -> bool:
     """
     _background.drain()
     entry = _lookup(handle)
-    if entry.state == "parked" and not ENGINE.queue:
+    if entry.state == "parked" and not RUNTIME.engine.queue:
         assert entry.groups is not None
         _send_wait(entry.groups, entry, blocked=False)  # a round in which the peers' blocks may complete it
     if entry.state in ("negotiating", "parked"):
@@ -298,9 +293,9 @@ def synchronize(handle: int) -> Any:
             stats.end(entry.coll.sig.kind, waiting, _payload_bytes(entry.coll.sig))
         if entry.gathered is not None:
             _trace.end(entry.row, _trace.RUN[entry.coll.sig.kind])
-        del ENGINE.handles[handle]
-        if ENGINE.inflight.get(entry.name) is entry:
-            ENGINE.inflight.pop(entry.name, None)
+        del RUNTIME.engine.handles[handle]
+        if RUNTIME.engine.inflight.get(entry.name) is entry:
+            RUNTIME.engine.inflight.pop(entry.name, None)
 
 
 def _payload_bytes(sig: header.Signature) -> int:
@@ -322,7 +317,7 @@ def run_job(coll: Collective, process_set: ProcessSet) -> Any:
     """Run a collective for the background thread: to its result, or until it is parked (then ``Parked``,
     so that the thread, and the caller's later collectives, go on while it waits for the peers)."""
     handle = submit(coll, process_set)
-    entry = ENGINE.handles[handle]
+    entry = RUNTIME.engine.handles[handle]
     if entry.state == "negotiating":
         advance(until=entry)
     if entry.state == "parked":

@@ -9,15 +9,10 @@ this module decides what a round whose blocks have arrived does:
   with joined ranks (``_join``), or matching by name on the membership's table (``_names``).
 
 Every decision uses only the gathered blocks and the engine's common-knowledge counters, so every member
-takes the same path. The engine's state is passed in: ``_engine.ENGINE`` is rebound by ``hvd.shutdown``
-and no module other than ``_engine`` holds it.
+takes the same path. The engine's state (``RUNTIME.engine``, which ``hvd.shutdown`` replaces) is passed in.
 """
 
 from __future__ import annotations
-
-import itertools
-from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,21 +23,8 @@ from phalanx.torch._engine import names as _names
 from phalanx.torch._engine import speculate as speculation
 from phalanx.torch._engine import trace as _trace
 from phalanx.torch._engine.collective import Entry
+from phalanx.torch._runtime import EngineState
 from phalanx.torch._setup import state as _state
-
-
-@dataclass
-class EngineState:
-    """The engine's state for one ``hvd.init()``: its queue, handles and per-membership counters."""
-
-    queue: deque[Entry] = field(default_factory=deque)
-    handles: dict[int, Entry] = field(default_factory=dict)
-    inflight: dict[str, Entry] = field(default_factory=dict)  # named collectives not finished yet
-    counter: itertools.count[int] = field(default_factory=itertools.count)
-    predictors: dict[tuple[int, ...], speculation.Predictor] = field(default_factory=dict)
-    rounds: dict[tuple[int, ...], int] = field(default_factory=dict)  # negotiated control blocks per membership
-    issued: dict[tuple[int, ...], int] = field(default_factory=dict)  # submitted control blocks per membership
-    tables: dict[tuple[int, ...], _names.Table] = field(default_factory=dict)  # memberships with parked entries
 
 
 def predictor(engine: EngineState, ranks: tuple[int, ...]) -> speculation.Predictor:
