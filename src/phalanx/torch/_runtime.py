@@ -4,9 +4,10 @@ Every piece of mutable state of ``phalanx.torch`` is a field of ``RUNTIME``, as 
 act on it (named at each class) hold none of their own. Two lifetimes:
 
 * **one ``hvd.init()``**: the process group's topology, the engine (pending collectives, per-membership
-  counters), the process-set registry, the grouped handles. :meth:`Runtime.reset` replaces them with fresh
-  ones; ``hvd.shutdown()`` (``basics.shutdown``) calls it after releasing what they hold (the queued jobs, the
-  process sets' groups, the process group), so that the next ``hvd.init()`` starts from nothing.
+  counters), the process-set registry, the grouped handles, the stall inspector and the hang report's
+  watcher. :meth:`Runtime.reset` replaces them with fresh ones; ``hvd.shutdown()`` (``basics.shutdown``)
+  calls it after releasing what they hold (the queued jobs, the watcher thread, the transport's wait hooks,
+  the process sets' groups, the process group), so that the next ``hvd.init()`` starts from nothing.
   ``hvd.global_process_set`` is Horovod's public object and is kept: ``shutdown`` clears its id.
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
   rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it), the
@@ -22,7 +23,9 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from phalanx.torch._engine.collective import Entry
     from phalanx.torch._engine.names import Table
     from phalanx.torch._engine.speculate import Predictor
+    from phalanx.torch._health.deadlock import Record
     from phalanx.torch.process_sets import ProcessSet, _Groups
 
 Ranks = tuple[int, ...]
@@ -58,6 +62,43 @@ class EngineState:
     rounds: dict[Ranks, int] = field(default_factory=dict)  # negotiated control blocks per membership
     issued: dict[Ranks, int] = field(default_factory=dict)  # submitted control blocks per membership
     tables: dict[Ranks, Table] = field(default_factory=dict)  # memberships with parked entries
+
+
+@dataclass
+class Inspector:
+    """The stall inspector's settings and the current wait (``_health.stall``)."""
+
+    check_s: float = 0.0  # 0: off
+    shutdown_s: float = 0.0  # 0: never
+    warn_s: float = 0.0  # 0: no stall warning
+    warned: bool = False  # the current wait has been warned about
+    check_td: timedelta = timedelta(0)
+    poll_td: timedelta = timedelta(0)
+    store: Any = None
+    rank: int = 0
+    size: int = 1
+    counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]] = lambda: ({}, {})
+    mine: Record | None = None  # published and not yet cleared
+    version: int = 0
+    next_poll: float = 0.0
+    interval: float = 0.0  # between two reads of the records (backs off); set when a rank publishes
+    next_verdict: float = 0.0  # verdicts are looked for every POLL_S, without back-off
+    candidate: dict[int, int] | None = None
+    broken: dict[Ranks, str] = field(default_factory=dict)
+    report: str = ""  # the hang report of the current wait, when this rank wrote one
+    entry: Any = None  # the engine entry this rank waits for (set at each wait point; read only on a stall)
+
+
+@dataclass
+class Watcher:
+    """The hang report's watcher: this rank answers report requests (``_health.hang``)."""
+
+    store: Any = None
+    rank: int = 0
+    size: int = 1
+    describe_wait: Callable[[], str | None] = lambda: None
+    stop: threading.Event = field(default_factory=threading.Event)
+    answered: int = 0  # the last request answered
 
 
 @dataclass
@@ -141,6 +182,8 @@ class Runtime:
         self.engine = EngineState()
         self.registry = Registry()
         self.grouped = Grouped()
+        self.inspector = Inspector()
+        self.watcher = Watcher()
 
 
 RUNTIME = Runtime()

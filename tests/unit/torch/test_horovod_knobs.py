@@ -11,6 +11,7 @@ import pytest
 
 from phalanx.errors import HorovodInternalError
 from phalanx.torch._health import stall as _stall
+from phalanx.torch._runtime import RUNTIME, Inspector
 from phalanx.torch._setup import log as _log
 from phalanx.torch._setup.state import gloo_timeout
 
@@ -108,7 +109,7 @@ def test_stall_shutdown_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    inspector = _stall.Inspector()
+    inspector = Inspector()
     inspector.check_s, inspector.warn_s, inspector.shutdown_s = 1.0, 2.0, 4.0
     withdrawn: list[str] = []
     inspector.store = type("Store", (), {"set": lambda self, key, value: withdrawn.append(key)})()
@@ -118,8 +119,8 @@ def test_a_stalled_wait_warns_once_then_gives_up_at_the_shutdown_time(
         published.append(1.0)
         inspector.mine = _stall.Record(0)  # published: the warning is not repeated
 
-    monkeypatch.setattr(inspector, "stalled", stalled)
-    monkeypatch.setattr(_stall, "INSPECTOR", inspector)
+    monkeypatch.setattr(_stall, "stalled", stalled)
+    monkeypatch.setattr(RUNTIME, "inspector", inspector)
     monkeypatch.setattr(_stall, "current_wait", lambda: {"ranks": (0, 1), "kind": "allreduce", "name": "grad"})
     with caplog.at_level(logging.WARNING, logger="phalanx.torch._health.stall"):
         assert _stall.on_stall(0.5) is None  # not yet stalled
@@ -141,10 +142,10 @@ def test_shutdown_below_the_warning_time_is_ignored_as_in_horovod(
     monkeypatch.delenv("HOROVOD_STALL_CHECK_DISABLE", raising=False)
     monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "60")
     monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "30")
-    inspector = _stall.Inspector()
+    monkeypatch.setattr(RUNTIME, "inspector", Inspector())
     with caplog.at_level(logging.WARNING, logger="phalanx.torch._health.stall"):
-        inspector.start(lambda: ({}, {}))
-    assert inspector.shutdown_s == 0.0 and "will not be shut down" in caplog.text
+        _stall.start(lambda: ({}, {}))
+    assert RUNTIME.inspector.shutdown_s == 0.0 and "will not be shut down" in caplog.text
     monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "90")
-    inspector.start(lambda: ({}, {}))
-    assert inspector.shutdown_s == 90.0
+    _stall.start(lambda: ({}, {}))
+    assert RUNTIME.inspector.shutdown_s == 90.0

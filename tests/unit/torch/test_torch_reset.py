@@ -13,8 +13,7 @@ import torch.distributed as dist
 import phalanx.torch as hvd
 from phalanx.torch import _runtime
 from phalanx.torch._engine import core as _engine
-from phalanx.torch._health import stall as _stall
-from phalanx.torch._runtime import RUNTIME, ProcessState, Registry
+from phalanx.torch._runtime import RUNTIME, Inspector, ProcessState, Registry
 
 
 def _use_everything() -> None:
@@ -39,9 +38,9 @@ def _assert_fresh() -> None:
     assert hvd.global_process_set.process_set_id is None
     runner = RUNTIME.runner
     assert not (runner.queue or runner.jobs or runner.busy or runner.inflight or runner.finished)
-    assert _stall.WATCH.entry is None
-    fresh = {k: v for k, v in vars(_stall.Inspector()).items() if not callable(v)}
-    assert {k: v for k, v in vars(_stall.INSPECTOR).items() if not callable(v)} == fresh
+    fresh = {k: v for k, v in vars(Inspector()).items() if not callable(v)}
+    assert {k: v for k, v in vars(RUNTIME.inspector).items() if not callable(v)} == fresh
+    assert RUNTIME.watcher.store is None
 
 
 def test_shutdown_then_init_leaves_nothing_stale(no_launcher: None) -> None:

@@ -61,7 +61,7 @@ def rounds(ranks: tuple[int, ...]) -> int:
 
 def start_inspector() -> None:
     """Start the stall inspector for a new ``hvd.init()`` (before its first collective)."""
-    _stall.INSPECTOR.start(lambda: (RUNTIME.engine.issued, RUNTIME.engine.rounds))
+    _stall.start(lambda: (RUNTIME.engine.issued, RUNTIME.engine.rounds))
 
 
 def _inline_candidate(coll: Collective) -> torch.Tensor | None:
@@ -111,12 +111,12 @@ def submit(coll: Collective, process_set: ProcessSet) -> int:
     else:
         if RUNTIME.job.superseded is not None:
             raise CollectiveMismatchError(RUNTIME.job.superseded)
-        if _stall.INSPECTOR.broken and (error := _stall.broken(groups.ranks)) is not None:
+        if RUNTIME.inspector.broken and (error := _stall.broken(groups.ranks)) is not None:
             raise error
         if RUNTIME.engine.queue:
             advance()  # predictions need every earlier control block: common knowledge on every rank
         entry.seq = RUNTIME.engine.issued[groups.ranks] = RUNTIME.engine.issued.get(groups.ranks, 0) + 1
-        _stall.WATCH.entry = entry
+        RUNTIME.inspector.entry = entry
         entry.spec = None if groups.ranks in RUNTIME.engine.tables else _speculate(coll, groups)
         if _trace.recording():
             _trace.begin(entry.row, _trace.NEGOTIATE[coll.sig.kind], {"dtype": str(coll.sig.dtype),
@@ -211,12 +211,12 @@ def advance(until: Entry | None = None, block: bool = True) -> None:
     queue = RUNTIME.engine.queue
     while queue:
         entry = queue[0]
-        if _stall.INSPECTOR.broken and _abandoned(entry):
+        if RUNTIME.inspector.broken and _abandoned(entry):
             queue.popleft()
             continue
         if not block and not entry.work.is_completed():
             return
-        _stall.WATCH.entry = entry
+        RUNTIME.inspector.entry = entry
         _stall.wait(entry.work)
         queue.popleft()
         _rounds.negotiated(RUNTIME.engine, entry)
@@ -284,7 +284,7 @@ def synchronize(handle: int) -> Any:
         if entry.error is not None:
             raise entry.error
         if entry.state == "running" and entry.coll.sig.device == 0:
-            _stall.WATCH.entry = entry
+            RUNTIME.inspector.entry = entry
             for work in entry.coll.pending():
                 _stall.wait(work)
         return entry.coll.finish()

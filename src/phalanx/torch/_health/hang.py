@@ -20,9 +20,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from phalanx.torch._health.deadlock import Record, stalled_text
+from phalanx.torch._runtime import RUNTIME, Watcher
 
 #: Most seconds the reporter waits for the other ranks' sections.
 ANSWER_S = 4.0
@@ -37,48 +39,36 @@ def watch_interval(size: int) -> float:
     return max(1.0, size / 200.0)
 
 
-class _Watcher:
-    """This rank's side: answer report requests (one instance, ``WATCHER``)."""
-
-    def __init__(self) -> None:
-        self.store: Any = None
-        self.rank = 0
-        self.size = 1
-        self.describe_wait: Any = lambda: None
-        self._stop = threading.Event()
-        self._answered = 0
-
-    def start(self, store: Any, rank: int, size: int, describe_wait: Any) -> None:
-        """Start watching for requests (``hvd.init()``); ``describe_wait()`` tells this rank's current wait."""
-        self.stop()
-        self.store, self.rank, self.size, self.describe_wait = store, rank, size, describe_wait
-        self._stop = threading.Event()
-        self._answered = 0
-        store.set(f"stack/{rank}", "")
-        threading.Thread(target=self._loop, args=(self._stop, store), name="phalanx-hang-watch", daemon=True).start()
-
-    def stop(self) -> None:
-        """Stop the watcher (``hvd.shutdown()``)."""
-        self._stop.set()
-        self.store = None
-
-    def _loop(self, stop: threading.Event, store: Any) -> None:
-        interval = watch_interval(self.size)
-        while not stop.wait(interval):
-            try:
-                if not store.check(["request"]):
-                    continue
-                rid = int(json.loads(store.get("request"))["id"])
-                if rid == self._answered:
-                    continue
-                self._answered = rid
-                text = section(self.rank, self.describe_wait(), skip=threading.get_ident())
-                store.set(f"stack/{self.rank}", json.dumps({"id": rid, "text": text}))
-            except (RuntimeError, OSError, ValueError, KeyError, TypeError):
-                return  # the store is gone (the job is ending): nothing to answer any more
+def start(store: Any, rank: int, size: int, describe_wait: Callable[[], str | None]) -> None:
+    """Start watching for requests (``hvd.init()``); ``describe_wait()`` tells this rank's current wait."""
+    stop()
+    watcher = RUNTIME.watcher = Watcher(store, rank, size, describe_wait)
+    store.set(f"stack/{rank}", "")
+    threading.Thread(target=_loop, args=(watcher,), name="phalanx-hang-watch", daemon=True).start()
 
 
-WATCHER = _Watcher()
+def stop() -> None:
+    """Stop the watcher (``hvd.shutdown()``)."""
+    RUNTIME.watcher.stop.set()
+    RUNTIME.watcher.store = None
+
+
+def _loop(watcher: Watcher) -> None:
+    """The watcher thread: answer each new report request with this rank's section, until stopped."""
+    interval = watch_interval(watcher.size)
+    store = watcher.store
+    while not watcher.stop.wait(interval):
+        try:
+            if not store.check(["request"]):
+                continue
+            rid = int(json.loads(store.get("request"))["id"])
+            if rid == watcher.answered:
+                continue
+            watcher.answered = rid
+            text = section(watcher.rank, watcher.describe_wait(), skip=threading.get_ident())
+            store.set(f"stack/{watcher.rank}", json.dumps({"id": rid, "text": text}))
+        except (RuntimeError, OSError, ValueError, KeyError, TypeError):
+            return  # the store is gone (the job is ending): nothing to answer any more
 
 
 #: A phalanx thread (``phalanx-*``) is shown only when it is inside a collective (the async ops' thread may be).

@@ -39,6 +39,7 @@ from phalanx.errors import CollectiveMismatchError, HorovodInternalError
 from phalanx.torch._health import generations as _generations
 from phalanx.torch._health import hang as _hang
 from phalanx.torch._health.deadlock import Ranks, Record, deadlocked, describe, operation, stalled_text
+from phalanx.torch._runtime import RUNTIME, Inspector
 from phalanx.transport import api as transport
 
 _log = logging.getLogger(__name__)
@@ -49,203 +50,190 @@ POLL_MAX_S = 10.0  # the back-off's limit
 PREFIX = "phalanx.stall/"
 ACK_S = 3 * POLL_S  # how long the rank that confirms a deadlock waits for the others to read the verdict
 
-class Inspector:
-    """This rank's side: publish when stalled, poll, confirm, raise. One instance, ``INSPECTOR``."""
 
-    def __init__(self) -> None:
-        self.check_s = 0.0  # 0: off
-        self.shutdown_s = 0.0  # 0: never
-        self.warn_s = 0.0  # 0: no stall warning
-        self.warned = False  # the current wait has been warned about
-        self.check_td = self.poll_td = timedelta(0)
-        self.store: Any = None
-        self.rank, self.size = 0, 1
-        self.counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]] = lambda: ({}, {})
-        self.mine: Record | None = None  # published and not yet cleared
-        self.version = 0
-        self.next_poll = 0.0
-        self.interval = POLL_S
-        self.next_verdict = 0.0  # verdicts are looked for every POLL_S, without back-off
-        self.candidate: dict[int, int] | None = None
-        self.broken: dict[Ranks, str] = {}
-        self.report = ""  # the hang report of the current wait, when this rank wrote one
+def start(counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]]) -> None:
+    """Reset for a new ``hvd.init()`` (before its first collective: every rank clears its record)."""
+    ins = RUNTIME.inspector = Inspector()
+    ins.counters = counters
+    ins.check_s = check_interval()
+    ins.shutdown_s = shutdown_after()
+    ins.warn_s = warn_after()
+    if 0 < ins.shutdown_s < ins.warn_s:  # Horovod's rule
+        _log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (%g) is less than HOROVOD_STALL_CHECK_TIME_SECONDS "
+                     "(%g): stalled collectives will not be shut down", ins.shutdown_s, ins.warn_s)
+        ins.shutdown_s = 0.0
+    if ins.check_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
+        ins.check_s = 0.0
+        return
+    ins.check_td = timedelta(seconds=ins.check_s)
+    ins.poll_td = timedelta(seconds=min(POLL_S, ins.check_s))
+    transport.set_wait_hooks(transport.WaitHooks(on_stall, resumed, verdict, pending_operation))
+    ins.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+    ins.rank, ins.size = dist.get_rank(), dist.get_world_size()
+    ins.store.set(f"rec/{ins.rank}", "")
+    ins.store.set(f"verdict/{ins.rank}", "")
+    _hang.start(ins.store, ins.rank, ins.size, published_operation)
 
-    def start(self, counters: Callable[[], tuple[dict[Ranks, int], dict[Ranks, int]]]) -> None:
-        """Reset for a new ``hvd.init()`` (before its first collective: every rank clears its record)."""
-        self.__init__()  # type: ignore[misc]
-        self.counters = counters
-        self.check_s = check_interval()
-        self.shutdown_s = shutdown_after()
-        self.warn_s = warn_after()
-        if 0 < self.shutdown_s < self.warn_s:  # Horovod's rule
-            _log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (%g) is less than HOROVOD_STALL_CHECK_TIME_SECONDS "
-                         "(%g): stalled collectives will not be shut down", self.shutdown_s, self.warn_s)
-            self.shutdown_s = 0.0
-        if self.check_s <= 0 or not dist.is_initialized() or dist.get_world_size() == 1:
-            self.check_s = 0.0
-            return
-        self.check_td = timedelta(seconds=self.check_s)
-        self.poll_td = timedelta(seconds=min(POLL_S, self.check_s))
-        transport.set_wait_hooks(transport.WaitHooks(on_stall, self.resumed, self.verdict, pending_operation))
-        self.store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.store.set(f"rec/{self.rank}", "")
-        self.store.set(f"verdict/{self.rank}", "")
-        _hang.WATCHER.start(self.store, self.rank, self.size, self.published_operation)
 
-    def stalled(self, wait: dict[str, Any]) -> CollectiveMismatchError | None:
-        """Called while a wait has lasted at least ``check_s``: publish once, then poll every ``POLL_S``.
+def stalled(wait: dict[str, Any]) -> CollectiveMismatchError | None:
+    """Called while a wait has lasted at least ``check_s``: publish once, then poll every ``POLL_S``.
 
-        Returns:
-            The error to raise when this rank is part of a confirmed deadlock, else None.
-        """
-        why = _generations.moved_on(tuple(wait["ranks"]))
-        if why is not None:  # a peer called shutdown() and init() again: nothing can serve this wait
-            self.resumed()
-            return CollectiveMismatchError(why)
-        now = time.monotonic()
-        if self.mine is None:
-            issued, rounds = self.counters()
-            self.version += 1
-            self.mine = Record(self.rank, self.version, wait, dict(issued), dict(rounds))
-            self.store.set(f"rec/{self.rank}", self.mine.dumps())
-            self.candidate, self.next_poll, self.interval = None, now, min(POLL_S, self.check_s)
-        if now < self.next_poll:
-            if now < self.next_verdict:
-                return None
-            self.next_verdict = now + POLL_S
-            return self.verdict()
-        self.next_verdict = now + POLL_S
-        error = self._poll(self.mine)
-        # a candidate deadlock is confirmed at the next poll; otherwise back off
-        self.interval = self.interval if self.candidate is not None else min(self.interval * 1.5, POLL_MAX_S)
-        self.next_poll = now + self.interval
-        return error
-
-    def verdict(self) -> CollectiveMismatchError | None:
-        """The error of a deadlock another rank confirmed for this rank's current record, else None (also
-        consulted when a transport fails: a deadlocked peer that raised and exited must not be reported as a
-        dead peer)."""
-        mine = self.mine
-        if mine is None:
+    Returns:
+        The error to raise when this rank is part of a confirmed deadlock, else None.
+    """
+    ins = RUNTIME.inspector
+    why = _generations.moved_on(tuple(wait["ranks"]))
+    if why is not None:  # a peer called shutdown() and init() again: nothing can serve this wait
+        resumed()
+        return CollectiveMismatchError(why)
+    now = time.monotonic()
+    if ins.mine is None:
+        issued, rounds = ins.counters()
+        ins.version += 1
+        ins.mine = Record(ins.rank, ins.version, wait, dict(issued), dict(rounds))
+        ins.store.set(f"rec/{ins.rank}", ins.mine.dumps())
+        ins.candidate, ins.next_poll, ins.interval = None, now, min(POLL_S, ins.check_s)
+    if now < ins.next_poll:
+        if now < ins.next_verdict:
             return None
+        ins.next_verdict = now + POLL_S
+        return verdict()
+    ins.next_verdict = now + POLL_S
+    error = _poll(ins.mine)
+    # a candidate deadlock is confirmed at the next poll; otherwise back off
+    ins.interval = ins.interval if ins.candidate is not None else min(ins.interval * 1.5, POLL_MAX_S)
+    ins.next_poll = now + ins.interval
+    return error
+
+
+def verdict() -> CollectiveMismatchError | None:
+    """The error of a deadlock another rank confirmed for this rank's current record, else None (also
+    consulted when a transport fails: a deadlocked peer that raised and exited must not be reported as a
+    dead peer)."""
+    ins = RUNTIME.inspector
+    mine = ins.mine
+    if mine is None:
+        return None
+    try:
+        text = ins.store.get(f"verdict/{ins.rank}").decode()
+    except (RuntimeError, OSError):
+        return None
+    d = json.loads(text) if text else None
+    if d is None or d["v"] != mine.version:
+        return None
+    return _fail(d["msg"], d["sets"])
+
+
+def _poll(mine: Record) -> CollectiveMismatchError | None:
+    ins = RUNTIME.inspector
+    error = verdict()
+    if error is not None:
+        return error
+    records = _records(mine)
+    stuck = deadlocked(records)
+    if ins.rank not in stuck:
+        ins.candidate = None
+        return None
+    seen = {r: records[r].version for r in stuck}
+    if seen != ins.candidate:
+        ins.candidate = seen  # confirmed when the next poll sees the same records
+        return None
+    msg = describe(stuck, records)
+    sets = sorted({tuple(w["ranks"]) for r in stuck if (w := records[r].wait) is not None})
+    verdicts = [json.dumps({"v": seen[r], "msg": msg, "sets": sets}) for r in stuck]
+    ins.store.multi_set([f"verdict/{r}" for r in stuck], verdicts)  # all at once: before any rank acts
+    error = _fail(msg, sets)
+    _await_readers(seen)
+    return error
+
+
+def _await_readers(seen: dict[int, int]) -> None:
+    """Give the other deadlocked ranks up to ``ACK_S`` to read their verdict (they withdraw their record),
+    so that none of them sees this rank exit first and reports a dead peer instead of the deadlock."""
+    ins = RUNTIME.inspector
+    deadline = time.monotonic() + ACK_S
+    waiting = {r for r in seen if r != ins.rank}
+    while waiting and time.monotonic() < deadline:
+        for r in list(waiting):
+            text = ins.store.get(f"rec/{r}").decode()
+            if not text or Record.loads(text).version != seen[r]:
+                waiting.discard(r)
+        time.sleep(0.02)
+
+
+def _records(mine: Record) -> dict[int, Record]:
+    ins = RUNTIME.inspector
+    # Every rank wrote its key in start(), before the collective that created the process sets; check
+    # anyway (a missing key would make multi_get block until the store's timeout).
+    keys = [f"rec/{r}" for r in range(ins.size)]
+    if not ins.store.check(keys):
+        return {ins.rank: mine}
+    texts = ins.store.multi_get(keys)
+    records = {r: Record.loads(t.decode()) for r, t in enumerate(texts) if t and r != ins.rank}
+    records[ins.rank] = mine
+    return records
+
+
+def _fail(msg: str, sets: list[Any]) -> CollectiveMismatchError:
+    ins = RUNTIME.inspector
+    for ranks in sets:
+        ins.broken[tuple(ranks)] = msg
+    resumed()
+    return CollectiveMismatchError(msg)
+
+
+def published_operation() -> str | None:
+    """The collective this rank has been blocked in for at least the check interval (what it published),
+    or None (read by the hang report's watcher thread: no cost on the fast path)."""
+    ins = RUNTIME.inspector
+    mine = ins.mine
+    return operation(mine.wait) if mine is not None and mine.wait is not None else None
+
+
+def missing_text(wait: dict[str, Any]) -> str:
+    """``wait``'s collective and the ranks missing from it, from every blocked rank's record (best effort:
+    diagnostics never break the wait they describe)."""
+    ins = RUNTIME.inspector
+    mine = ins.mine or Record(ins.rank, ins.version, wait)
+    try:
+        return stalled_text(ins.rank, wait, _records(mine))
+    except Exception:  # a store that fails or a record that does not parse
+        return "the ranks missing from it could not be read from the job's store"
+
+
+def hang_report(wait: dict[str, Any], waited: float) -> str:
+    """Write the job's hang report for ``wait`` (when this rank is the one to) on stderr; return it."""
+    ins = RUNTIME.inspector
+    mine = ins.mine or Record(ins.rank, ins.version, wait)
+    try:
+        text = _hang.report(ins.store, ins.rank, ins.size, wait, _records(mine), waited,
+                            operation(wait))
+    except Exception:  # best effort, as missing_text
+        return ""
+    if text:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    return text or ""
+
+
+def resumed() -> None:
+    """The wait ended (or raised): withdraw the published record."""
+    ins = RUNTIME.inspector
+    ins.warned = False
+    ins.report = ""
+    if ins.mine is not None:
+        ins.mine = None
+        ins.candidate = None
         try:
-            text = self.store.get(f"verdict/{self.rank}").decode()
+            ins.store.set(f"rec/{ins.rank}", "")
         except (RuntimeError, OSError):
-            return None
-        d = json.loads(text) if text else None
-        if d is None or d["v"] != mine.version:
-            return None
-        return self._fail(d["msg"], d["sets"])
-
-    def _poll(self, mine: Record) -> CollectiveMismatchError | None:
-        error = self.verdict()
-        if error is not None:
-            return error
-        records = self._records(mine)
-        stuck = deadlocked(records)
-        if self.rank not in stuck:
-            self.candidate = None
-            return None
-        seen = {r: records[r].version for r in stuck}
-        if seen != self.candidate:
-            self.candidate = seen  # confirmed when the next poll sees the same records
-            return None
-        msg = describe(stuck, records)
-        sets = sorted({tuple(w["ranks"]) for r in stuck if (w := records[r].wait) is not None})
-        verdicts = [json.dumps({"v": seen[r], "msg": msg, "sets": sets}) for r in stuck]
-        self.store.multi_set([f"verdict/{r}" for r in stuck], verdicts)  # all at once: before any rank acts
-        error = self._fail(msg, sets)
-        self._await_readers(seen)
-        return error
-
-    def _await_readers(self, seen: dict[int, int]) -> None:
-        """Give the other deadlocked ranks up to ``ACK_S`` to read their verdict (they withdraw their record),
-        so that none of them sees this rank exit first and reports a dead peer instead of the deadlock."""
-        deadline = time.monotonic() + ACK_S
-        waiting = {r for r in seen if r != self.rank}
-        while waiting and time.monotonic() < deadline:
-            for r in list(waiting):
-                text = self.store.get(f"rec/{r}").decode()
-                if not text or Record.loads(text).version != seen[r]:
-                    waiting.discard(r)
-            time.sleep(0.02)
-
-    def _records(self, mine: Record) -> dict[int, Record]:
-        # Every rank wrote its key in start(), before the collective that created the process sets; check
-        # anyway (a missing key would make multi_get block until the store's timeout).
-        keys = [f"rec/{r}" for r in range(self.size)]
-        if not self.store.check(keys):
-            return {self.rank: mine}
-        texts = self.store.multi_get(keys)
-        records = {r: Record.loads(t.decode()) for r, t in enumerate(texts) if t and r != self.rank}
-        records[self.rank] = mine
-        return records
-
-    def _fail(self, msg: str, sets: list[Any]) -> CollectiveMismatchError:
-        for ranks in sets:
-            self.broken[tuple(ranks)] = msg
-        self.resumed()
-        return CollectiveMismatchError(msg)
-
-    def published_operation(self) -> str | None:
-        """The collective this rank has been blocked in for at least the check interval (what it published),
-        or None (read by the hang report's watcher thread: no cost on the fast path)."""
-        mine = self.mine
-        return operation(mine.wait) if mine is not None and mine.wait is not None else None
-
-    def missing_text(self, wait: dict[str, Any]) -> str:
-        """``wait``'s collective and the ranks missing from it, from every blocked rank's record (best effort:
-        diagnostics never break the wait they describe)."""
-        mine = self.mine or Record(self.rank, self.version, wait)
-        try:
-            return stalled_text(self.rank, wait, self._records(mine))
-        except Exception:  # a store that fails or a record that does not parse
-            return "the ranks missing from it could not be read from the job's store"
-
-    def hang_report(self, wait: dict[str, Any], waited: float) -> str:
-        """Write the job's hang report for ``wait`` (when this rank is the one to) on stderr; return it."""
-        mine = self.mine or Record(self.rank, self.version, wait)
-        try:
-            text = _hang.report(self.store, self.rank, self.size, wait, self._records(mine), waited,
-                                operation(wait))
-        except Exception:  # best effort, as missing_text
-            return ""
-        if text:
-            sys.stderr.write(text)
-            sys.stderr.flush()
-        return text or ""
-
-    def resumed(self) -> None:
-        """The wait ended (or raised): withdraw the published record."""
-        self.warned = False
-        self.report = ""
-        if self.mine is not None:
-            self.mine = None
-            self.candidate = None
-            try:
-                self.store.set(f"rec/{self.rank}", "")
-            except (RuntimeError, OSError):
-                self.check_s = 0.0  # the store is gone: stop inspecting
-
-
-INSPECTOR = Inspector()
-
-
-class _Watch:
-    """The engine entry this rank waits for (set by the engine at each wait point; read only on a stall)."""
-
-    entry: Any = None
-
-
-WATCH = _Watch()
+            ins.check_s = 0.0  # the store is gone: stop inspecting
 
 
 def stop() -> None:
-    """Turn the inspector off and forget its state (``hvd.shutdown``)."""
-    _hang.WATCHER.stop()
-    INSPECTOR.__init__()  # type: ignore[misc]
-    WATCH.entry = None
+    """Stop the hang watcher and take the wait hooks off the transport (``hvd.shutdown``; ``RUNTIME.reset()``
+    then forgets the inspector's state)."""
+    _hang.stop()
     transport.set_wait_hooks(None)
 
 
@@ -291,12 +279,12 @@ def shutdown_after() -> float:
 
 
 def current_wait() -> dict[str, Any] | None:
-    """What this rank is blocked on, from ``WATCH`` (None when not inside an engine wait)."""
-    entry = WATCH.entry
+    """What this rank is blocked on, from ``RUNTIME.inspector.entry`` (None when not inside an engine wait)."""
+    entry = RUNTIME.inspector.entry
     if entry is None or entry.groups is None:
         return None
     ranks = entry.groups.ranks
-    _issued, rounds = INSPECTOR.counters()
+    _issued, rounds = RUNTIME.inspector.counters()
     sig = entry.coll.sig
     phase = "payload" if rounds.get(ranks, 0) >= entry.seq else "control"
     return {"ranks": ranks, "seq": entry.seq, "phase": phase, "kind": sig.kind, "name": sig.name,
@@ -316,31 +304,32 @@ def on_stall(waited: float) -> CollectiveMismatchError | HorovodInternalError | 
     A store that fails (its host is gone, as when an elastic job loses ranks) turns the inspector off: the
     wait goes on and the transport reports the failure, as without the inspector. At the warning time the
     rank logs Horovod's stall warning naming the ranks missing from the collective, and the first rank of
-    the collective to get there writes the job's hang report (``_hang``).
+    the collective to get there writes the job's hang report (``hang``).
     """
-    if INSPECTOR.check_s <= 0 or waited < INSPECTOR.check_s:
+    ins = RUNTIME.inspector
+    if ins.check_s <= 0 or waited < ins.check_s:
         return None
     wait = current_wait()
     if wait is None:
         return None
-    if 0 < INSPECTOR.warn_s <= waited and not INSPECTOR.warned:  # Horovod's stall warning, once per wait
-        INSPECTOR.warned = True
+    if 0 < ins.warn_s <= waited and not ins.warned:  # Horovod's stall warning, once per wait
+        ins.warned = True
         _log.warning("stall check: %s %r on ranks %s has waited %.0f s for the other ranks (rank %d; "
                      "HOROVOD_STALL_CHECK_TIME_SECONDS): %s", wait["kind"], wait["name"], list(wait["ranks"]), waited,
-                     INSPECTOR.rank, INSPECTOR.missing_text(wait))
-        INSPECTOR.report = INSPECTOR.hang_report(wait, waited)
-    if 0 < INSPECTOR.shutdown_s <= waited:
-        report = INSPECTOR.report
-        missing_ = INSPECTOR.missing_text(wait)
-        INSPECTOR.resumed()
+                     ins.rank, missing_text(wait))
+        ins.report = hang_report(wait, waited)
+    if 0 < ins.shutdown_s <= waited:
+        report = ins.report
+        missing_ = missing_text(wait)
+        resumed()
         return HorovodInternalError(
             f"stall check: {wait['kind']} {wait['name']!r} on ranks {list(wait['ranks'])} waited {waited:.0f} s, "
-            f"past {env_names.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={INSPECTOR.shutdown_s:g}: {missing_}"
+            f"past {env_names.HOROVOD_STALL_SHUTDOWN_TIME_SECONDS}={ins.shutdown_s:g}: {missing_}"
             + (f"\n{report}" if report else ""))
     try:
-        return INSPECTOR.stalled(wait)
+        return stalled(wait)
     except (RuntimeError, OSError):
-        INSPECTOR.check_s, INSPECTOR.mine = 0.0, None
+        ins.check_s, ins.mine = 0.0, None
         return None
 
 
@@ -355,7 +344,7 @@ def _wait_for(work: Any, timeout: timedelta) -> bool:
     try:
         work.wait()  # finished after all, or failed: its own error
     except Exception as e:
-        error = INSPECTOR.verdict()  # a deadlocked peer that raised and exited first
+        error = verdict()  # a deadlocked peer that raised and exited first
         if error is not None:
             raise error from e
         raise
@@ -380,7 +369,7 @@ def wait(work: Any) -> None:
 
 
 def _wait_inspected(work: Any) -> None:
-    inspector = INSPECTOR
+    inspector = RUNTIME.inspector
     if inspector.check_s <= 0:
         work.wait()
         return
@@ -396,7 +385,7 @@ def _wait_inspected(work: Any) -> None:
                 return
             waited += inspector.poll_td.total_seconds()
     finally:
-        inspector.resumed()
+        resumed()
 
 
 def _note_failed_wait(error: Exception) -> None:
@@ -405,12 +394,12 @@ def _note_failed_wait(error: Exception) -> None:
     wait = current_wait()
     if wait is None or isinstance(error, CollectiveMismatchError) or not hasattr(error, "add_note"):
         return
-    error.add_note(f"phalanx: this rank was in {INSPECTOR.missing_text(wait)}")
+    error.add_note(f"phalanx: this rank was in {missing_text(wait)}")
 
 
 def broken(ranks: Ranks) -> CollectiveMismatchError | None:
     """The error for a collective on a membership abandoned in a deadlock, else None."""
-    msg = INSPECTOR.broken.get(ranks)
+    msg = RUNTIME.inspector.broken.get(ranks)
     if msg is None:
         return None
     return CollectiveMismatchError(
