@@ -12,7 +12,9 @@ act on it (named at each class) hold none of their own. Two lifetimes:
 * **the process**, kept across ``shutdown`` on purpose: the job's store and generation (``init`` again
   rejoins the same job), an elastic job's round (the next ``init`` waits for the round after it), the
   per-thread inline mode (set only while a synchronous call runs), the ``*_async`` thread and its queue
-  (``shutdown`` fails the queued jobs and forgets the finished ones; the thread waits for the next).
+  (``shutdown`` fails the queued jobs and forgets the finished ones; the thread waits for the next), and the
+  DistributedOptimizers' bucket layouts (``_engine.join``: an optimizer built before a re-init, as in an
+  elastic job, is still served by a joined rank, and every rank registers the same layouts in the same order).
 
 This module imports nothing of phalanx.torch at run time (the field types are for the type checker only),
 so every module of the package can read ``RUNTIME``.
@@ -29,15 +31,20 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from phalanx.env import RankIdentity
     from phalanx.torch._engine.background import Job
     from phalanx.torch._engine.collective import Entry
     from phalanx.torch._engine.names import Table
     from phalanx.torch._engine.speculate import Predictor
     from phalanx.torch._health.deadlock import Record
+    from phalanx.torch.compression import Compressor
     from phalanx.torch.process_sets import ProcessSet, _Groups
 
 Ranks = tuple[int, ...]
+#: A DistributedOptimizer's bucket layout: each bucket's (elements, dtype, device), and its compression.
+Layout = tuple[list[tuple[int, "torch.dtype", "torch.device"]], "type[Compressor]"]
 
 
 @dataclass
@@ -173,6 +180,7 @@ class Runtime:
         self.round = Round()
         self.mode = Mode()
         self.runner = Runner(FIRST_ASYNC_HANDLE)
+        self.layouts: dict[int, list[Layout]] = {}  # process set id -> its DistributedOptimizers' layouts
         self.reset()
 
     def reset(self) -> None:

@@ -29,18 +29,16 @@ from phalanx.torch._engine import reduce as reduction
 from phalanx.torch._engine import speculate as speculation
 from phalanx.torch._engine.collective import Entry
 from phalanx.torch._engine.collectives import Allreduce, Barrier
+from phalanx.torch._runtime import RUNTIME
 from phalanx.torch._setup import state as _state
 from phalanx.torch.compression import Compressor
-
-# (process set id) -> layouts of the DistributedOptimizers built on it, in construction order (same on
-# every member): each a list of buckets (elements, dtype, device) and the compression.
-_LAYOUTS: dict[int, list[tuple[list[tuple[int, torch.dtype, torch.device]], type[Compressor]]]] = {}
 
 
 def register_layout(psid: int, buckets: list[tuple[int, torch.dtype, torch.device]],
                     compression: type[Compressor]) -> int:
-    """Record a DistributedOptimizer's bucket layout; returns its id (sent in its step blocks)."""
-    layouts = _LAYOUTS.setdefault(psid, [])
+    """Record a DistributedOptimizer's bucket layout on set ``psid``; returns its id (sent in its step blocks:
+    every member builds the set's optimizers in the same order, so the ids agree)."""
+    layouts = RUNTIME.layouts.setdefault(psid, [])
     layouts.append((buckets, compression))
     return len(layouts) - 1
 
@@ -89,7 +87,7 @@ class Join(Barrier):
         self.served.issue(groups, [], [])
 
     def serve_step(self, groups: Any, sig: header.Signature) -> None:
-        layouts = _LAYOUTS.get(sig.process_set_id, [])
+        layouts = RUNTIME.layouts.get(sig.process_set_id, [])
         if not 0 <= sig.root < len(layouts):
             raise CollectiveMismatchError(
                 f"rank {_state.topology().rank} has joined and was asked to serve DistributedOptimizer "
