@@ -23,16 +23,15 @@ Module map (public modules are Horovod's; the ``_*`` subpackages are private to 
 - ``_train/``, the training side's helpers: ``buckets``, ``sparse`` and ``grad_trace`` (the optimizer's: its
   gradients' timeline rows, one per tensor), ``autograd`` (the collectives' autograd Functions), ``durable``
   (checkpoint files written whole).
+- ``_runtime``: all of the package's mutable state, ``RUNTIME`` (below).
 
-Process-wide state, and its one reset path. Each of these lives in its module, one instance each:
-``_setup.state.STATE`` (topology, group ownership), ``_engine.core.ENGINE`` (pending collectives, per-membership
-counters), ``process_sets.REGISTRY`` (registered sets and their groups), ``_engine.background.RUNNER`` (queued
-``*_async`` jobs; its thread lives as long as the process), ``async_ops._MODE`` (per thread: run inline),
-``_health.stall.INSPECTOR`` and ``WATCH`` (the stall check). Two are kept across ``shutdown`` by design:
-``_health.generations.JOB`` (the job store and the generation, so that ``init`` rejoins the same job) and
-``elastic._rendezvous.ROUND`` (an elastic job's store and round number). ``hvd.shutdown()``
-(``basics.shutdown``) is the one path that resets the others, and ``hvd.init()`` starts from that state;
-tests/unit/torch/test_torch_reset.py checks that nothing of one ``init`` survives its ``shutdown``.
+Process-wide state, and its one reset path: every piece of state is a field of ``_runtime.RUNTIME`` (the
+topology, the engine, the process-set registry, the ``*_async`` runner, the stall inspector and hang watcher,
+the job's generations, an elastic round); the modules hold none. ``hvd.shutdown()`` (``basics.shutdown``)
+releases what the last ``init`` holds, then ``RUNTIME.reset()`` replaces its per-init fields, so ``hvd.init()``
+starts afresh; the process-lifetime fields, and why each is kept, are listed in ``_runtime``'s docstring.
+tests/unit/torch/test_torch_reset.py checks that nothing of one ``init`` survives its ``shutdown`` and that
+no module holds a state object of its own.
 """
 
 from __future__ import annotations
