@@ -174,7 +174,14 @@ class HostsLauncher:
 
     def run(self) -> list[object]:
         """Check the hosts, then run the job to its end (see :meth:`LocalLauncher.run`)."""
-        self.check()
+        remote = self.starter.reach.remote
+        if remote:
+            self.progress.step(f"checking {len(remote)} host(s) over ssh")
+        try:
+            self.check()
+        except BaseException:
+            self.progress.finish()  # the error is printed on a line of its own
+            raise
         starter = self.starter
         return run_on_driver(self.spec, starter, DriverAddress(starter.address, starter.address), self.run_id,
                              self.progress, on_custom=starter.on_custom, rank_hosts=tuple(starter.placement))
