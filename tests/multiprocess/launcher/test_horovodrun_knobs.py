@@ -42,7 +42,7 @@ def test_stall_shutdown_log_layout_and_timestamp_prefix(tmp_path: Path) -> None:
     assert out.returncode == 7, out.stderr
     stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
     # Horovod's stall warning, in Horovod's line layout without the time, once, on the waiting rank.
-    warnings = re.findall(rf"^{stamp}\[0\]<stderr>:\[W phalanx\.torch\._stall\] stall check: allreduce 'late' "
+    warnings = re.findall(rf"^{stamp}\[0\]<stderr>:\[W phalanx\.torch\._health\.stall\] stall check: allreduce 'late' "
                           r"on ranks \[0, 1\] has waited \d+ s", out.stderr, re.M)
     assert len(warnings) == 1, out.stderr
     assert re.search(rf"^{stamp}\[0\]<stdout>:gave up: stall check: allreduce 'late' on ranks \[0, 1\] waited "

@@ -150,9 +150,10 @@ def test_a_users_exception_propagates_even_while_a_new_round_is_published(
         single: None, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     """Horovod re-forms only on its own collective errors (and HostsUpdatedInterrupt): a user's exception
     propagates, so the driver stops the job instead of this rank rolling back alone."""
+    from phalanx.torch._runtime import RUNTIME
     from phalanx.torch.elastic import _rendezvous, _run
 
-    monkeypatch.setattr(_rendezvous.ROUND, "store", object())
+    monkeypatch.setattr(RUNTIME.round, "store", object())
     monkeypatch.setattr(_rendezvous, "new_round_published", lambda wait_s=0.0: True)
     monkeypatch.setattr(_run, "reset", lambda deadline_s: pytest.fail("re-formed on a user's exception"))
     monkeypatch.setattr(_rendezvous, "mark_synced", lambda: None)
@@ -168,9 +169,10 @@ def test_a_users_exception_propagates_even_while_a_new_round_is_published(
 def test_phalanxs_own_collective_error_re_forms_when_a_new_round_is_published(
         single: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from phalanx.errors import ShmTransportError
+    from phalanx.torch._runtime import RUNTIME
     from phalanx.torch.elastic import _rendezvous, _run
 
-    monkeypatch.setattr(_rendezvous.ROUND, "store", object())
+    monkeypatch.setattr(RUNTIME.round, "store", object())
     monkeypatch.setattr(_rendezvous, "new_round_published", lambda wait_s=0.0: True)
     monkeypatch.setattr(_rendezvous, "mark_synced", lambda: None)
     monkeypatch.setattr(_run, "reset", lambda deadline_s: None)
