@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 def _reinit_job() -> dict[str, Any]:
     import torch
+    import torch.distributed as dist
 
     import phalanx.torch as hvd
 
@@ -35,11 +36,13 @@ def _reinit_job() -> dict[str, Any]:
     me = int(os.environ["RANK"])
     hvd.init()
     start = time.monotonic()
+    store = dist.distributed_c10d._get_default_store()  # the job's store outlives the generations
     try:  # rank 1 waits in a collective that rank 0 abandons by calling shutdown() and init() again
         if me == 1:
+            store.set("rank 1 issues 'abandoned'", "1")
             hvd.allreduce(torch.ones(3), name="abandoned")
         else:
-            time.sleep(0.5)
+            store.wait(["rank 1 issues 'abandoned'"])  # rank 0 moves on once rank 1 has issued it
             hvd.shutdown()
             hvd.init()
         out["moved on"] = "no error"

@@ -76,7 +76,6 @@ def test_bad_knob_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cma_reads_another_process_and_reports_errors() -> None:
     """``process_vm_readv`` from a child's memory; a bad address fails the probe; a dead pid raises ESRCH."""
     import errno
-    import time
 
     from phalanx.transport import _cross_memory
 
@@ -100,8 +99,7 @@ def test_cma_reads_another_process_and_reports_errors() -> None:
     finally:
         os.write(w, b"x")
         os.close(w)
-        os.waitpid(pid, 0)
-    time.sleep(0.01)
+        os.waitpid(pid, 0)  # reaped: the pid names no process any more
     with pytest.raises(OSError) as info:
         _cross_memory.read(pid, dst.data_ptr(), src.data_ptr(), 8)
     assert info.value.errno == errno.ESRCH
