@@ -105,12 +105,12 @@ class _Lockstep:
         import keras
         import numpy as np
 
+        import phalanx.torch as torch_hvd
         from phalanx.tensorflow import _bridge
-        from phalanx.torch._engine import reduce as _reduce
 
         one = np.zeros(1, dtype=np.float32)
         self.callback = keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda batch, logs=None: _bridge.np_allreduce(one, "lockstep", _reduce.Sum, 1.0, 1.0))
+            on_train_batch_end=lambda batch, logs=None: _bridge.np_allreduce(one, "lockstep", torch_hvd.Sum, 1.0, 1.0))
 
 
 VARIANTS = ("plain", "lockstep", "hvd")

@@ -174,22 +174,22 @@ def test_without_tensorflow_the_import_error_says_what_to_install() -> None:
 
 
 def test_fused_buffers_fold_an_exact_average_into_the_copy(single: None) -> None:
+    import phalanx.torch as torch_hvd
     from phalanx.tensorflow import _bridge
-    from phalanx.torch._engine import reduce as _reduce
 
     f32, f16, i32 = np.dtype("float32"), np.dtype("float16"), np.dtype("int32")
-    assert _bridge._folded_scale(_reduce.Average, 1.0, 4, f32) == 0.25
-    assert _bridge._folded_scale(_reduce.Average, 1.0, 2, f16) == 0.5
-    assert _bridge._folded_scale(_reduce.Average, 1.0, 3, f32) is None  # 1/3 is inexact: the engine divides the sum
-    assert _bridge._folded_scale(_reduce.Average, 0.5, 2, f32) is None  # a prescale factor: left to the engine
-    assert _bridge._folded_scale(_reduce.Sum, 1.0, 2, f32) is None
-    assert _bridge._folded_scale(_reduce.Average, 1.0, 2, i32) is None  # integers: floor division of the sum
+    assert _bridge._folded_scale(torch_hvd.Average, 1.0, 4, f32) == 0.25
+    assert _bridge._folded_scale(torch_hvd.Average, 1.0, 2, f16) == 0.5
+    assert _bridge._folded_scale(torch_hvd.Average, 1.0, 3, f32) is None  # 1/3 is inexact: the engine divides the sum
+    assert _bridge._folded_scale(torch_hvd.Average, 0.5, 2, f32) is None  # a prescale factor: left to the engine
+    assert _bridge._folded_scale(torch_hvd.Sum, 1.0, 2, f32) is None
+    assert _bridge._folded_scale(torch_hvd.Average, 1.0, 2, i32) is None  # integers: floor division of the sum
     arrays = [np.arange(5, dtype="float32"), np.ones((2, 3), "int32"), np.full((3,), 2.5, "float32")]
     layout = _bridge._layout(arrays, "g")
     assert _bridge._layout([a.copy() for a in arrays], "g") is layout  # cached per name, dtypes and shapes
     assert [(g.name, g.idx, g.starts, g.total) for g in layout] == [("g.float32", (0, 2), (0, 16), 32),
                                                                      ("g.int32", (1,), (0,), 16)]
-    out = _bridge.np_fused_allreduce(arrays, "g", _reduce.Average, 1.0, 3.0)
+    out = _bridge.np_fused_allreduce(arrays, "g", torch_hvd.Average, 1.0, 3.0)
     assert [o.tolist() for o in out] == [[0.0, 3.0, 6.0, 9.0, 12.0], [[3] * 3] * 2, [7.5] * 3]
     assert all(o.ctypes.data % _bridge.ALIGN_BYTES == 0 for o in out)
 
