@@ -9,23 +9,22 @@ cluster. The settings are read from the SparkConf, or from the session on Spark 
 
 from __future__ import annotations
 
-from typing import Any
-
 from phalanx.errors import InvalidArgumentError
 from phalanx.spark.connect.session import conf, is_connect
+from phalanx.spark.pyspark_types import ContextOrSession
 
 #: The setting that gives each task its GPUs.
 TASK_GPUS = "spark.task.resource.gpu.amount"
 
 
-def _setting(sc: Any, key: str) -> str | None:
+def _setting(sc: ContextOrSession, key: str) -> str | None:
     if is_connect(sc):
         return conf(sc, key)
     value = sc.getConf().get(key)
     return None if value is None else str(value)
 
 
-def task_gpu_amount(sc: Any) -> float:
+def task_gpu_amount(sc: ContextOrSession) -> float:
     """GPUs each task of ``sc``'s default resource profile holds (0: none, or the setting is unreadable)."""
     amount = _setting(sc, TASK_GPUS)
     try:
@@ -34,7 +33,7 @@ def task_gpu_amount(sc: Any) -> float:
         return 0.0
 
 
-def check_gpu_conf(sc: Any, use_gpu: bool) -> None:
+def check_gpu_conf(sc: ContextOrSession, use_gpu: bool) -> None:
     """Refuse ``use_gpu=True`` on a cluster whose tasks are given no GPU, before anything starts.
 
     Raises:
@@ -51,19 +50,19 @@ def check_gpu_conf(sc: Any, use_gpu: bool) -> None:
     )
 
 
-def uses_gpus(sc: Any) -> bool:
+def uses_gpus(sc: ContextOrSession) -> bool:
     """Whether each task holds one or more whole GPUs: then ``HorovodRunner`` and ``run`` pin each rank to
     one of them (``CUDA_VISIBLE_DEVICES`` in local-rank order, so ``hvd.local_rank()`` is its device index)."""
     return task_gpu_amount(sc) >= 1
 
 
-def gpus_per_task(sc: Any, use_gpu: bool) -> int:
+def gpus_per_task(sc: ContextOrSession, use_gpu: bool) -> int:
     """Ranks each barrier task runs: ``k`` when GPUs are used and each task holds ``k > 1`` whole GPUs, else 1."""
     amount = task_gpu_amount(sc) if use_gpu else 0.0
     return int(amount) if amount > 1 and amount.is_integer() else 1
 
 
-def ranks_per_task(sc: Any, np: int, use_gpu: bool, what: str) -> int:
+def ranks_per_task(sc: ContextOrSession, np: int, use_gpu: bool, what: str) -> int:
     """:func:`gpus_per_task`, checked against the ranks asked for.
 
     Args:

@@ -19,16 +19,21 @@ import re
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from phalanx.spark.pyspark_types import SessionLike
 
 _LOCAL = re.compile(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?$")
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]$")
 
 
-def is_connect(session: object) -> bool:
+def is_connect(session: object) -> TypeIs[SessionLike]:
     """True when ``session`` is a Spark Connect ``SparkSession``."""
     return type(session).__module__.startswith("pyspark.sql.connect")
 
@@ -51,7 +56,7 @@ def active_connect_session() -> Any | None:
     return session if is_connect(session) else None
 
 
-def conf(session: Any, key: str) -> str | None:
+def conf(session: SessionLike, key: str) -> str | None:
     """A setting of the session (``spark.conf.get``), or None when it is unset or the server hides it."""
     try:
         value = session.conf.get(key, None)
