@@ -171,7 +171,7 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     payload = shipped_payload(fn, tuple(args), dict(kwargs or {}))
     if verbose >= 2:
         logging.getLogger("phalanx").setLevel(logging.DEBUG)
-    sc = spark_target()
+    sc = spark_target(progress=verbose > 0)
     gpus = uses_gpus(sc)
     if num_proc is None:
         np = every_slot(sc, timeout, _START_HINT) * gpus_per_task(sc, gpus)

@@ -38,18 +38,20 @@ _EMBEDDED_CONF = {
 }
 
 
-def spark_target() -> Any:
-    """Where a job runs: the active Spark Connect session when there is one, else :func:`spark_context`.
+def spark_target(progress: bool = True) -> Any:
+    """Where a job runs: the active Spark Connect session when there is one, else :func:`spark_context`
+    (``progress``: say on stderr that an embedded Spark starts, when it does).
 
     Raises:
         InvalidArgumentError: pyspark is not installed.
     """
     session = active_connect_session()
-    return session if session is not None else spark_context()
+    return session if session is not None else spark_context(progress)
 
 
-def spark_context() -> SparkContext:
-    """The active SparkContext, or a new embedded ``local[*]`` one.
+def spark_context(progress: bool = True) -> SparkContext:
+    """The active SparkContext, or a new embedded ``local[*]`` one (``progress``: say so on stderr while it
+    starts; ``phalanx.spark.run(verbose=0)`` says nothing).
 
     Raises:
         InvalidArgumentError: pyspark is not installed (the message names the extra to install).
@@ -70,7 +72,7 @@ def spark_context() -> SparkContext:
     for key, value in _EMBEDDED_CONF.items():
         builder = builder.config(key, value)
     log.info("no active SparkSession: starting an embedded local[*] one")
-    starting = Progress()
+    starting = Progress(enabled=progress)
     starting.step("no active SparkSession: starting an embedded Spark local[*]")
     context = builder.getOrCreate().sparkContext
     starting.step(f"Spark local[*] ready ({context.defaultParallelism} task slots)")
