@@ -7,20 +7,25 @@ objects alike where both are accepted (a Connect session has no SparkContext).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import pyspark
+    import pyspark.sql
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
 
 
 class SparkConfLike(Protocol):
     """``pyspark.SparkConf``: the settings a SparkContext was started with."""
 
-    def get(self, key: str, defaultValue: str | None = None) -> str | None: ...
+    def get(self, key: str) -> str | None: ...
 
 
 class SparkContextLike(Protocol):
     """``pyspark.SparkContext``, classic Spark only."""
 
     @property
-    def master(self) -> str: ...
+    def master(self) -> str | None: ...
 
     def getConf(self) -> SparkConfLike: ...
 
@@ -28,7 +33,7 @@ class SparkContextLike(Protocol):
 class RuntimeConfLike(Protocol):
     """``SparkSession.conf`` (``pyspark.sql.conf.RuntimeConfig``, classic or Connect)."""
 
-    def get(self, key: str, default: str | None = None) -> str | None: ...
+    def get(self, key: str, default: str | None = ...) -> str | None: ...
 
 
 class SessionLike(Protocol):
@@ -40,3 +45,12 @@ class SessionLike(Protocol):
 
 #: What the GPU and slot checks accept: a classic SparkContext or a Spark Connect session.
 ContextOrSession = SparkContextLike | SessionLike
+
+
+if TYPE_CHECKING:
+
+    def _pyspark_conforms(conf: pyspark.SparkConf, sc: pyspark.SparkContext, classic: pyspark.sql.SparkSession,
+                          connect: ConnectSession) -> None:
+        """pyspark's own classes satisfy these interfaces (checked by mypy against pyspark's annotations)."""
+        checked: tuple[SparkConfLike, SparkContextLike, SessionLike, SessionLike] = (conf, sc, classic, connect)
+        del checked

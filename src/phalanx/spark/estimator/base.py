@@ -28,6 +28,7 @@ from phalanx.spark.estimator.params import PARAMS, EstimatorParams
 from phalanx.spark.estimator.prepare import prepare
 from phalanx.spark.estimator.schema import check_validation
 from phalanx.spark.estimator.store import LocalStore, Store, check_run_id
+from phalanx.spark.pyspark_types import SparkContextLike
 from phalanx.spark.session import every_slot, spark_context
 
 log = logging.getLogger("phalanx")
@@ -78,7 +79,7 @@ def pickled(obj: Any, what: str) -> bytes:
         raise PayloadError(f"{what} cannot be pickled: {type(e).__name__}: {e}") from e
 
 
-def default_store(sc: Any) -> Store:
+def default_store(sc: SparkContextLike) -> Store:
     """A temporary ``LocalStore`` in local mode; a cluster needs ``store=`` (a path every executor sees).
 
     Raises:
@@ -151,7 +152,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         results = self._run(spec, sc, num_proc, bool(values["use_gpu"]), values["backend"])
         return self.make_model(results[0], spec)
 
-    def _run(self, spec: TrainSpec, sc: Any, num_proc: int, use_gpu: bool, backend: Any) -> list[Any]:
+    def _run(self, spec: TrainSpec, sc: SparkContextLike, num_proc: int, use_gpu: bool, backend: Any) -> list[Any]:
         gpu = use_gpu and _task_gpus(sc)
         env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
         verbose = int(self.values()["verbose"] or 0)
@@ -165,7 +166,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         return values
 
 
-def _task_gpus(sc: Any) -> bool:
+def _task_gpus(sc: SparkContextLike) -> bool:
     # Horovod's use_gpu=True means "the GPUs if there are any": CPU clusters train on CPUs.
     amount = sc.getConf().get("spark.task.resource.gpu.amount")
     try:
