@@ -15,11 +15,14 @@ Reading is guarded, since the file is data from a process that may be broken: it
 and is unpickled by an unpickler that builds plain data only (dicts, lists, strings, numbers; torch's list
 rebuilders become ``list``): any other class or a persistent id is refused, and the summary says why. The
 summary's text is stripped of control characters. The dump stays where it is (for torch's
-``fr_trace``) when the rank failed; else, and when torch wrote nothing, the directory is removed.
+``fr_trace``) when the rank failed; else, and when torch wrote nothing, the directory is removed. A launcher
+killed before it could look leaves its directories behind: their names carry its pid, and the next launcher on
+the host removes the empty ones of processes that are gone.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.env import names
+from phalanx.launch.proctree import is_alive
 
 #: torch's file name for a rank's dump, after the prefix directory (its own default before 2.6).
 FILE_PREFIX = "nccl_trace_rank_"
@@ -43,6 +47,9 @@ MAX_FILES = 4
 #: Most entries shown per dump, the last ones.
 SHOWN_ENTRIES = 8
 _PREFIX_VARS = (names.TORCH_FR_DUMP_TEMP_FILE, names.TORCH_NCCL_DEBUG_INFO_TEMP_FILE)
+#: The start of a rank's dump directory's name, followed by the creating process's pid.
+DIR_PREFIX = "phalanx-fr-"
+_DIR_NAME = re.compile(re.escape(DIR_PREFIX) + r"(\d{1,9})-[A-Za-z0-9_]+")
 _NAME = re.compile(re.escape(FILE_PREFIX) + r"(\d{1,9})")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: torch's pickler rebuilds typed lists through these; they are lists of plain values.
@@ -82,10 +89,13 @@ class DumpDir:
 
     @classmethod
     def create(cls, env: Mapping[str, str]) -> DumpDir:
-        """A new directory for a rank whose environment is ``env`` (none when the user set the prefix)."""
+        """A new directory for a rank whose environment is ``env`` (none when the user set the prefix). Its
+        name carries this process's pid: the first call of a process also removes the empty ones whose
+        process is gone (a launcher killed before it could read its ranks' dumps)."""
         if any(env.get(v) for v in _PREFIX_VARS):
             return cls(None)
-        return cls(tempfile.mkdtemp(prefix="phalanx-fr-"))
+        sweep_once()
+        return cls(tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-"))
 
     def env(self) -> dict[str, str]:
         """The rank's variables pointing torch's dump here (both names: torch reads the newer one first)."""
@@ -110,6 +120,25 @@ class DumpDir:
         for rank, dump in found:
             lines += summarize(rank, dump, f"{socket.gethostname()}:{os.path.join(self.path, FILE_PREFIX)}{rank}")
         return lines
+
+
+@functools.cache
+def sweep_once() -> None:
+    """Remove the empty dump directories in the temporary directory whose creating process is gone (once per
+    process). One that holds a dump stays: it is a failed rank's, kept for ``fr_trace``."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        m = _DIR_NAME.fullmatch(name)
+        if m is None or is_alive(int(m.group(1))):
+            continue
+        try:
+            os.rmdir(os.path.join(tmp, name))  # only an empty directory; never a link; another user's: EPERM
+        except OSError:
+            pass
 
 
 def _read_all(path: str) -> list[tuple[int, Any]]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import pickle
 import stat
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -134,3 +136,27 @@ def test_control_characters_from_the_dump_never_reach_the_console() -> None:
     lines = fr_dump.summarize(0, dump, "h:/p")
     assert all(not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in line) for line in lines)
     assert "nccl:all_reduce?]0;owned??fake line" in lines[-1]
+
+
+def test_empty_directories_of_a_launcher_that_is_gone_are_swept_and_a_kept_dump_stays() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = Path(tempfile.gettempdir())
+    empty_gone = tmp / f"phalanx-fr-{gone.pid}-abc123"
+    kept_gone = tmp / f"phalanx-fr-{gone.pid}-def456"
+    mine = tmp / f"phalanx-fr-{os.getpid()}-ghi789"
+    for d in (empty_gone, kept_gone, mine):
+        d.mkdir(mode=0o700)
+    (kept_gone / "nccl_trace_rank_0").write_bytes(_torch_like_dump(1))
+    try:
+        fr_dump.sweep_once.cache_clear()
+        fr_dump.sweep_once()
+        assert not empty_gone.exists() and kept_gone.exists() and mine.exists()
+        d = DumpDir.create({})  # named after its creator
+        assert d.path is not None and os.path.basename(d.path).startswith(f"phalanx-fr-{os.getpid()}-")
+        assert d.collect(failed=False) == []
+    finally:
+        (kept_gone / "nccl_trace_rank_0").unlink()
+        for path in (empty_gone, kept_gone, mine):
+            if path.exists():
+                path.rmdir()
