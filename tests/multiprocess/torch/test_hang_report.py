@@ -19,7 +19,7 @@ STALL = {"PHALANX_STALL_CHECK_S": "0.5", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"
 
 
 def _busy_elsewhere() -> None:
-    time.sleep(60)
+    time.sleep(60)  # the report must show this frame: a rank busy outside any collective
 
 
 def _rank_1_skips_val_loss(leaves: bool) -> int:

@@ -36,7 +36,7 @@ def _train(factory: Any, wrap: Any, me: int, lag: str, early: bool, bpps: int = 
     optimizer_tests = _helpers()
     model = optimizer_tests._model(width=WIDE)
     if lag == "hook" and me == 1:
-        model[0].weight.register_post_accumulate_grad_hook(lambda p: time.sleep(LAG_S))
+        model[0].weight.register_post_accumulate_grad_hook(lambda p: time.sleep(LAG_S))  # the lag is the test
     opt = wrap(factory(model.parameters()), model)
     assert opt._early is not None, "the early area was not claimed"
     if not early:
@@ -48,7 +48,7 @@ def _train(factory: Any, wrap: Any, me: int, lag: str, early: bool, bpps: int = 
             xk, yk = xs[k * per : (k + 1) * per], ys[k * per : (k + 1) * per]
             (torch.nn.functional.mse_loss(model(xk), yk) / bpps).backward()
         if lag == "after" and me == 1:
-            time.sleep(LAG_S)
+            time.sleep(LAG_S)  # the lag is the test: one rank late to step
         opt.step()
         opt.zero_grad()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -164,7 +164,7 @@ def _peer_dies_job(how: str, lag: str) -> str:
 
     def die(p: Any) -> None:
         if state["step"] == 2:
-            time.sleep(float(lag))
+            time.sleep(float(lag))  # the peer dies this late into the step: the test's subject
             if how == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise Leave

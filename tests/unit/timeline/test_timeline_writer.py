@@ -52,7 +52,7 @@ def _append_until(tl: Timeline, stop: threading.Event, counter: list[int]) -> No
         tl.begin(name, timeline.ALLREDUCE, {"dtype": "float32", "shape": [4, 4], "bytes": 64})
         tl.end(name, timeline.ALLREDUCE)
         counter[0] += 1
-        time.sleep(0.0005)
+        time.sleep(0.0005)  # a steady producer, as a training loop is: the reads interleave with flushes
 
 
 def test_file_parses_while_a_writer_thread_appends(tmp_path: Path) -> None:
@@ -87,7 +87,7 @@ def test_events_have_names_phase_args_and_rows(tmp_path: Path) -> None:
     tl.begin("bucket.0", timeline.MEMCPY_IN_FUSION_BUFFER, {"bytes": 800})
     tl.end("bucket.0", timeline.MEMCPY_IN_FUSION_BUFFER)
     tl.begin("bucket.0", timeline.ALLREDUCE, {"dtype": "torch.float32", "shape": (10, 20), "bytes": 800})
-    time.sleep(0.002)
+    time.sleep(0.002)  # the span's duration, which the trace must carry (dur >= 2000 us below)
     tl.end("bucket.0", timeline.ALLREDUCE, {"op": "Average"})
     tl.instant("bucket.0", "READY")
     tl.close()
@@ -133,7 +133,7 @@ def test_rotation_bounds_the_files_and_keeps_each_a_trace(tmp_path: Path) -> Non
         tl.begin(f"grad.{i % 4}", timeline.ALLREDUCE, {"bytes": 4})
         tl.end(f"grad.{i % 4}", timeline.ALLREDUCE)
         if i % 100 == 0:
-            time.sleep(0.01)
+            time.sleep(0.01)  # two flush intervals: the events reach the file in many flushes, as in a job
     tl.close()
     old = tmp_path / "t.json.1"
     assert old.exists()
@@ -214,7 +214,7 @@ def test_write_failure_mid_run_logs_and_does_not_raise(
         for _ in range(3):
             tl.begin("x", timeline.ALLREDUCE)
             tl.end("x", timeline.ALLREDUCE)
-            time.sleep(0.03)
+            time.sleep(0.03)  # three flush intervals: several failing writes, and still one warning
         tl.close()
     assert sum("No space left" in r.getMessage() for r in caplog.records) == 1
 

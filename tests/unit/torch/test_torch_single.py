@@ -46,7 +46,9 @@ def test_size_one_without_launcher(single: None) -> None:
     h = hvd.allreduce_async(x, name="n")
     with pytest.raises(ValueError, match="already in flight"):
         hvd.allreduce_async(x, name="n")
+    deadline = time.monotonic() + 60
     while not hvd.poll(h):  # the background thread runs it; poll never blocks
+        assert time.monotonic() < deadline, "the *_async allreduce did not finish within 60 s"
         time.sleep(0.001)
     assert torch.equal(hvd.synchronize(h), x)
     with pytest.raises(ValueError, match="unknown"):
