@@ -331,7 +331,7 @@ def test_horovod_runner_and_run_keep_np_as_processes_on_a_cluster_of_k_gpu_tasks
         return _Done()
 
     for module in (runner, api):
-        monkeypatch.setattr(module, "spark_target", lambda: sc)
+        monkeypatch.setattr(module, "spark_target", lambda progress=True: sc)
     monkeypatch.setattr(session, "task_slots", lambda sc: sc.next_slots())
     monkeypatch.setattr(runner, "launch", fake_launch)
     monkeypatch.setattr(api, "launch_spark", fake_launch)

@@ -25,6 +25,7 @@ T = TypeVar("T")
 
 #: Seconds every rank has to start and reach the driver's channel, unless set otherwise.
 DEFAULT_START_TIMEOUT_S = 30.0
+DEFAULT_SPARK_START_TIMEOUT_S = 600.0  # horovod.spark.run's default
 #: Seconds between SIGTERM and SIGKILL when a job is torn down, unless PHALANX_TEARDOWN_GRACE_S.
 DEFAULT_TEARDOWN_GRACE_S = 3.0
 
@@ -226,6 +227,11 @@ HOROVOD_START_TIMEOUT = _seconds(
     names.HOROVOD_START_TIMEOUT, DEFAULT_START_TIMEOUT_S, "driver",
     "how long every rank has to start and reach the channel; `StartTimeoutError` names the ranks that did "
     "not (`phalanx.run(start_timeout=)` and `phalanx.spark.run(start_timeout=)` override it)")
+HOROVOD_SPARK_START_TIMEOUT = _seconds(
+    names.HOROVOD_SPARK_START_TIMEOUT, DEFAULT_SPARK_START_TIMEOUT_S, "driver",
+    "on Spark (`HorovodRunner`, `TorchDistributor`, `phalanx.spark.run`): how long Spark has to schedule the "
+    "barrier tasks and every rank to start, as Horovod's `horovod.spark.run`; unset, `HOROVOD_START_TIMEOUT` "
+    "applies if set, else 600 (executors started on demand can take minutes)")
 FUSION_THRESHOLD: Setting[int | None] = Setting(
     names.HOROVOD_FUSION_THRESHOLD, None, integer, "bytes", "unset: ≤ 128 MiB and ~4 buckets of ≥ 1 MiB",
     "`hvd.DistributedOptimizer`", "the largest gradient bucket (one fused allreduce; values below 1 mean 1); "
@@ -359,7 +365,8 @@ CONTRACT: tuple[Setting[Any], ...] = (HOSTNAME, RUN_ID, CHANNEL, SECRET, START_T
 LAUNCHER_SET: tuple[Setting[Any], ...] = (LOG_TO_DRIVER, ELASTIC_WORKER_ID, STATS_INTERVAL)
 #: Knobs a user may set, in docs/env.md's order.
 KNOBS: tuple[Setting[Any], ...] = (
-    HOROVOD_START_TIMEOUT, FUSION_THRESHOLD, CYCLE_TIME, TIMELINE, TIMELINE_MARK_CYCLES, TIMELINE_ALL_RANKS,
+    HOROVOD_START_TIMEOUT, HOROVOD_SPARK_START_TIMEOUT, FUSION_THRESHOLD, CYCLE_TIME, TIMELINE,
+    TIMELINE_MARK_CYCLES, TIMELINE_ALL_RANKS,
     TIMELINE_MAX_MB, DYNAMIC_PROCESS_SETS, WARM_START, SHM, SHM_TIMEOUT, SHM_SLOT_BYTES, SHM_NATIVE, SHM_CMA,
     SHM_THP, SHM_GRAD_ASYNC, SHM_EARLY_REDUCE, TF_DLPACK, STALL_CHECK_DISABLE, STALL_CHECK_TIME, STALL_SHUTDOWN_TIME,
     GLOO_TIMEOUT, LOG_LEVEL, NCCL_IB_DISABLE, LOG_HIDE_TIME, STALL_CHECK, MALLOC_TUNE, ELASTIC_TIMEOUT,

@@ -48,16 +48,23 @@ def validate_np(np: object, name: str = "np") -> int:
     return np
 
 
-def resolve_start_timeout(start_timeout: float | None, environ: Mapping[str, str] | None = None) -> float:
-    """The start timeout in seconds: the argument, else ``HOROVOD_START_TIMEOUT``, else 30.
+def resolve_start_timeout(start_timeout: float | None, environ: Mapping[str, str] | None = None, *,
+                          spark: bool = False) -> float:
+    """The start timeout in seconds: the argument, else ``HOROVOD_START_TIMEOUT``, else 30. On Spark
+    (``spark``), as ``horovod.spark.run``: the argument, else ``HOROVOD_SPARK_START_TIMEOUT``, else
+    ``HOROVOD_START_TIMEOUT`` if set, else 600 (the time covers Spark scheduling the barrier tasks, and
+    executors started on demand can take minutes).
 
     Raises:
         InvalidArgumentError: not a positive number.
     """
     if start_timeout is None:
-        value = settings.HOROVOD_START_TIMEOUT.get(environ)
+        setting = settings.HOROVOD_START_TIMEOUT
+        if spark and (settings.HOROVOD_SPARK_START_TIMEOUT.is_set(environ) or not setting.is_set(environ)):
+            setting = settings.HOROVOD_SPARK_START_TIMEOUT
+        value = setting.get(environ)
         if not math.isfinite(value):
-            raise InvalidArgumentError(f"HOROVOD_START_TIMEOUT={value:g}: give a finite number of seconds, e.g. 60")
+            raise InvalidArgumentError(f"{setting.name}={value:g}: give a finite number of seconds, e.g. 60")
         return value
     try:
         value = float(start_timeout)

@@ -114,15 +114,17 @@ def new_run_id() -> str:
     return f"phalanx-{uuid.uuid4().hex[:12]}"
 
 
-def start_timeout_hint(knob: str | None) -> str:
+def start_timeout_hint(knob: str | None, spark: bool = False) -> str:
     """How a start-timeout error names the way to raise it: the entry point's own knob, if it has one,
-    and ``HOROVOD_START_TIMEOUT``, which every entry point reads.
+    and the variable it reads (``HOROVOD_SPARK_START_TIMEOUT`` on Spark, else ``HOROVOD_START_TIMEOUT``).
 
     Args:
         knob: the argument or flag of the entry point (``"start_timeout="``, ``"--start-timeout"``), or
             None when the entry point has none.
+        spark: the entry point runs its ranks on Spark.
     """
-    variable = f"the {env_names.HOROVOD_START_TIMEOUT} variable"
+    name = env_names.HOROVOD_SPARK_START_TIMEOUT if spark else env_names.HOROVOD_START_TIMEOUT
+    variable = f"the {name} variable"
     return f"{knob} (or {variable})" if knob else variable
 
 

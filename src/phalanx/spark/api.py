@@ -32,7 +32,7 @@ IGNORED_RUN_ARGS = frozenset({
 })
 #: horovod.spark.run arguments that take effect: ``nics`` (the ranks' NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME).
 EFFECTIVE_RUN_ARGS = frozenset({"nics"})
-_START_HINT = start_timeout_hint("start_timeout=")
+_START_HINT = start_timeout_hint("start_timeout=", spark=True)
 #: A classic launcher, or the one of a Spark Connect session (same attributes: values, log_dir, ...).
 AnyLauncher = SparkLauncher | ConnectLauncher
 
@@ -128,7 +128,8 @@ def run(
         args: positional arguments.
         kwargs: keyword arguments.
         num_proc: number of ranks (default: every task slot of the cluster).
-        start_timeout: seconds for slots and ranks to start (default ``HOROVOD_START_TIMEOUT`` or 30).
+        start_timeout: seconds for Spark to schedule the tasks and the ranks to start (default
+            ``HOROVOD_SPARK_START_TIMEOUT``, else ``HOROVOD_START_TIMEOUT``, else 600, as ``horovod.spark.run``).
         env: extra environment variables for every rank (``HOROVOD_TIMELINE`` too).
         stdout: where the ranks' stdout lines go on the driver (default ``sys.stdout``).
         stderr: where the ranks' stderr lines go (default ``sys.stderr``).
@@ -165,7 +166,7 @@ def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
         InvalidArgumentError, PayloadError: see :func:`run`.
     """
     _check_compat_args(compat)
-    timeout = resolve_start_timeout(start_timeout)
+    timeout = resolve_start_timeout(start_timeout, spark=True)
     user_env = validate_env(env)
     user_env = {**nic_env(_nics(compat.get("nics")), user_env), **user_env}
     payload = shipped_payload(fn, tuple(args), dict(kwargs or {}))

@@ -26,7 +26,7 @@ from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
 from phalanx.spark.session import spark_target
 from phalanx.spark.task import task_gpus
 
-_START_HINT = start_timeout_hint(None)
+_START_HINT = start_timeout_hint(None, spark=True)
 
 
 def driver_gpus(environ: dict[str, str] | None = None) -> list[str]:
@@ -145,7 +145,7 @@ class TorchDistributor:
         spec = JobSpec(
             np=self.num_processes, payload=payload, command=command, use_gpu=self.use_gpu,
             ranks_per_task=ranks_per_task(sc, self.num_processes, self.use_gpu, "num_processes"),
-            start_timeout_s=resolve_start_timeout(None), start_timeout_hint=_START_HINT,
+            start_timeout_s=resolve_start_timeout(None, spark=True), start_timeout_hint=_START_HINT,
             description=f"TorchDistributor(num_processes={self.num_processes}).run({name})",
             warm_preload=preload,
         )

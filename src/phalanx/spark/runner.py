@@ -11,7 +11,7 @@ from phalanx.errors import InvalidArgumentError
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout
-from phalanx.launch.core import JobSpec
+from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
@@ -78,7 +78,7 @@ class HorovodRunner:
             PayloadError: ``main`` or an argument cannot be pickled.
             SlotsUnavailableError: the cluster cannot run ``np`` tasks at once.
             WorkerFailedError: a rank failed; root cause, traceback and log tail first.
-            StartTimeoutError: ranks did not start within ``HOROVOD_START_TIMEOUT`` (default 30 s).
+            StartTimeoutError: ranks did not start within ``HOROVOD_SPARK_START_TIMEOUT`` (default 600 s).
         """
         np = self.num_processor
         if np < 0:
@@ -90,14 +90,14 @@ class HorovodRunner:
         sc = spark_target()
         gpus = uses_gpus(sc)
         if np == 0:
-            np = every_slot(sc, resolve_start_timeout(None), "the HOROVOD_START_TIMEOUT variable")
+            np = every_slot(sc, resolve_start_timeout(None, spark=True), start_timeout_hint(None, spark=True))
             np *= gpus_per_task(sc, gpus)
             warnings.warn(f"HorovodRunner(np=0) is deprecated: using every task slot ({np}); pass np=N",
                           DeprecationWarning, stacklevel=2)
         spec = JobSpec(
             np=np, payload=payload, use_gpu=gpus, ranks_per_task=ranks_per_task(sc, np, gpus, "np"),
-            start_timeout_s=resolve_start_timeout(None),
-            start_timeout_hint="the HOROVOD_START_TIMEOUT variable", console=self._console(),
+            start_timeout_s=resolve_start_timeout(None, spark=True),
+            start_timeout_hint=start_timeout_hint(None, spark=True), console=self._console(),
             description=f"HorovodRunner(np={np}).run({getattr(main, '__name__', 'main')})",
             warm_preload=preload_for(main),
         )

@@ -69,6 +69,19 @@ def test_start_timeout_resolution() -> None:
         resolve_start_timeout(None, {"HOROVOD_START_TIMEOUT": "soon"})
 
 
+def test_spark_start_timeout_resolution_follows_horovod_spark_run() -> None:
+    """On Spark the time also covers scheduling the barrier tasks: ``horovod.spark.run``'s 600 s default and
+    its ``HOROVOD_SPARK_START_TIMEOUT``; phalanx's documented ``HOROVOD_START_TIMEOUT`` still applies when set."""
+    assert resolve_start_timeout(None, {}, spark=True) == 600.0
+    assert resolve_start_timeout(None, {"HOROVOD_START_TIMEOUT": "7"}, spark=True) == 7.0
+    both = {"HOROVOD_START_TIMEOUT": "7", "HOROVOD_SPARK_START_TIMEOUT": "90"}
+    assert resolve_start_timeout(None, both, spark=True) == 90.0
+    assert resolve_start_timeout(None, both) == 7.0  # not on Spark
+    assert resolve_start_timeout(3, both, spark=True) == 3.0
+    with pytest.raises(InvalidArgumentError, match="HOROVOD_SPARK_START_TIMEOUT"):
+        resolve_start_timeout(None, {"HOROVOD_SPARK_START_TIMEOUT": "inf"}, spark=True)
+
+
 def test_env_and_hosts_validation() -> None:
     assert validate_env({"A": "1"}) == {"A": "1"}
     with pytest.raises(InvalidArgumentError, match="not strings"):

@@ -23,6 +23,7 @@ from phalanx.launch.supervisor import HEARTBEAT, RankSupervisor, exit_event, par
 def test_start_timeout_hint_names_the_knob_and_the_variable() -> None:
     assert start_timeout_hint("--start-timeout") == "--start-timeout (or the HOROVOD_START_TIMEOUT variable)"
     assert start_timeout_hint(None) == "the HOROVOD_START_TIMEOUT variable"
+    assert start_timeout_hint(None, spark=True) == "the HOROVOD_SPARK_START_TIMEOUT variable"
 
 
 def test_monitor_config_for_function_and_command_jobs() -> None:

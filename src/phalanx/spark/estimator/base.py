@@ -21,6 +21,7 @@ from pyspark.ml import Estimator
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, PayloadError
+from phalanx.launch.api import resolve_start_timeout
 from phalanx.spark.api import launch_spark, run_spec
 from phalanx.spark.common.backend import SparkBackend, num_proc_of
 from phalanx.spark.estimator.job import TrainSpec
@@ -35,7 +36,7 @@ log = logging.getLogger("phalanx")
 
 #: Parameters that stay on the driver (they travel in ``model_blob`` or are the driver's own business).
 _DRIVER_ONLY = frozenset({"model", "optimizer", "store", "backend"})
-_START_HINT = "the HOROVOD_START_TIMEOUT variable"
+_START_HINT = "the HOROVOD_SPARK_START_TIMEOUT variable"
 #: The driver's variables the ranks get too (an estimator has no env= argument): the timeline.
 _FORWARDED_ENV = (env_names.HOROVOD_TIMELINE, env_names.HOROVOD_TIMELINE_MARK_CYCLES)
 
@@ -140,7 +141,8 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         self.check_framework(values)
         blob = self.model_blob(values)
         sc = spark_context()
-        num_proc = num_proc_of(values["num_proc"], values["backend"]) or every_slot(sc, 30.0, _START_HINT)
+        num_proc = (num_proc_of(values["num_proc"], values["backend"])
+                    or every_slot(sc, resolve_start_timeout(None, spark=True), _START_HINT))
         store = values["store"] or default_store(sc)
         run_id = values["run_id"] or f"{self.framework}_{int(time.time())}_{uuid.uuid4().hex[:6]}"
         data = prepare(dataset, store, run_id, values, num_proc)
