@@ -43,7 +43,7 @@ def test_an_error_reaches_the_waiter_and_later_calls_still_run() -> None:
 def test_close_releases_a_worker_held_by_an_inline_call_nobody_waits_for() -> None:
     worker = Serial("test")
     worker.call(lambda: None, inline=True)  # e.g. a step abandoned after a failure
-    time.sleep(0.05)
+    time.sleep(0.05)  # one GATE_CHECK_S: the worker reaches the inline call's gate, which close() must open
     start = time.monotonic()
     assert worker.close(timeout_s=5.0)
     assert time.monotonic() - start < 1.0
