@@ -66,6 +66,16 @@ def elastic_env(wid: int, elastic: ElasticSpec, target: int, budget: int) -> dic
             env_names.LOCAL_WORLD_SIZE: str(target)}
 
 
+def poll_discovery(elastic: ElasticSpec, on_hosts: Callable[[dict[str, int]], None]) -> HostDiscovery | None:
+    """Start polling the job's host discovery script (``on_hosts`` gets each listing, in the poller's thread);
+    None when the job has no script."""
+    if not elastic.discovery_script:
+        return None
+    discovery = HostDiscovery(elastic.discovery_script, on_hosts, default_slots=elastic.slots_per_host)
+    discovery.start()
+    return discovery
+
+
 @dataclass(frozen=True)
 class ElasticSpec:
     """The elastic part of a local job.
@@ -196,10 +206,7 @@ class ElasticForks:
         for _ in range(self.target):
             self._spawn(template)
         log.debug("started elastic job: %d workers", self.target)
-        if self.elastic.discovery_script:
-            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts,
-                                            default_slots=self.elastic.slots_per_host)
-            self._discovery.start()
+        self._discovery = poll_discovery(self.elastic, self._on_hosts)
 
     def add(self, kept: list[int], count: int) -> list[int]:
         """Fork ``count`` replacements.

@@ -26,7 +26,7 @@ from phalanx.job.progress import Progress
 from phalanx.launch.core import JobSpec, new_run_id
 from phalanx.launch.discovery import HostDiscovery
 from phalanx.launch.driver import DriverAddress
-from phalanx.launch.elastic import Elasticity, ElasticSpec, elastic_env, worker_id_budget
+from phalanx.launch.elastic import Elasticity, ElasticSpec, elastic_env, poll_discovery, worker_id_budget
 from phalanx.launch.hosts import check_host_name, is_local, place
 from phalanx.launch.local import observed, run_on_driver
 from phalanx.launch.remote import AgentHosts, HostsSpec
@@ -80,10 +80,7 @@ class ElasticHostAgents:
         for _ in range(self.target):
             self._spawn()
         log.debug("started elastic job: %d workers", self.target)
-        if self.elastic.discovery_script:
-            self._discovery = HostDiscovery(self.elastic.discovery_script, self._on_hosts,
-                                            default_slots=self.elastic.slots_per_host)
-            self._discovery.start()
+        self._discovery = poll_discovery(self.elastic, self._on_hosts)
 
     def add(self, kept: list[int], count: int) -> list[int]:
         """Start up to ``count`` replacements on the first usable hosts with a free slot."""
