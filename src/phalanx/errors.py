@@ -8,6 +8,7 @@ from worker processes and Spark executors to the driver.
 
 from __future__ import annotations
 
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +73,18 @@ class ShmTransportError(PhalanxError, RuntimeError):
 
     The message names the rank(s), the step and the knob (``PHALANX_SHM_TIMEOUT_S``, ``PHALANX_SHM=0``).
     """
+
+
+#: How a phalanx error says that a peer rank died first (``peer rank N (pid P) has died or exited ...``); the
+#: driver reads it back (:func:`lost_peer_rank`) to put the dead rank first in the failure report.
+PEER_DIED = "has died or exited"
+_PEER_DIED_RE = re.compile(r"\bpeer rank (\d+) \(pid \d+\) " + re.escape(PEER_DIED))
+
+
+def lost_peer_rank(message: str) -> int | None:
+    """The rank a phalanx error names as having died before the collective it waited in (None: none named)."""
+    found = _PEER_DIED_RE.search(message)
+    return int(found.group(1)) if found else None
 
 
 class NotInitializedError(PhalanxError, ValueError):

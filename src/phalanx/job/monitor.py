@@ -24,6 +24,7 @@ from phalanx.errors import (
     StartTimeoutError,
     WorkerFailedError,
     describe_exit,
+    lost_peer_rank,
 )
 from phalanx.job.channel import Custom, Event, Result
 from phalanx.job.logs import LogSink, TailBuffer
@@ -270,6 +271,7 @@ class JobMonitor:
         failed = [(r, s) for r, s in enumerate(self._ranks) if s.failed_at is not None]
         failed.sort(key=lambda item: (item[1].failed_at or 0.0, item[0]))
         stop = failed[0][1].failed_at if failed else None
+        failed = _blamed_first(failed)
         out = [self._describe(r, s, secondary=False) for r, s in failed[:1]]
         out += [self._describe(r, s, secondary=self._was_stopped(s, stop)) for r, s in failed[1:]]
         return out
@@ -335,3 +337,16 @@ def _result_summary(values: list[Any]) -> str:
     first = values[0]
     shown = f"{len(first)} bytes" if isinstance(first, (bytes, bytearray)) else _SHORT.repr(first)
     return f"every rank finished; rank 0 returned {shown}"
+
+
+def _blamed_first(failed: list[tuple[int, _RankState]]) -> list[tuple[int, _RankState]]:
+    """Put first the rank that the first failure names as dead (a shared-memory wait that saw its peer's
+    process gone), if that rank failed too: under load the survivor's error can reach the driver, and be
+    dated, before the dead rank's exit or its own error, which are nonetheless its cause."""
+    if len(failed) < 2 or failed[0][1].error is None:
+        return failed
+    blamed = lost_peer_rank(failed[0][1].error.message)
+    for i, (rank, _state) in enumerate(failed[1:], start=1):
+        if rank == blamed:
+            return [failed[i], *failed[:i], *failed[i + 1:]]
+    return failed

@@ -11,7 +11,7 @@ import select
 import time
 from collections.abc import Callable, Sequence
 
-from phalanx.errors import ShmTransportError
+from phalanx.errors import PEER_DIED, ShmTransportError
 from phalanx.transport._segment import Segment
 
 LINE = 64
@@ -186,7 +186,7 @@ class Control:
         pid, peer = self.words[self._pid(j)], self._peer(j)
         if pid and _pid_dead(pid) and not arrived():
             self._fail(
-                f"{peer} (pid {pid}) has died or exited before reaching it (a rank that leaves while others still "
+                f"{peer} (pid {pid}) {PEER_DIED} before reaching it (a rank that leaves while others still "
                 "run collectives: give every rank the same number of steps, or call hvd.join() when done)", g, what,
             )
         if waited > self.timeout_s:

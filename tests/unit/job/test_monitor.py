@@ -63,6 +63,33 @@ def test_the_root_cause_is_the_rank_that_died_first_not_the_first_heard_of() -> 
     assert failures[1].summary == "ShmTransportError: peer rank 1 is gone"
 
 
+def test_a_rank_named_dead_by_the_first_error_is_the_root_cause_even_if_its_exit_is_dated_later() -> None:
+    """Under load a survivor's shared-memory error about its dead peer can be heard, and dated, before the
+    dead rank's exit (a SIGABRT that takes a while: core dump, torch's abort handler). The error names the
+    peer; that rank is the root cause, also when its own error is heard after the survivor's."""
+    from phalanx.errors import PEER_DIED
+
+    message = f"allreduce 'grad' cannot complete: peer rank 1 (pid 4242) {PEER_DIED} before reaching it"
+    err = ErrorRecord(rank=0, exc_type="phalanx.errors.ShmTransportError", message=message, traceback="")
+    events = [Hello(0, 1, "h"), Hello(1, 2, "h"), Hello(2, 3, "h"), err, RankExit(0, 1), RankExit(2, -15),
+              RankExit(1, -6)]
+    mon, _ = _monitor(events, n=3)
+    with pytest.raises(WorkerFailedError) as info:
+        mon.run()
+    failures = info.value.failures
+    assert [f.rank for f in failures] == [1, 0, 2]
+    assert failures[0].summary == "process ended with signal SIGABRT (6)" and not failures[0].secondary
+    assert not failures[1].secondary and failures[2].secondary
+
+    own = ErrorRecord(rank=1, exc_type="ValueError", message="bad batch", traceback="")
+    events = [Hello(0, 1, "h"), Hello(1, 2, "h"), err, own, RankExit(0, 1), RankExit(1, 1)]
+    mon, _ = _monitor(events)
+    with pytest.raises(WorkerFailedError) as info:
+        mon.run()
+    assert [f.rank for f in info.value.failures] == [1, 0]
+    assert info.value.failures[0].summary == "ValueError: bad batch"
+
+
 def test_exit_zero_without_result_is_a_failure() -> None:
     mon, _ = _monitor([Hello(0, 1, "h"), RankExit(0, 0)], n=1)
     with pytest.raises(WorkerFailedError, match="without reporting a result"):
