@@ -324,8 +324,7 @@ def test_horovod_tensorflow_util_and_executing_eagerly() -> None:
     assert refs_to_vars(vars_to_refs(variables)) == variables and len(set(vars_to_refs(variables))) == 2
 
 
-def test_a_narrow_inter_op_pool_warns_once_when_a_tf1_graph_gets_a_collective(
-        single: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_narrow_inter_op_pool_warns_once_when_a_tf1_graph_gets_a_collective(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each collective waiting in a TF1 graph holds an inter-op thread: a user's narrow pool is kept but named
     (a tf.function's collectives run in order and need no spare threads: no warning there)."""
     import tensorflow as tf
@@ -338,7 +337,8 @@ def test_a_narrow_inter_op_pool_warns_once_when_a_tf1_graph_gets_a_collective(
     monkeypatch.setattr(tf.config.threading, "get_inter_op_parallelism_threads", lambda: 0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        tf.function(lambda x: hvd_tf.allreduce(x)).get_concrete_function(tf.TensorSpec([2], tf.float32))
+        traced = tf.function(lambda x: hvd_tf.allreduce(x), autograph=False)  # autograph would only cost seconds
+        traced.get_concrete_function(tf.TensorSpec([2], tf.float32))
     with tf.Graph().as_default():
         with pytest.warns(RuntimeWarning, match="inter-op pool has 4 threads"):
             hvd_tf.allreduce(tf.ones([2]))
