@@ -109,13 +109,13 @@ def server_cores(session: Any) -> int:
         return _server_cores[key]
 
 
-def _dynamic_allocation(session: Any) -> bool:
+def _dynamic_allocation(session: SessionLike) -> bool:
     master = conf(session, "spark.master") or ""
     on = (conf(session, "spark.dynamicAllocation.enabled") or "false").lower() == "true"
     return on and not master.startswith("local")
 
 
-def _static_cluster_cores(session: Any) -> int | None:
+def _static_cluster_cores(session: SessionLike) -> int | None:
     if _dynamic_allocation(session):
         return None
     instances, cores = conf(session, "spark.executor.instances"), conf(session, "spark.executor.cores")
@@ -124,7 +124,7 @@ def _static_cluster_cores(session: Any) -> int | None:
     return int(instances) * int(cores)
 
 
-def _gpu_slots(session: Any) -> int | None:
+def _gpu_slots(session: SessionLike) -> int | None:
     """Tasks the executors' GPUs allow at once on a cluster master (``spark.executor.instances`` x
     ``spark.executor.resource.gpu.amount`` / ``spark.task.resource.gpu.amount``); None when not bounded."""
     instances = conf(session, "spark.executor.instances")
