@@ -88,7 +88,7 @@ def test_network_interfaces_set_nccl_and_gloo_socket_ifname_unless_the_user_did(
 def test_spark_run_nics_reach_the_ranks_and_bad_ones_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from phalanx.spark import api
 
-    monkeypatch.setattr(api, "spark_target", lambda: _NoGpuContext())
+    monkeypatch.setattr(api, "spark_target", lambda progress=True: _NoGpuContext())
     spec, _ = api.run_spec(len, (), None, 2, None, None, None, None, 1, {"nics": ["eth1"], "use_mpi": True})
     assert (spec.env["NCCL_SOCKET_IFNAME"], spec.env["GLOO_SOCKET_IFNAME"]) == ("eth1", "eth1")
     with pytest.raises(InvalidArgumentError, match="nics must be network interface names"):
