@@ -68,12 +68,29 @@ def accuracy(model: Any, x: Any, y: Any) -> float:
 
 
 def save_atomically(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then rename: no reader sees half a model."""
+    """``torch.save`` to a new private file next to ``path``, flushed to disk, then renamed over ``path``: no
+    reader sees half a model, a crash leaves the old one, and in a shared directory such as /tmp nothing
+    another user planted (a link at a guessable name) is written through."""
+    import tempfile
+
     import torch
 
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)  # O_EXCL, mode 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)
 
 
 def load_digits_numpy_split(seed: int = 0) -> tuple[Any, Any, Any, Any]:
