@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import io
 import queue
 
 import cloudpickle
@@ -8,6 +9,7 @@ import pytest
 from phalanx.errors import StartTimeoutError, WorkerFailedError
 from phalanx.job.channel import Result
 from phalanx.job.monitor import JobMonitor, MonitorConfig, RankExit
+from phalanx.job.progress import Progress
 from phalanx.job.records import ErrorRecord, Hello, LogLine, Stream
 
 
@@ -118,16 +120,15 @@ def test_start_timeout_names_missing_ranks_and_knob() -> None:
     assert stops == ["stop"]
 
 
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal (progress then updates one line)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_progress_counts_the_ranks_started_and_erases_its_terminal_line() -> None:
-    import io
-
-    from phalanx.job.progress import Progress
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    plain, tty = io.StringIO(), Terminal()
+    plain, tty = io.StringIO(), _Terminal()
     for stream in (plain, tty):
         progress = Progress(stream=stream)
         progress.step("waiting for 2 barrier task(s)")
@@ -143,15 +144,7 @@ def test_progress_counts_the_ranks_started_and_erases_its_terminal_line() -> Non
 
 
 def test_progress_counts_once_complete_off_a_terminal_and_says_nothing_once_finished() -> None:
-    import io
-
-    from phalanx.job.progress import Progress
-
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    plain, tty = io.StringIO(), Terminal()
+    plain, tty = io.StringIO(), _Terminal()
     for stream in (plain, tty):
         progress = Progress(stream=stream)
         for k in range(4):
