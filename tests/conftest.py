@@ -5,12 +5,16 @@ when it leaves a child process (or zombie) of the test process behind that was n
 started, a thread of its own still running, or a variable phalanx reads changed in ``os.environ``.
 Fixtures that must outlive a test (a Spark session, a standalone cluster) start their processes and
 threads before the test's snapshot, so they are not counted; a tier whose infrastructure legitimately
-starts long-lived processes overrides ``process_is_expected``.
+starts long-lived processes overrides ``process_is_expected``. ``s3`` starts moto's S3-compatible server
+for a module that asks for it.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -136,3 +140,50 @@ def warm_template_is_shut_down() -> Iterator[None]:
     while (left := {p for p in descendants(os.getpid()) if is_alive(p)} - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, "warm-start template left processes: " + ", ".join(describe(p) for p in sorted(left))
+
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+SERVER_START_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """moto's standalone S3 server on loopback (one per module that asks), with a bucket ``ckpt``, and the
+    environment that points s3fs at it (set in ``os.environ`` while the module runs)."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"moto's server did not listen on port {port} within {SERVER_START_TIMEOUT_S} s: "
+                                   f"{log.read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().mkdir("ckpt")
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.terminate()
+    server.wait(10)

@@ -84,6 +84,95 @@ class TrainState:
         self.extra = dict(state.get("extra", {}))
 
 
+class StepStore:
+    """The steps under one URL: ``step-NNNNNNNNNN`` directories, complete once they hold ``COMPLETE`` (the
+    module docstring). Shared by :class:`Checkpointer` and ``phalanx.torch.deepspeed_checkpoint``.
+
+    Args:
+        url: the directory: a local path or any fsspec URL.
+        keep_last: complete steps kept (the newest); None keeps every one.
+        storage_options: fsspec options.
+    """
+
+    def __init__(self, url: str, keep_last: int | None, storage_options: dict[str, Any] | None) -> None:
+        if not isinstance(url, str) or not url:
+            raise InvalidArgumentError(f"checkpoint url={url!r}: give a directory path or an fsspec URL")
+        if keep_last is not None and (isinstance(keep_last, bool) or int(keep_last) < 1):
+            raise InvalidArgumentError(f"keep_last={keep_last!r}: give a positive int, or None to keep every step")
+        self.url = url.rstrip("/")
+        self.keep_last = keep_last
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = _filesystem(self.url, self.storage_options)
+        self.local = _is_local(self.fs)
+
+    def steps(self) -> list[int]:
+        """The complete steps, oldest first."""
+        return [s for s, complete in self.listing() if complete]
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None."""
+        done = self.steps()
+        return done[-1] if done else None
+
+    def listing(self) -> list[tuple[int, bool]]:
+        """Every step directory, oldest first, with whether it is complete."""
+        if not self.fs.exists(self.root):
+            return []
+        found = []
+        for entry in self.fs.ls(self.root, detail=False):
+            match = _STEP_DIR.match(posixpath.basename(str(entry).rstrip("/")))
+            if match:
+                step = int(match.group(1))
+                found.append((step, bool(self.fs.exists(self.path(step, MARKER)))))
+        return sorted(found)
+
+    def path(self, step: int, *names: str) -> str:
+        """The filesystem path of ``step`` (or of a file in it)."""
+        return posixpath.join(self.root, step_dir(step), *names)
+
+    def url_of(self, step: int, *names: str) -> str:
+        """The URL of ``step`` (or of a file in it)."""
+        return "/".join((self.url, step_dir(step), *names))
+
+    def check_step(self, step: int) -> None:
+        """Raises InvalidArgumentError: ``step`` is negative, or not newer than the newest complete step."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise InvalidArgumentError(f"step={step!r}: give a non-negative int")
+        newest = self.latest_step()
+        if newest is not None and step <= newest:
+            raise InvalidArgumentError(
+                f"step={step} is not newer than the newest complete checkpoint, step {newest}, under {self.url}: a "
+                "complete step is never overwritten; save under a larger step (or restore() first)")
+
+    def choose(self, step: int | None) -> int:
+        """``step``, or the newest complete one.
+
+        Raises:
+            CheckpointError: no complete step (or ``step`` is not complete).
+        """
+        complete = self.steps()
+        chosen = complete[-1] if step is None and complete else step
+        if chosen is None or chosen not in complete:
+            raise CheckpointError(f"no complete checkpoint{'' if step is None else f' step {step}'} under {self.url} "
+                                  f"(complete steps: {complete}); a step without {MARKER} was not finished")
+        return chosen
+
+    def mark_complete(self, step: int, world_size: int) -> None:
+        """Write ``step``'s marker durably, then drop the old and the abandoned steps (on one rank)."""
+        record = {"step": step, "world_size": world_size, "time": time.time(), "host": socket.gethostname()}
+        marker = self.path(step, MARKER) if self.local else self.url_of(step, MARKER)
+        _durable.write_whole(marker, json.dumps(record).encode(), self.storage_options)
+        self._prune(step)
+
+    def _prune(self, newest: int) -> None:
+        listing = self.listing()
+        complete = [s for s, done in listing if done]
+        drop = complete[:-self.keep_last] if self.keep_last else []
+        drop += [s for s, done in listing if not done and s < newest]  # half-written by a job that died
+        for step in drop:
+            self.fs.rm(posixpath.join(self.root, step_dir(step)), recursive=True)
+
+
 class Checkpointer:
     """Sharded, asynchronous, resumable checkpoints under ``url`` (see the module docstring).
 
@@ -98,43 +187,20 @@ class Checkpointer:
 
     def __init__(self, url: str, keep_last: int | None = 3, resume: bool = False,
                  storage_options: dict[str, Any] | None = None) -> None:
-        if not isinstance(url, str) or not url:
-            raise InvalidArgumentError(f"Checkpointer url={url!r}: give a directory path or an fsspec URL")
-        if keep_last is not None and (isinstance(keep_last, bool) or int(keep_last) < 1):
-            raise InvalidArgumentError(f"keep_last={keep_last!r}: give a positive int, or None to keep every step")
-        self.url = url.rstrip("/")
-        self.keep_last, self.resume = keep_last, bool(resume)
-        self.storage_options = dict(storage_options or {})
-        self._fs, self._root = _filesystem(self.url, self.storage_options)
+        self.store = StepStore(url, keep_last, storage_options)
+        self.url, self.keep_last, self.resume = self.store.url, keep_last, bool(resume)
+        self.storage_options = self.store.storage_options
         self._pending: Future[Any] | None = None
         self._group: Any = None
 
     # -- what the storage holds -----------------------------------------------------------------------
     def steps(self) -> list[int]:
         """The complete steps, oldest first."""
-        return [s for s, complete in self._listing() if complete]
+        return self.store.steps()
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None."""
-        done = self.steps()
-        return done[-1] if done else None
-
-    def _listing(self) -> list[tuple[int, bool]]:
-        if not self._fs.exists(self._root):
-            return []
-        found = []
-        for entry in self._fs.ls(self._root, detail=False):
-            match = _STEP_DIR.match(posixpath.basename(str(entry).rstrip("/")))
-            if match:
-                step = int(match.group(1))
-                found.append((step, bool(self._fs.exists(self._path(step, MARKER)))))
-        return sorted(found)
-
-    def _path(self, step: int, *names: str) -> str:
-        return posixpath.join(self._root, step_dir(step), *names)
-
-    def _url(self, step: int) -> str:
-        return f"{self.url}/{step_dir(step)}"
+        return self.store.latest_step()
 
     # -- saving ---------------------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], async_save: bool = False) -> Future[Any] | None:
@@ -147,14 +213,8 @@ class Checkpointer:
             InvalidArgumentError: a negative step, or one not newer than the newest complete step.
             CheckpointError: a rank could not write (the error names the step's URL).
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise InvalidArgumentError(f"step={step!r}: give a non-negative int")
         self.wait()
-        newest = self.latest_step()
-        if newest is not None and step <= newest:
-            raise InvalidArgumentError(
-                f"step={step} is not newer than the newest complete checkpoint, step {newest}, under {self.url}: a "
-                "complete step is never overwritten; save under a larger step (or restore() first)")
+        self.store.check_step(step)
         from torch.distributed.checkpoint import async_save as dcp_async_save
         from torch.distributed.checkpoint import save as dcp_save
 
@@ -166,7 +226,7 @@ class Checkpointer:
                 return None
             response = dcp_async_save(state, storage_writer=writer, process_group=self._save_group())
         except Exception as e:  # DCP gathers every rank's failure into one CheckpointException
-            raise CheckpointError(f"could not save checkpoint step {step} to {self._url(step)}: {e}") from e
+            raise CheckpointError(f"could not save checkpoint step {step} to {self.store.url_of(step)}: {e}") from e
         # the default stager (none given) returns the upload's Future itself, not an AsyncSaveResponse
         future: Future[Any] = response if isinstance(response, Future) else response.upload_completion
         self._pending = _then(future, lambda: self._finish(step))
@@ -176,9 +236,9 @@ class Checkpointer:
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        if _is_local(self._fs):
-            return FileSystemWriter(self._path(step))
-        return FsspecWriter(self._url(step), **self.storage_options)
+        if self.store.local:
+            return FileSystemWriter(self.store.path(step))
+        return FsspecWriter(self.store.url_of(step), **self.storage_options)
 
     def _save_group(self) -> Any:
         if self._group is None and dist.is_initialized():
@@ -189,19 +249,7 @@ class Checkpointer:
         """On rank 0: write the marker, then drop old and abandoned steps."""
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        record = {"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                  "time": time.time(), "host": socket.gethostname()}
-        marker = self._path(step, MARKER) if _is_local(self._fs) else f"{self._url(step)}/{MARKER}"
-        _durable.write_whole(marker, json.dumps(record).encode(), self.storage_options)
-        self._prune(step)
-
-    def _prune(self, newest: int) -> None:
-        listing = self._listing()
-        complete = [s for s, done in listing if done]
-        drop = complete[:-self.keep_last] if self.keep_last else []
-        drop += [s for s, done in listing if not done and s < newest]  # half-written by a job that died
-        for step in drop:
-            self._fs.rm(posixpath.join(self._root, step_dir(step)), recursive=True)
+        self.store.mark_complete(step, dist.get_world_size() if dist.is_initialized() else 1)
 
     def wait(self) -> None:
         """Wait for the pending asynchronous save (its error, if any, is raised here)."""
@@ -233,13 +281,9 @@ class Checkpointer:
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        complete = self.steps()
-        chosen = complete[-1] if step is None and complete else step
-        if chosen is None or chosen not in complete:
-            raise CheckpointError(f"no complete checkpoint{'' if step is None else f' step {step}'} under {self.url} "
-                                  f"(complete steps: {complete}); a step without {MARKER} was not finished")
-        reader = (FileSystemReader(self._path(chosen)) if _is_local(self._fs)
-                  else FsspecReader(self._url(chosen), **self.storage_options))
+        chosen = self.store.choose(step)
+        reader = (FileSystemReader(self.store.path(chosen)) if self.store.local
+                  else FsspecReader(self.store.url_of(chosen), **self.storage_options))
         dcp_load(state, storage_reader=reader)
         log.info("loaded checkpoint step %d from %s", chosen, self.url)
         return chosen

@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,54 +17,11 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto")
 
 import _ckpt_job as job
+import _ds_ckpt_job as ds_job
 
 import phalanx
 
 HERE = Path(__file__).parent
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-SERVER_START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """moto's standalone S3 server on loopback, and the environment that points s3fs at it."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("moto") / "server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    env = {**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError(f"moto's server did not listen on port {port} within {SERVER_START_TIMEOUT_S} s: "
-                                   f"{log.read_text()[-2000:]}") from None
-            time.sleep(0.2)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("ckpt")
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.terminate()
-    server.wait(10)
 
 
 def _ls(url: str) -> list[str]:
@@ -162,3 +117,29 @@ def test_the_converter_loader_reads_parquet_on_s3(s3: dict[str, str]) -> None:
     assert sorted(seen) == list(range(60))
     converter.delete()
     assert not fs.exists("ckpt/converter")
+
+
+@pytest.mark.timeout(240)
+def test_deepspeed_zero_2_and_3_in_deepspeeds_format_locally_and_on_s3(s3: dict[str, str], tmp_path: Path) -> None:
+    """DeepSpeed's own engine.save_checkpoint layout through the checkpoint storage: each rank's ZeRO files,
+    ``latest``, the marker, keep-last-2; fresh engines load exact weights and optimizer state; a rank's
+    failure is an error on every rank."""
+    local, url = tmp_path / "zero2", "s3://ckpt/zero3"
+    out = phalanx.run(ds_job.job, (str(local), url), np=2, env={**s3, "DS_BUILD_OPS": "0"})
+    for rank in out:
+        for stage in ("zero2", "zero3"):
+            assert rank[stage] == {"steps": [3, 4], "step": 4, "client": 32, "restored_exact": True,
+                                   "next_step_exact": True, "moved": True}, (stage, rank)
+        assert "could not save DeepSpeed checkpoint step 1 to s3://no-such-bucket/run/step-0000000001: rank 0 " \
+            "(and 1 more rank(s))" in rank["error"]
+    # DeepSpeed's layout: its recovery scripts beside ``latest``, no staging directory left
+    assert sorted(p.name for p in local.iterdir()) == ["latest", "step-0000000003", "step-0000000004",
+                                                       "zero_to_fp32.py", "zero_to_torch.py"]
+    assert (local / "latest").read_text() == "step-0000000004"
+    optim = [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    assert sorted(p.name for p in (local / "step-0000000004").iterdir()) == \
+        ["COMPLETE", "mp_rank_00_model_states.pt", *optim]
+    assert _ls(url) == ["latest", "step-0000000003", "step-0000000004", "zero_to_fp32.py", "zero_to_torch.py"]
+    # ZeRO-3: every rank writes its partition of the module too
+    assert _ls(f"{url}/step-0000000004") == ["COMPLETE", *sorted(optim + [
+        f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)])]
