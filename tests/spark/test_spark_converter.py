@@ -67,3 +67,43 @@ def test_converter_refuses_before_writing(local_spark: Any, cache: Path) -> None
     with pytest.raises(InvalidArgumentError, match=r"petastorm\.spark\.converter\.parentCacheDirUrl"):
         make_spark_converter(local_spark.range(3))
     assert list(cache.iterdir()) == []
+
+
+@pytest.mark.timeout(180)
+def test_converter_cache_on_s3_written_by_the_executors(local_spark: Any, s3: dict[str, str]) -> None:
+    """Spark has no filesystem for ``s3://`` here (no hadoop-aws): the executors write each partition through
+    fsspec, the driver writes ``_SUCCESS``; every row is read back once; the plan keys the cache; delete()."""
+    import s3fs
+
+    options = {"key": s3["AWS_ACCESS_KEY_ID"], "secret": s3["AWS_SECRET_ACCESS_KEY"],
+               "client_kwargs": {"endpoint_url": s3["AWS_ENDPOINT_URL"], "region_name": "us-east-1"}}
+    local_spark.conf.set(converter_module.PARENT_CACHE_DIR_URL_CONF, "s3://ckpt/converter")
+    try:
+        df = _frame(local_spark)
+        conv = make_spark_converter(df, parquet_row_group_size_bytes=512, compression_codec="zstd",
+                                    storage_options=options)
+        again = make_spark_converter(df.select("*"), parquet_row_group_size_bytes=512, compression_codec="zstd",
+                                     storage_options=options)
+    finally:
+        local_spark.conf.unset(converter_module.PARENT_CACHE_DIR_URL_CONF)
+    fs = s3fs.S3FileSystem(**options)
+    root = conv.cache_dir_url.removeprefix("s3://")
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root))
+    assert conv.cache_dir_url.startswith("s3://ckpt/converter/") and again.cache_dir_url == conv.cache_dir_url
+    assert names == ["_SUCCESS", "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert len(conv) == 50 and len(conv.pieces) > 3  # 512-byte row groups: several per file
+    ids = []
+    for rank in range(2):
+        with conv.make_torch_dataloader(batch_size=7, num_epochs=1, cur_shard=rank, shard_count=2) as loader:
+            for batch in loader:
+                ids += batch["id"].tolist()
+                assert tuple(batch["vec"].shape)[1:] == (2,) and isinstance(batch["raw"][0], bytes)
+    assert sorted(ids) == list(range(50))
+    with pytest.raises(InvalidArgumentError, match="compression_codec='bzip2' cannot be written to s3://"):
+        local_spark.conf.set(converter_module.PARENT_CACHE_DIR_URL_CONF, "s3://ckpt/converter")
+        try:
+            make_spark_converter(df, compression_codec="bzip2", storage_options=options)
+        finally:
+            local_spark.conf.unset(converter_module.PARENT_CACHE_DIR_URL_CONF)
+    conv.delete()
+    assert not fs.exists(root)

@@ -3,7 +3,8 @@
 On the driver, ``make_spark_converter(df)`` converts the columns Petastorm converts (Spark ML vectors to
 arrays; with ``dtype='float32'`` doubles to floats), refuses a column no loader can take (by name), and has
 Spark write the DataFrame once as Parquet under the cache directory (the Spark conf
-``petastorm.spark.converter.parentCacheDirUrl``, or ``phalanx.spark.converter.parentCacheDirUrl``). The same
+``petastorm.spark.converter.parentCacheDirUrl``, or ``phalanx.spark.converter.parentCacheDirUrl``; where Spark
+has no filesystem for its scheme, the executors write it through fsspec: ``phalanx.spark.converter_write``). The same
 plan with the same options is written once per driver process: later converters reuse the directory until
 ``delete()`` (or the driver's exit) removes it. The converter is small and picklable: it carries the Parquet
 row groups, not the DataFrame, to the ranks, where ``make_torch_dataloader`` / ``make_tf_dataset`` read them
@@ -147,11 +148,13 @@ class _Cached:
 
 _cache: list[_Cached] = []
 _cache_lock = threading.Lock()
+_deleted: set[str] = set()  # by delete(): nothing left for the exit's clean-up
 
 
 def _forget(url: str) -> None:
     with _cache_lock:
         _cache[:] = [c for c in _cache if c.url != url]
+        _deleted.add(url)
 
 
 def _cached_url(df: Any, options: tuple[Any, ...]) -> str | None:
@@ -177,6 +180,8 @@ def _delete_dir(url: str, storage_options: dict[str, Any]) -> None:
 
 
 def _delete_at_exit(url: str, storage_options: dict[str, Any]) -> None:
+    if url in _deleted:
+        return
     try:
         _delete_dir(url, storage_options)
     except Exception as e:  # best effort at exit, as Petastorm's; the reason is logged
@@ -212,7 +217,9 @@ def make_spark_converter(df: Any, parquet_row_group_size_bytes: int = DEFAULT_RO
         compression_codec: one of :data:`CODECS`; None: uncompressed.
         dtype: ``'float32'`` (default: doubles and vectors become float32), ``'float64'`` (floats become
             float64), or None (types kept; vectors become float64 arrays).
-        storage_options: fsspec options for reading the cache (credentials, endpoint); phalanx's addition.
+        storage_options: fsspec options for the cache (credentials, endpoint): for the ranks that read it, and
+            for the executors that write it where Spark has no filesystem for its scheme (``s3://`` without
+            hadoop-aws: ``phalanx.spark.converter_write``); phalanx's addition.
 
     Raises:
         InvalidArgumentError: no cache directory configured, an unknown codec or dtype, or a column whose
@@ -232,7 +239,7 @@ def make_spark_converter(df: Any, parquet_row_group_size_bytes: int = DEFAULT_RO
         url = _cached_url(df, options)
         if url is None:
             url = _materialize(converter_schema.converted(df, dtype), parent, int(parquet_row_group_size_bytes),
-                               codec)
+                               codec, dict(storage_options or {}))
             _cache.append(_Cached(df, options, url))
             atexit.register(_delete_at_exit, url, dict(storage_options or {}))
     pieces = list_pieces(url, storage_options or {})
@@ -240,10 +247,12 @@ def make_spark_converter(df: Any, parquet_row_group_size_bytes: int = DEFAULT_RO
                                  storage_options)
 
 
-def _materialize(df: Any, parent: str, row_group_bytes: int, codec: str) -> str:
+def _materialize(df: Any, parent: str, row_group_bytes: int, codec: str, storage_options: dict[str, Any]) -> str:
+    from phalanx.spark.converter_write import write_parquet
+
     stamp = datetime.datetime.now().strftime("%Y%m%d%H%M%S")
     url = f"{parent}/{stamp}-appid-{_app_id(df.sparkSession)}-{uuid.uuid4()}"
-    (df.write.option("compression", codec).option("parquet.block.size", row_group_bytes).parquet(url))
+    write_parquet(df, url, row_group_bytes, codec, storage_options)
     log.info("phalanx converter: materialised the DataFrame at %s", url)
     return url
 
