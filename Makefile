@@ -51,7 +51,16 @@ $(VENV)/.bench-installed: $(STAMP)
 BENCHES ?= launch spark_launch allreduce train timeline shm keras tf_dlpack hosts lightning_horovod driver_memory estimator deepspeed \
 	dashboard data checkpoint control_plane scale_launch
 
-bench: $(VENV)/.bench-installed
+# bench/data.py's competitor: Petastorm 0.13.1 needs pyarrow < 15, so it lives in a venv of its own.
+PETASTORM_VENV := .venv-petastorm
+$(PETASTORM_VENV)/.installed: constraints-petastorm.txt
+	test -x $(PETASTORM_VENV)/bin/python || $(PYTHON) -m venv $(PETASTORM_VENV)
+	$(PETASTORM_VENV)/bin/python -m pip --disable-pip-version-check -q install -c constraints-petastorm.txt torch
+	$(PETASTORM_VENV)/bin/python -m pip --disable-pip-version-check -q install -c constraints-petastorm.txt \
+		petastorm pyarrow numpy pandas pyspark
+	touch $@
+
+bench: $(VENV)/.bench-installed $(PETASTORM_VENV)/.installed
 	@for b in $(BENCHES); do echo "== bench/$$b.py"; $(BIN)/python bench/$$b.py || exit 1; done
 
 # Elastic reliability: 20 jobs, each losing a rank to SIGKILL at a random step (BENCHMARKS.md).
@@ -72,4 +81,4 @@ gpu-check:
 	$(GPU_VENV)/bin/python tools/gpu_check.py run
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_VENV) $(PETASTORM_VENV) .pytest_cache .mypy_cache .ruff_cache

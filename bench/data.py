@@ -1,53 +1,139 @@
-"""The Spark converter's loader: rows per second that reach a training step on each of 2 ranks, vs pyarrow
-reading the same Parquet files straight into torch tensors, and vs Petastorm's converter where it imports.
+"""The Spark converter's loader: rows per second that reach a training step on each of 2 ranks, vs plain
+pyarrow reads of the same Parquet files in processes like a rank's, and vs Petastorm's own converter.
 
 The DataFrame (``--rows`` rows of a 64-value vector and an integer label, as the digits example has) goes
-through ``make_spark_converter`` (vectors to float32 arrays, Parquet in a temporary cache directory). Then,
-alternating ``--rounds`` times (the ceiling and the floor are ``bench/estimator.py``'s):
+through ``make_spark_converter`` (vectors to float32 arrays, Parquet in a temporary cache directory, 8 files
+of one row group each). Spark is then stopped, and alternating ``--rounds`` times:
 
-* ceiling: one process, ``pyarrow.parquet.ParquetFile.iter_batches`` over every file to torch tensors;
-* floor: two plain processes at once, each over half of the files (its second pass): what two ranks sharing
-  this host's cores reach at best;
+* floor: two plain processes at once (no phalanx), each reading half of the files with
+  ``ParquetFile.iter_batches`` into torch tensors and the same step per batch, three times; the third pass is
+  timed (a fresh process's first few hundred steps cost several times a warm one's). Variants: the
+  environment phalanx gives a rank on this host (``OMP_NUM_THREADS=1``, which also sizes pyarrow's CPU
+  pool), pyarrow's CPU pool at the host's cores, pyarrow on one CPU and one I/O thread, and no
+  ``OMP_NUM_THREADS`` at all (torch's step then runs on every core);
 * converter: a 2-rank ``phalanx.run`` job; each rank opens ``make_torch_dataloader(batch_size,
-  cur_shard=rank, shard_count=2, shuffling_queue_capacity=1)`` for 2 epochs and takes a step per batch (a
-  64x10 matmul); the rate of the second epoch of the slower rank;
-* Petastorm's converter on the same DataFrame, run the same way, when ``petastorm`` imports.
+  cur_shard=rank, shard_count=2, shuffling_queue_capacity=--shuffle)`` for 3 epochs and takes a step per batch
+  (a 64x10 matmul); its third epoch is timed;
+* Petastorm 0.13.1's converter on the same data (``bench/petastorm_side.py`` in ``.venv-petastorm``, which
+  ``make bench`` builds: Petastorm needs pyarrow < 15), two spawned ranks run the same way.
 
-Printed: the medians and the ratios converter / ceiling (target >= 0.8 of a plain pyarrow read) and
-converter / floor. On a loaded host the ranks share the cores with everything else: say so with the figures.
+``--shuffle`` (default 0: row groups shuffled, rows in file order) is the shuffling queue capacity of both
+converters: above 0 phalanx permutes the rows of each row group, Petastorm draws rows at random from a
+buffer of that many rows (Petastorm 0.13.1 fails with a capacity of 1: ``ValueError: high <= 0``).
 
-    .venv/bin/python bench/data.py [--rows 200000] [--batch-size 256] [--rounds 3]
+Each side reports the slower rank's rows/s (wall clock) and rows per CPU-second of that process (all its
+threads). On a loaded host a process gets a fraction of a core that changes from second to second, so the
+wall-clock rates of two runs differ by more than the loaders do; the CPU rate measures what a loader costs
+per row, whatever the scheduler gave it. Printed: the medians, and the medians of each round's ratios.
+
+    .venv/bin/python bench/data.py [--rows 200000] [--batch-size 256] [--rounds 3] [--shuffle 0]
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from estimator import ceiling, data_bench_setup, floor
+from estimator import data_bench_setup
+
+PETASTORM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-petastorm" / "bin" / "python"
+#: The floor's variants: the environment, and pyarrow's CPU pool size (None: as Arrow sizes it, which follows
+#: OMP_NUM_THREADS) with its I/O pool (None: Arrow's default of 8).
+FLOORS = {"rank env (OMP_NUM_THREADS=1)": ({"OMP_NUM_THREADS": "1"}, None, None),
+          "OMP_NUM_THREADS=1, pyarrow cpu_count=cores": ({"OMP_NUM_THREADS": "1"}, os.cpu_count() or 1, None),
+          "OMP_NUM_THREADS=1, pyarrow 1 cpu + 1 io thread": ({"OMP_NUM_THREADS": "1"}, 1, 1),
+          "no OMP_NUM_THREADS (torch's step on 2 threads)": ({}, None, None)}
+Rate = tuple[float, float]  # rows/s, rows per CPU-second
+#: Passes before the timed one: a fresh process's first few hundred steps cost several times a warm one's.
+WARM_EPOCHS = 2
 
 
-def converter_rank(converter: Any, batch_size: int) -> float:
-    """One rank: the converter's batches into a step; rows/s of its second epoch."""
+def step(batch: dict[str, Any], weight: Any) -> None:
+    """The training step every side takes per batch (a 64x10 matmul)."""
+    (batch["features"] @ weight).sum()
+
+
+def plain_pass(paths: list[str], batch_size: int) -> int:
+    """pyarrow -> NumPy -> torch over ``paths`` (the ceiling's loop of bench/estimator.py), a step per batch;
+    the rows read."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    weight = torch.zeros(64, 10)
+    rows = 0
+    for path in paths:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=["features", "label"]):
+            column = batch.column(0)
+            x = torch.from_numpy(np.asarray(column.flatten().to_numpy(), np.float32).reshape(len(column), -1))
+            y = torch.from_numpy(batch.column(1).to_numpy())
+            step({"features": x, "label": y}, weight)
+            rows += len(x)
+    return rows
+
+
+def _plain_process(paths: list[str], batch_size: int, env: dict[str, str], cpus: int | None, io: int | None,
+                   barrier: Any, out: Any) -> None:
+    os.environ.update(env)
+    import warnings
+
+    import pyarrow
+    import torch  # noqa: F401 (imported before the clock starts, as in a rank)
+
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+    if cpus is not None:
+        pyarrow.set_cpu_count(cpus)
+    if io is not None:
+        pyarrow.set_io_thread_count(io)
+    barrier.wait()
+    for _ in range(WARM_EPOCHS):  # starts both processes together; warms the page cache and torch's first steps
+        plain_pass(paths, batch_size)
+    start, cpu = time.perf_counter(), time.process_time()
+    rows = plain_pass(paths, batch_size)
+    out.put((rows / (time.perf_counter() - start), rows / (time.process_time() - cpu)))
+
+
+def floor(paths: list[str], batch_size: int, env: dict[str, str], cpus: int | None, io: int | None,
+          procs: int = 2) -> Rate:
+    """The slower of ``procs`` plain processes reading their share of the files at once."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_plain_process, args=(paths[i::procs], batch_size, env, cpus, io, barrier, out))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    rates = [out.get(timeout=900) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+    return min(rates)
+
+
+def converter_rank(converter: Any, batch_size: int, shuffle: int) -> Rate:
+    """One rank: the converter's batches into a step; rows/s and rows/CPU-s of its last epoch."""
     import torch
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     weight = torch.zeros(64, 10)
-    with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=2, cur_shard=rank, shard_count=size,
-                                         shuffling_queue_capacity=1) as loader:
+    with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=WARM_EPOCHS + 1, cur_shard=rank,
+                                         shard_count=size, shuffling_queue_capacity=shuffle) as loader:
         batches = iter(loader)
-        for _ in itertools.islice(batches, _steps(converter, batch_size, size)):  # epoch 0: imports, page cache
-            pass
-        rows, start = 0, time.perf_counter()
+        for batch in itertools.islice(batches, WARM_EPOCHS * _steps(converter, batch_size, size)):
+            step(batch, weight)
+        rows, start, cpu = 0, time.perf_counter(), time.process_time()
         for batch in batches:
-            (batch["features"] @ weight).sum()
+            step(batch, weight)
             rows += len(batch["label"])
-    return rows / (time.perf_counter() - start)
+    return rows / (time.perf_counter() - start), rows / (time.process_time() - cpu)
 
 
 def _steps(converter: Any, batch_size: int, size: int) -> int:
@@ -56,19 +142,53 @@ def _steps(converter: Any, batch_size: int, size: int) -> int:
     return shards.sizes_and_steps(len(converter), batch_size, size)[1]
 
 
-def petastorm_note() -> str | None:
-    """Why Petastorm's converter cannot run here, or None when the real one imports."""
-    try:
-        import petastorm.spark  # noqa: F401
-    except Exception as e:  # any import failure is the answer
-        return f"{type(e).__name__}: {e}"
-    if getattr(sys.modules["petastorm"], "__phalanx_alias__", False):
-        return "not installed (phalanx's alias answered the import); Petastorm 0.13.1 imports pyarrow.filesystem"
-    return None
+class Petastorm:
+    """Petastorm's converter in ``.venv-petastorm`` (bench/petastorm_side.py), one round per call."""
+
+    def __init__(self, url: str, batch_size: int, shuffle: int, files: int) -> None:
+        side = str(Path(__file__).with_name("petastorm_side.py"))
+        argv = [str(PETASTORM_PYTHON), "-W", "ignore", side, url, str(batch_size), str(shuffle), str(files)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.rows = int(self._line().split()[1])
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench/petastorm_side.py exited with {self.proc.wait()} (its stderr is above)")
+        return line
+
+    def round(self) -> Rate:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return min(tuple(r) for r in json.loads(self._line()))  # type: ignore[return-value]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def _median(rates: list[Rate]) -> Rate:
+    return statistics.median(r[0] for r in rates), statistics.median(r[1] for r in rates)
+
+
+def _ratio(a: list[Rate], b: list[Rate]) -> str:
+    wall = statistics.median(x[0] / y[0] for x, y in zip(a, b))
+    cpu = statistics.median(x[1] / y[1] for x, y in zip(a, b))
+    return f"wall {wall:.2f}x, per CPU-second {cpu:.2f}x"
+
+
+def _row(name: str, rates: list[Rate]) -> str:
+    wall, cpu = _median(rates)
+    return (f"{name:42s} {wall:>11,.0f} rows/s {cpu:>11,.0f} rows/CPU-s  "
+            f"rounds {[round(r[0]) for r in rates]}")
 
 
 def main() -> None:
-    args, spark = data_bench_setup(__doc__ or "")
+    args, spark = data_bench_setup(__doc__ or "", shuffle=True)
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 
@@ -79,24 +199,36 @@ def main() -> None:
     features = array_to_vector(F.array(*[F.rand(i) for i in range(64)]))
     df = spark.range(args.rows).select(features.alias("features"), (F.col("id") % 10).alias("label")).repartition(8)
     converter = make_spark_converter(df)
+    spark.stop()  # the JVM would share the cores with both sides
     paths = sorted(converter.file_urls)
-    ours, theirs, floors = [], [], []
+    petastorm = None
+    if PETASTORM_PYTHON.exists():
+        petastorm = Petastorm(converter.cache_dir_url, args.batch_size, args.shuffle, len(paths))
+    floors: dict[str, list[Rate]] = {name: [] for name in FLOORS}
+    ours, theirs = [], []
     for _ in range(args.rounds):
-        theirs.append(ceiling(paths, args.batch_size))
-        floors.append(floor(paths, args.batch_size))
-        ours.append(min(phalanx.run(converter_rank, (converter, args.batch_size), np=2)))
-    ceiling_rate, rank_rate, floor_rate = (statistics.median(v) for v in (theirs, ours, floors))
-    print(f"rows: {len(converter)}, 64 float32 + 1 int64 each, batch {args.batch_size}, {args.rounds} rounds")
-    print(f"ceiling (pyarrow -> torch, one process): {ceiling_rate:,.0f} rows/s  rounds {[round(t) for t in theirs]}")
-    print(f"floor (2 plain processes at once, slower): {floor_rate:,.0f} rows/s  rounds {[round(t) for t in floors]}")
-    print(f"converter, slower of 2 ranks:            {rank_rate:,.0f} rows/s  rounds {[round(t) for t in ours]}")
-    print(f"per-rank ratio converter / ceiling: {rank_rate / ceiling_rate:.2f}x (target >= 0.8); "
-          f"converter / floor: {rank_rate / floor_rate:.2f}x")
-    note = petastorm_note()
-    print("Petastorm's converter: " + (f"not run ({note})" if note else "imports; this bench does not drive it"))
+        for name, (env, cpus, io) in FLOORS.items():
+            floors[name].append(floor(paths, args.batch_size, env, cpus, io))
+        ours.append(min(phalanx.run(converter_rank, (converter, args.batch_size, args.shuffle), np=2)))
+        if petastorm is not None:
+            theirs.append(petastorm.round())
+    print(f"rows: {len(converter)}, 64 float32 + 1 int64 each, {len(paths)} files, batch {args.batch_size}, "
+          f"shuffle {args.shuffle}, {args.rounds} rounds; the slower of 2 processes at once")
+    for name, rates in floors.items():
+        print(_row(f"plain pyarrow, {name}", rates))
+    print(_row("phalanx converter (2-rank phalanx.run)", ours))
+    rank_floor = floors[next(iter(FLOORS))]
+    print(f"phalanx / plain pyarrow (rank env): {_ratio(ours, rank_floor)}  (target >= 0.8)")
+    if petastorm is None:
+        print(f"Petastorm's converter: not run ({PETASTORM_PYTHON} is missing: make .venv-petastorm/.installed)")
+        converter.delete()
+        return
+    print(_row("Petastorm 0.13.1 converter (2 ranks)", theirs))
+    print(f"phalanx / Petastorm: {_ratio(ours, theirs)}  (target >= 1.5)")
+    print(f"Petastorm / plain pyarrow (rank env): {_ratio(theirs, rank_floor)}")
+    petastorm.close()
     converter.delete()
-    spark.stop()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

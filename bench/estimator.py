@@ -114,12 +114,15 @@ def prepare_data(spark: Any, rows: int, batch_size: int) -> Any:
     return TrainSpec(b"", data, store, "bench", params)
 
 
-def data_bench_setup(description: str) -> tuple[argparse.Namespace, Any]:
-    """The data benches' arguments (``--rows``, ``--batch-size``, ``--rounds``) and a ``local[2]`` session."""
+def data_bench_setup(description: str, shuffle: bool = False) -> tuple[argparse.Namespace, Any]:
+    """The data benches' arguments (``--rows``, ``--batch-size``, ``--rounds``, with ``shuffle`` also
+    ``--shuffle``) and a ``local[2]`` session."""
     parser = argparse.ArgumentParser(description=description.split("\n")[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    if shuffle:
+        parser.add_argument("--shuffle", type=int, default=0, help="shuffling_queue_capacity (0: none)")
     args = parser.parse_args()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
