@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from phalanx.tensorflow import _bridge, _dlpack
 from phalanx.tensorflow.compression import Compression, Compressor
+from phalanx.tensorflow.tf_types import VariableLike
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
@@ -214,7 +215,7 @@ def grouped_reducescatter(
                           prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
+def broadcast_variables(variables: Sequence[VariableLike], root_rank: int, process_set: ProcessSet = global_process_set,
                         inplace: bool = False, name: str = "broadcast_variables") -> Any:
     """Assign ``root_rank``'s values to ``variables`` on every rank (one collective per dtype).
 
@@ -238,7 +239,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
         return tf.group(*_graph_assigns(variables, root_rank, name, process_set))
     if not variables:
         return None
-    groups: dict[str, list[tuple[Any, np.ndarray]]] = {}
+    groups: dict[str, list[tuple[VariableLike, np.ndarray]]] = {}
     for v in variables:
         array = np.asarray(v.numpy())
         groups.setdefault(array.dtype.name, []).append((v, array))
@@ -252,7 +253,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
     return None
 
 
-def _graph_assigns(variables: list[Any], root_rank: int, name: str, process_set: ProcessSet) -> list[Any]:
+def _graph_assigns(variables: list[VariableLike], root_rank: int, name: str,
+                   process_set: ProcessSet) -> list[object]:
     """In a TensorFlow 1-style graph: per variable, its assignment of ``root_rank``'s value (the assigned
     value, read after the assignment)."""
     return [v.assign(_dlpack.tf_broadcast(tf.convert_to_tensor(v), root_rank, f"{name}.{i}", process_set))

@@ -9,7 +9,7 @@ lost peer from a bug. Launch with ``phalanx.run(fn, np=N, min_np=A, max_np=B)`` 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,17 +18,18 @@ import torch
 
 from phalanx.tensorflow import _bridge
 from phalanx.tensorflow.ops import broadcast_variables
+from phalanx.tensorflow.tf_types import KerasModelLike, KerasOptimizerLike, VariableLike
 from phalanx.torch.elastic import ObjectState
 from phalanx.torch.elastic import run as _torch_run
 
 Result = TypeVar("Result")
 
 
-def _snapshot(variables: list[Any]) -> list[np.ndarray]:
+def _snapshot(variables: Sequence[VariableLike]) -> list[np.ndarray]:
     return [np.array(v.numpy(), copy=True) for v in variables]
 
 
-def _assign(variables: list[Any], values: list[Any]) -> None:
+def _assign(variables: Sequence[VariableLike], values: Sequence[np.ndarray]) -> None:
     for v, value in zip(variables, values):
         v.assign(np.asarray(value))
 
@@ -47,7 +48,8 @@ class TensorFlowState(ObjectState):
         **kwargs: plain attributes (``epoch=0, batch=0``), as in ``ObjectState``.
     """
 
-    def __init__(self, variables: list[Any] | None = None, session: Any = None, **kwargs: Any) -> None:
+    def __init__(self, variables: Sequence[VariableLike] | None = None, session: object = None,
+                 **kwargs: Any) -> None:
         del session
         self.variables = list(variables) if variables is not None else []
         self._saved_values: list[np.ndarray] = []
@@ -92,16 +94,18 @@ class TensorFlowKerasState(ObjectState):
         **kwargs: plain attributes (``epoch=0, batch=0``), as in ``ObjectState``.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
+    def __init__(self, model: KerasModelLike, optimizer: KerasOptimizerLike | None = None, backend: object = None,
+                 **kwargs: Any) -> None:
         del backend
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self.optimizer: KerasOptimizerLike | None = (
+            optimizer if optimizer is not None else getattr(model, "optimizer", None))
         self._weights: list[np.ndarray] = []
         self._opt_values: list[np.ndarray] = []
         super().__init__(**kwargs)
         self.save()  # the initial values are the first commit, as in Horovod
 
-    def _optimizer_variables(self) -> list[Any]:
+    def _optimizer_variables(self) -> list[VariableLike]:
         if self.optimizer is None:
             return []
         if not getattr(self.optimizer, "built", True):

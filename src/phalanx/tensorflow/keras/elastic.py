@@ -18,6 +18,7 @@ from typing import Any
 import keras
 
 from phalanx.tensorflow.elastic import TensorFlowKerasState, run
+from phalanx.tensorflow.tf_types import CommittableState, KerasModelLike, KerasOptimizerLike
 
 
 class KerasState(TensorFlowKerasState):
@@ -29,7 +30,7 @@ class KerasState(TensorFlowKerasState):
         **kwargs: plain attributes and their initial values.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
+    def __init__(self, model: KerasModelLike, optimizer: KerasOptimizerLike | None = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer=optimizer, **kwargs)
 
 
@@ -42,7 +43,7 @@ class CommitStateCallback(keras.callbacks.Callback):
             new hosts).
     """
 
-    def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
+    def __init__(self, state: CommittableState, batches_per_commit: int = 1) -> None:
         super().__init__()
         self.state = state
         self.batches_per_commit = batches_per_commit
