@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
 
 
-def partition(keys: list[Any], groups: int | tuple[tuple[Any, ...], ...], key: Any) -> list[list[int]]:
+def partition(keys: Sequence[Hashable], groups: int | tuple[tuple[Any, ...], ...],
+              key: Callable[[object], Hashable]) -> list[list[int]]:
     """Horovod's gradient groups as lists of positions (each group is fused into its own buffers).
 
     An int splits the gradients, in order, into that many groups of nearly equal counts; lists of variables
@@ -48,7 +50,7 @@ def check_groups(groups: Any) -> None:
             seen.add(id(v))
 
 
-def label(variable: Any) -> str:
+def label(variable: object) -> str:
     return str(getattr(variable, "path", variable))
 
 

@@ -8,7 +8,7 @@ indices. Gradients of variables registered as local are left out of the reductio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
-def var_key(variable: Any) -> Any:
+def var_key(variable: object) -> Hashable:
     """A hashable identity of a variable (``ref()`` for TensorFlow variables, the object otherwise)."""
     return variable.ref() if hasattr(variable, "ref") else id(variable)
 
@@ -40,13 +40,13 @@ class GradReducer:
     groups: int | tuple[tuple[Any, ...], ...] = 0
     process_set: ProcessSet = global_process_set
     scale_local_gradients: bool = True
-    local: set[Any] = field(default_factory=set)
+    local: set[Hashable] = field(default_factory=set)
 
-    def register_local(self, variable: Any) -> None:
+    def register_local(self, variable: object) -> None:
         """Keep ``variable``'s gradient out of the reduction from now on."""
         self.local.add(var_key(variable))
 
-    def is_local(self, variable: Any) -> bool:
+    def is_local(self, variable: object) -> bool:
         """Whether ``variable`` was registered as local."""
         return var_key(variable) in self.local
 

@@ -30,7 +30,7 @@ class _DistributedGradientTapeMixin:
 
     _hvd_reducer: GradReducer
 
-    def register_local_source(self, source: Any) -> None:
+    def register_local_source(self, source: object) -> None:
         """Leave ``source``'s gradient local (not reduced; divided by the set's size with
         ``scale_local_gradients``)."""
         self._hvd_reducer.register_local(source)

@@ -11,6 +11,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from phalanx.tensorflow.tf_types import ReferableVariable, VariableLike, VariableRef
+
 _has_eager = True
 
 
@@ -38,11 +40,11 @@ def _cache(f: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def vars_to_refs(variables: Iterable[Any]) -> list[Any]:
+def vars_to_refs(variables: Iterable[ReferableVariable]) -> list[VariableRef]:
     """Hashable references of ``variables`` (``v.ref()``), usable as dict keys and set members."""
     return [v.ref() for v in variables]
 
 
-def refs_to_vars(refs: Iterable[Any]) -> list[Any]:
+def refs_to_vars(refs: Iterable[VariableRef]) -> list[VariableLike]:
     """The variables behind references from :func:`vars_to_refs`."""
     return [r.deref() for r in refs]

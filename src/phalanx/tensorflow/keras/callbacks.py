@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import keras
@@ -13,10 +13,11 @@ from keras.src.utils import io_utils
 import phalanx.torch as ptorch
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import _bridge, ops
+from phalanx.tensorflow.tf_types import KerasModelLike, VariableLike
 from phalanx.torch import frontend
 
 
-def model_variables(model: Any) -> list[Any]:
+def model_variables(model: KerasModelLike) -> list[VariableLike]:
     """The model's variables and, when it has one, its optimizer's (Horovod's broadcast set)."""
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
@@ -39,7 +40,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             ``PartialDistributedOptimizer``).
     """
 
-    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Iterable[object] | None = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.local_variables = {_key(v) for v in (local_variables or [])}
@@ -54,7 +55,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-def _key(variable: Any) -> Any:
+def _key(variable: object) -> Hashable:
     return variable.ref() if hasattr(variable, "ref") else id(variable)
 
 

@@ -143,7 +143,7 @@ def distributed_class(base: type) -> Any:
     return mixed_in(_DistributedMixin, base)
 
 
-def is_distributed(optimizer: Any) -> bool:
+def is_distributed(optimizer: object) -> bool:
     """Whether ``optimizer`` was made by :func:`DistributedOptimizer` (or re-wrapped by ``load_model``)."""
     return isinstance(optimizer, _DistributedMixin)
 
