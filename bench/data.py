@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -195,7 +196,8 @@ def main() -> None:
     import phalanx
     from phalanx.spark import make_spark_converter
 
-    spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", "file://" + tempfile.mkdtemp(prefix="bench-data-"))
+    parent = tempfile.mkdtemp(prefix="bench-data-")
+    spark.conf.set("petastorm.spark.converter.parentCacheDirUrl", "file://" + parent)
     features = array_to_vector(F.array(*[F.rand(i) for i in range(64)]))
     df = spark.range(args.rows).select(features.alias("features"), (F.col("id") % 10).alias("label")).repartition(8)
     converter = make_spark_converter(df)
@@ -221,13 +223,13 @@ def main() -> None:
     print(f"phalanx / plain pyarrow (rank env): {_ratio(ours, rank_floor)}  (target >= 0.8)")
     if petastorm is None:
         print(f"Petastorm's converter: not run ({PETASTORM_PYTHON} is missing: make .venv-petastorm/.installed)")
-        converter.delete()
-        return
-    print(_row("Petastorm 0.13.1 converter (2 ranks)", theirs))
-    print(f"phalanx / Petastorm: {_ratio(ours, theirs)}  (target >= 1.5)")
-    print(f"Petastorm / plain pyarrow (rank env): {_ratio(theirs, rank_floor)}")
-    petastorm.close()
+    else:
+        print(_row("Petastorm 0.13.1 converter (2 ranks)", theirs))
+        print(f"phalanx / Petastorm: {_ratio(ours, theirs)}  (target >= 1.5)")
+        print(f"Petastorm / plain pyarrow (rank env): {_ratio(theirs, rank_floor)}")
+        petastorm.close()
     converter.delete()
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import os
 import queue
+import shutil
 import sys
 import tempfile
 import time
@@ -78,8 +79,8 @@ def main() -> None:
     spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF,
-                   "file://" + tempfile.mkdtemp(prefix="bench-petastorm-"))
+    parent = tempfile.mkdtemp(prefix="bench-petastorm-")
+    spark.conf.set(SparkDatasetConverter.PARENT_CACHE_DIR_URL_CONF, "file://" + parent)
     converter = make_spark_converter(spark.read.parquet(url).repartition(files))
     spark.stop()
     print(f"ready {len(converter)}", flush=True)
@@ -88,6 +89,7 @@ def main() -> None:
             break
         print(json.dumps(one_round(converter, batch_size, shuffle)), flush=True)
     converter.delete()
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 if __name__ == "__main__":
