@@ -12,6 +12,7 @@ for a module that asks for it.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +27,14 @@ from phalanx.launch import warm
 from phalanx.launch.proctree import cmdline, descendants, is_alive, is_zombie
 
 LEFTOVER_WAIT_S = 10.0
+
+# Tests send SIGINT to drivers and ranks they start and expect Python's KeyboardInterrupt there. A test run
+# started in the background of a non-interactive shell (`make test &`, nohup) inherits SIGINT and SIGQUIT
+# ignored, and an ignored signal stays ignored across exec, so every process the tests start would ignore
+# them too. A handler of this process is reset to the default at exec: the children start as from a terminal.
+for _sig in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT else signal.SIG_DFL)
 #: Threads phalanx keeps for the process's life: the warm-start template's handle and starter, and
 #: phalanx.torch's background runner for ``*_async`` collectives (idle between jobs).
 PROCESS_LIFETIME_THREADS = frozenset({"phalanx-template", "phalanx-warm-starter", "phalanx-async"})
