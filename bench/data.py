@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _jobs import slowest_at_once
 from estimator import data_bench_setup
 
 PETASTORM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-petastorm" / "bin" / "python"
@@ -105,18 +106,9 @@ def _plain_process(paths: list[str], batch_size: int, env: dict[str, str], cpus:
 def floor(paths: list[str], batch_size: int, env: dict[str, str], cpus: int | None, io: int | None,
           procs: int = 2) -> Rate:
     """The slower of ``procs`` plain processes reading their share of the files at once."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    barrier, out = ctx.Barrier(procs), ctx.Queue()
-    workers = [ctx.Process(target=_plain_process, args=(paths[i::procs], batch_size, env, cpus, io, barrier, out))
-               for i in range(procs)]
-    for w in workers:
-        w.start()
-    rates = [out.get(timeout=900) for _ in workers]
-    for w in workers:
-        w.join(timeout=60)
-    return min(rates)
+    shares = [paths[i::procs] for i in range(procs)]
+    rate: Rate = slowest_at_once(_plain_process, shares, (batch_size, env, cpus, io), timeout_s=900)
+    return rate
 
 
 def converter_rank(converter: Any, batch_size: int, shuffle: int) -> Rate:

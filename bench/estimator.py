@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Any
 
+from _jobs import slowest_at_once
+
 
 def ceiling(paths: list[str], batch_size: int) -> float:
     """Rows/s of pyarrow -> NumPy -> torch over every file, one process."""
@@ -62,18 +64,8 @@ def _floor_process(paths: list[str], batch_size: int, barrier: Any, out: Any) ->
 def floor(paths: list[str], batch_size: int, procs: int = 2) -> float:
     """Rows/s of the slower of ``procs`` plain processes running the ceiling's loop at once, each over
     its share of the files (its second pass)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    barrier, out = ctx.Barrier(procs), ctx.Queue()
-    workers = [ctx.Process(target=_floor_process, args=(paths[i::procs], batch_size, barrier, out))
-               for i in range(procs)]
-    for w in workers:
-        w.start()
-    rates = [out.get(timeout=600) for _ in workers]
-    for w in workers:
-        w.join(timeout=60)
-    return float(min(rates))
+    shares = [paths[i::procs] for i in range(procs)]
+    return float(slowest_at_once(_floor_process, shares, (batch_size,), timeout_s=600))
 
 
 def estimator_rank(spec: Any) -> float:
