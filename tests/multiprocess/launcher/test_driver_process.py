@@ -8,10 +8,10 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from tests.waits import wait_gone, wait_until
 
 pytestmark = [pytest.mark.multiprocess]
 PHALANXRUN = [sys.executable, "-m", "phalanx.cli.main"]
@@ -23,18 +23,11 @@ def _write(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def _wait_for_files(paths: list[Path], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(p.exists() and p.read_text() for p in paths):
-        assert time.monotonic() < deadline, f"workers did not start: {paths}"
-        time.sleep(0.05)
+WAIT_S = 60.0  # bounds waits that end much sooner (a loaded host); a failure names it
 
 
-def _gone(pid: int, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not Path(f"/proc/{pid}").exists()
+def _wait_for_files(paths: list[Path]) -> None:
+    wait_until(lambda: all(p.exists() and p.read_text() for p in paths), WAIT_S, f"the workers wrote {paths}")
 
 
 @pytest.mark.timeout(90)
@@ -56,7 +49,7 @@ _SLEEPER = """
     import os, sys, time, phalanx
     def sleeper(d):
         open(os.path.join(d, "pid" + os.environ["RANK"]), "w").write(str(os.getpid()))
-        time.sleep(300)
+        time.sleep(300)  # under test: the ranks run until their driver's end stops them
     if __name__ == "__main__":
         try:
             phalanx.run(sleeper, args=(sys.argv[1],), np=2)
@@ -78,7 +71,7 @@ def test_interrupted_or_killed_driver_leaves_no_worker(tmp_path: Path, sig: int)
     if sig == signal.SIGINT:
         assert driver.returncode == 130 and "INTERRUPTED" in out
     for f in pidfiles:
-        assert _gone(int(f.read_text())), f"worker {f.read_text()} outlived its driver"
+        wait_gone(int(f.read_text()), WAIT_S, "a worker of the stopped driver")
 
 
 @pytest.mark.timeout(90)
@@ -88,7 +81,7 @@ def test_phalanxrun_runs_a_script_and_returns_the_root_cause_exit_code(tmp_path:
         print("rank", os.environ["RANK"], "args", sys.argv[1:])
         if os.environ["RANK"] == "1":
             sys.exit(3)
-        time.sleep(60)
+        time.sleep(60)  # under test: rank 0 runs until rank 1's failure stops it
     """)
     out = subprocess.run([*PHALANXRUN, "-np", "2", "--output-filename", str(tmp_path / "logs"), sys.executable,
                           str(script), "--lr", "0.1"], capture_output=True, text=True, timeout=80)
@@ -107,10 +100,13 @@ def test_phalanxrun_signal_exit_code_and_no_prefix(tmp_path: Path) -> None:
         if os.environ["RANK"] == "1":
             open(marker, "w").close()
         else:
-            while not os.path.exists(marker):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(marker):  # rank 1 printed its line before rank 0 dies
+                if time.monotonic() > deadline:
+                    raise TimeoutError("rank 1's marker did not appear within 60 s")
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(60)
+        time.sleep(60)  # under test: rank 1 runs until rank 0's death stops it
     """)
     out = subprocess.run([*PHALANXRUN, "-np", "2", "--no-prefix", sys.executable, str(script), str(tmp_path)],
                          capture_output=True, text=True, timeout=80)

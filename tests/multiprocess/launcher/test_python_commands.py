@@ -42,14 +42,17 @@ with open(os.path.join(out, f"info{rank}.json"), "w") as f:
     json.dump(info, f)
 
 def late():
-    time.sleep(0.2)
+    time.sleep(0.2)  # under test: this thread outlives the script's last line, and the exit must join it
     open(os.path.join(out, f"thread{rank}"), "w").close()
 
 threading.Thread(target=late).start()  # not a daemon: the exit joins it
 atexit.register(lambda: open(os.path.join(out, f"atexit{rank}"), "w").close())
 dist.destroy_process_group()
 if rank == "2":
+    deadline = time.monotonic() + 60
     while not all(os.path.exists(os.path.join(out, f"atexit{r}")) for r in "01"):  # the others ended
+        if time.monotonic() > deadline:
+            raise TimeoutError("ranks 0 and 1 did not run their atexit hooks within 60 s")
         time.sleep(0.05)
 
     def inner():

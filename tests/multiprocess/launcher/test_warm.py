@@ -7,6 +7,7 @@ import signal
 from typing import Any
 
 import pytest
+from tests.waits import wait_until
 
 import phalanx
 from phalanx.errors import WorkerFailedError
@@ -92,7 +93,7 @@ def _raise_or_die(how: str) -> None:
         if how == "signal":
             os.kill(os.getpid(), signal.SIGKILL)
         raise KeyError("warm failure")
-    time.sleep(60)
+    time.sleep(60)  # under test: rank 0 runs until rank 1's failure stops it
 
 
 @pytest.mark.timeout(120)
@@ -115,7 +116,7 @@ def _leave_work_for_the_exit(folder: str) -> int:
     rank = int(os.environ["RANK"])
 
     def late() -> None:
-        time.sleep(0.2)
+        time.sleep(0.2)  # under test: this thread outlives the function, and the rank's exit must join it
         open(os.path.join(folder, f"rank{rank}.thread"), "w").close()
 
     threading.Thread(target=late).start()  # not a daemon: the interpreter's exit waits for it
@@ -197,7 +198,7 @@ def _fork_a_daemon(pidfile: str) -> int:
     if pid == 0:
         os.setsid()
         try:
-            time.sleep(300)
+            time.sleep(300)  # under test: the daemon runs until the job's sweep ends it
         finally:
             os._exit(0)
     with open(pidfile + os.environ["RANK"], "w") as f:
@@ -216,12 +217,7 @@ def test_a_daemon_forked_by_a_warm_rank_is_swept(tmp_path: Any) -> None:
 
 
 def _wait_gone(pid: int) -> None:
-    import time
-
-    deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid), f"daemon {pid} survived the job"
+    wait_until(lambda: not _alive(pid), 60, f"daemon {pid} of a warm rank ended (the job's sweep)")
 
 
 def _alive(pid: int) -> bool:
