@@ -55,10 +55,11 @@ def train(url: str, steps: int, record: str, stop_at: int | None = None, resume:
             ckpt.save(step, {"app": app}, async_save=True)
         if step == stop_at and hvd.rank() == 0:
             ckpt.wait()
-            Path(f"{record}.reached").write_text(str(os.getpid()))
-            time.sleep(120)
+            Path(f"{record}.part").write_text(str(os.getpid()))
+            os.replace(f"{record}.part", f"{record}.reached")  # whole when the test sees it
+            time.sleep(120)  # under test: the ranks still run when their driver is killed
         elif step == stop_at:
-            time.sleep(120)
+            time.sleep(120)  # under test: as rank 0
     ckpt.close()
     return {"start": start, "restored": restored, "steps": ckpt.steps(), "size": hvd.size()}
 

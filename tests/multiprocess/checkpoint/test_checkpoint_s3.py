@@ -8,10 +8,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from tests.waits import wait_gone, wait_until
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")
@@ -54,30 +54,23 @@ def test_a_whole_job_killed_resumes_from_the_latest_complete_step(s3: dict[str, 
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env={**os.environ, **s3},
                               start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 180
-        while not Path(f"{record}.reached").exists():
+        def reached() -> bool:
             assert driver.poll() is None, driver.stderr.read().decode()[-3000:] if driver.stderr else ""
-            assert time.monotonic() < deadline, "the job never reached step 7"
-            time.sleep(0.2)
+            return Path(f"{record}.reached").exists()
+
+        wait_until(reached, 180, "the job reached step 7")
         os.killpg(driver.pid, signal.SIGKILL)
     finally:
         driver.kill()
         driver.wait(30)
         if driver.stderr:
             driver.stderr.close()
-    _wait_gone(int(Path(f"{record}.reached").read_text()))
+    wait_gone(int(Path(f"{record}.reached").read_text()), 30, "rank 0 of the killed driver")
     assert _ls(url) == ["step-0000000004", "step-0000000006"]  # keep_last=2
     weights = {r["step"]: r["sums"] for r in map(json.loads, Path(record).read_text().splitlines())}
     out = phalanx.run(job.train, (url, 10, record), np=1, env=s3)
     assert out[0]["start"] == 6 and out[0]["restored"] == weights[6]
     assert out[0]["steps"] == [8, 10] and _ls(url) == ["step-0000000008", "step-0000000010"]
-
-
-def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not Path(f"/proc/{pid}").exists(), f"rank 0 (pid {pid}) outlived its killed driver"
 
 
 def test_durable_elastic_commits_to_the_same_storage(s3: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:

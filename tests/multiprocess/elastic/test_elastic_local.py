@@ -133,7 +133,7 @@ def _grows(marker: str, steps: int) -> dict[str, Any]:
                 while time.monotonic() < give_up:
                     state.commit()  # raises HostsUpdatedInterrupt once the driver published the bigger world
                     time.sleep(0.1)
-                raise RuntimeError("the driver never grew the world")
+                raise RuntimeError("the driver did not grow the world within 30 s")
             if state.step % 5 == 0:
                 state.commit()
         return float(state.total)

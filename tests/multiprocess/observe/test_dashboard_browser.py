@@ -50,7 +50,7 @@ def _train() -> str:
         step += 1
         if step % 20 == 0:
             print(f"step {step}", flush=True)
-        time.sleep(0.02)
+        time.sleep(0.02)  # a steady job for the dashboard to show, until the test kills it
     return "not killed"
 
 

@@ -46,7 +46,7 @@ def _staggered(tf: Any, value: Any, delay_s: float) -> Any:
     import time
 
     def wait(x: Any) -> Any:
-        time.sleep(delay_s)
+        time.sleep(delay_s)  # under test: the order the collectives start in, which must not matter
         return x
 
     out = tf.numpy_function(wait, [value], Tout=value.dtype, stateful=True)

@@ -15,6 +15,8 @@ from phalanx.timeline.reader import load_trace
 from phalanx.timeline.summary import summarize
 
 pytestmark = [pytest.mark.multiprocess]
+# Bounds the writer's flushes into the file, every 20 ms (generous: a loaded host); a failure names it.
+FLUSH_WAIT_S = 30.0
 
 
 def _job(path: str) -> dict[str, Any]:
@@ -44,8 +46,12 @@ def _job(path: str) -> dict[str, Any]:
     hvd.barrier()
     tl = timeline.current()
     assert tl is not None and tl.recording, "HOROVOD_TIMELINE did not start the timeline in hvd.init()"
-    time.sleep(0.5)  # > the writer's flush interval: finished operations must be in the file by now
-    mid_run = len([e for e in load_events(tl.path) if e.get("ph") == "X"])
+    # The writer flushes every 20 ms: finished operations reach the file while the job runs.
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while not (mid_run := len([e for e in load_events(tl.path) if e.get("ph") == "X"])):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no finished operation in {tl.path} within {FLUSH_WAIT_S:g} s of the barrier")
+        time.sleep(0.01)
     hvd.shutdown()
     timeline.stop_timeline()  # hvd.shutdown() should have done it; stopping twice is harmless
     return {"path": tl.path, "mid_run": mid_run, "first": first, "interval": tl._interval_s}
@@ -60,14 +66,15 @@ def _flushed(tl: Any, row: str) -> str:
     """The trace's text once the writer has flushed ``row``'s allreduce and a cycle mark (Horovod's timeline
     test reads the file 0.1 s after the op returns: the writer flushes every 20 ms; the bound is for a loaded
     host, and the test asserts the content, never the time)."""
-    deadline = time.monotonic() + 30.0
-    text = ""
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while True:
         text = Path(tl.path).read_text()
         if f'"name":"ALLREDUCE","pid":{tl.rank}' in text and "CYCLE_START" in text and row in text:
-            break
+            return text
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{row}'s allreduce and a cycle mark not in {tl.path} within {FLUSH_WAIT_S:g} s: "
+                               f"{text[-2000:]}")
         time.sleep(0.005)
-    return text
 
 
 @pytest.mark.timeout(120)

@@ -38,7 +38,7 @@ PEER = textwrap.dedent(
     if mode == "kill":
         sys.stdin.read(1)  # the test has finished the first allreduce too: die before the next one
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
+    time.sleep(60)  # under test: a peer alive and silent ("hang"), until the test ends it
     """
 )
 

@@ -64,7 +64,7 @@ def test_a_full_queue_does_not_wake_every_blocked_producer_per_event() -> None:
     got = 0
     for _ in range(producers * each):  # a reader slower than its producers, as a loaded driver is
         got += q.get(timeout=10) is not None
-        time.sleep(0.0002)
+        time.sleep(0.0002)  # under test: the slow reader
     for t in threads:
         t.join(10)
     assert got == producers * each and not any(t.is_alive() for t in threads)

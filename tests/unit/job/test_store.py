@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import pytest
@@ -14,6 +14,7 @@ from _users import as_nobody
 from phalanx.errors import ChannelError
 from phalanx.job.framing import FrameWriter, Kind, read_frame
 from phalanx.job.handshake import new_secret
+from phalanx.job.store import KeyValues
 from phalanx.launch.rendezvous import RendezvousStore
 
 
@@ -106,14 +107,23 @@ def test_another_local_user_can_neither_write_nor_read_the_store(store: tuple[Re
     assert c.num_keys() == 1  # type: ignore[attr-defined]
 
 
-def test_closing_the_store_ends_a_wait_in_progress_and_its_thread() -> None:
+def test_closing_the_store_ends_a_wait_in_progress_and_its_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank killed (or a job ended) while a client waits for a key: closing the store must end the wait at
     once, not after the wait's own time-out, and leave no thread serving that client."""
     import threading
-    import time
 
     import torch.distributed as dist
 
+    parked = threading.Event()  # the store watches the client's key: its wait is in progress
+    watch = KeyValues.watch
+
+    def watch_and_tell(self: KeyValues, keys: Sequence[bytes], fn: Callable[[], None]) -> bool:
+        try:
+            return watch(self, keys, fn)
+        finally:
+            parked.set()
+
+    monkeypatch.setattr(KeyValues, "watch", watch_and_tell)
     secret = new_secret()
     server = RendezvousStore(2, secret)
     c: dist.Store = _client(server.port, secret, timeout_s=60.0)  # type: ignore[assignment]
@@ -127,7 +137,7 @@ def test_closing_the_store_ends_a_wait_in_progress_and_its_thread() -> None:
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)  # the request reached the store's wait
+    assert parked.wait(30), "the client's wait did not reach the store within 30 s"
     server.close()
     waiter.join(10)
     assert not waiter.is_alive() and failed  # the client's wait failed, 10 s and not 60 s later

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -42,8 +41,6 @@ def test_an_error_reaches_the_waiter_and_later_calls_still_run() -> None:
 
 def test_close_releases_a_worker_held_by_an_inline_call_nobody_waits_for() -> None:
     worker = Serial("test")
-    worker.call(lambda: None, inline=True)  # e.g. a step abandoned after a failure
-    time.sleep(0.05)  # one GATE_CHECK_S: the worker reaches the inline call's gate, which close() must open
-    start = time.monotonic()
-    assert worker.close(timeout_s=5.0)
-    assert time.monotonic() - start < 1.0
+    gate = worker.call(lambda: None, inline=True)  # e.g. a step abandoned after a failure
+    assert gate.reached.wait(30), "the worker did not reach the inline call's gate within 30 s"  # type: ignore[attr-defined]
+    assert worker.close(timeout_s=5.0)  # the gate never opens by itself: only close() can end the worker

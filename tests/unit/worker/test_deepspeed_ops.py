@@ -20,7 +20,7 @@ import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("held", flush=True)
-time.sleep(60)
+time.sleep(60)  # under test: the lock stays held until the fixture kills this process
 """
 
 
@@ -63,7 +63,7 @@ def test_the_host_lock_does_not_follow_a_planted_link(tmp_path: Path) -> None:
 
 def test_a_stale_baton_is_removed_and_a_live_build_s_is_kept(tmp_path: Path) -> None:
     (tmp_path / "lock").touch()
-    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path)
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=tmp_path)  # a live build
     try:
         assert not ops.clear_stale_baton(str(tmp_path))
         assert (tmp_path / "lock").exists()
