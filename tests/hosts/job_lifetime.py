@@ -24,7 +24,7 @@ def main() -> None:
     if sys.argv[1] == "train":
         _train()
     print(f"READY {os.environ['HOROVOD_RANK']}", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # under test: the ranks run until the test kills or stops the job
 
 
 def _train() -> None:
@@ -38,7 +38,7 @@ def _train() -> None:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         hvd.allreduce(torch.ones(1 << 12))
-        time.sleep(0.01)
+        time.sleep(0.01)  # a steady training job, until the test kills or stops it
 
 
 if __name__ == "__main__":

@@ -83,14 +83,13 @@ class Cluster:
         """Per host, the processes left besides its sshd."""
         return {name: h.leftovers() for name, h in self.hosts.items() if h.leftovers()}
 
-    def wait_clean(self, timeout_s: float) -> dict[str, set[int]]:
-        """Wait until no host has processes besides its sshd; return what is left after ``timeout_s``."""
+    def wait_clean(self, timeout_s: float) -> None:
+        """Wait until no host has processes besides its sshd; fail naming what is left after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        left = self.leftovers()
-        while left and time.monotonic() < deadline:
+        while left := self.leftovers():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"processes left on the hosts {timeout_s:g} s after the job: {left}")
             time.sleep(0.1)
-            left = self.leftovers()
-        return left
 
 
 def _sh(*argv: str) -> None:

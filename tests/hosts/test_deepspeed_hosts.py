@@ -27,4 +27,4 @@ def test_deepspeed_zero_1_2_3_across_hosts_from_a_deepspeed_hostfile(cluster: Cl
     got = [json.loads(line.partition("ZERO ")[2]) for line in done.stdout.splitlines() if "ZERO {" in line]
     job.check(got, world=2)
     assert {(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for r in got} == {("0", "1")}
-    assert cluster.wait_clean(10.0) == {}
+    cluster.wait_clean(10.0)

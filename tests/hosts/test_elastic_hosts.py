@@ -17,13 +17,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tests.hosts.simhosts import Cluster
 from tests.hosts.test_phalanxrun_hosts import phalanxrun, results
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.hosts, pytest.mark.timeout(180)]
 
@@ -63,14 +64,18 @@ def check_finished_on_host_a(got: dict[int, dict[str, Any]], stdout: str) -> Non
 
 def test_script_job_loses_host_b_and_skips_a_bad_joining_host(cluster: Cluster, tmp_path: Path) -> None:
     script, _ = discovery(tmp_path, "hosta:2\nhostb:1\nhostc:1\n")
+    gate = tmp_path / "gate"
     # Horovod's usual elastic command: no -H, the ranks start on the hosts discovery lists (issue 32,
     # item 11: they all went to this machine).
     argv = cluster.argv_on("hosta", phalanxrun(cluster, "-np", "3", "--min-np", "2",
                                                "--max-np", "4", "--host-discovery-script", str(script),
                                                "-x", "PHALANX_ELASTIC_TIMEOUT_S=30", sys.executable, JOB,
-                                               str(STEPS)))
+                                               str(STEPS), str(CHANGE_AFTER), str(gate)))
     driver = subprocess.Popen(argv, cwd=cluster.workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = until(driver, f"STEP {CHANGE_AFTER} size 3")
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.extend(driver.stderr or ()), daemon=True)
+    reader.start()
+    seen = until(driver, f"STEP {CHANGE_AFTER} size 3")  # the 3 ranks wait at the gate
     victims = cluster.hosts["hostb"].leftovers()
     assert victims, "".join(seen)[-3000:]
     for pid in victims:
@@ -78,8 +83,14 @@ def test_script_job_loses_host_b_and_skips_a_bad_joining_host(cluster: Cluster, 
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    rest, stderr = driver.communicate(timeout=150)
-    stdout = "".join(seen) + rest
+    # The driver has checked host c (discovery lists it from the start) while the job still runs.
+    wait_until(lambda: any("left out a host" in line for line in errors), 60, "the driver left out host c")
+    gate.touch()
+    assert driver.stdout is not None
+    rest = driver.stdout.read()  # to the driver's end (the test's timeout bounds it)
+    driver.wait(30)
+    reader.join(30)
+    stdout, stderr = "".join(seen) + rest, "".join(errors)
     assert driver.returncode == 0, stderr[-3000:] + stdout[-2000:]
     check_finished_on_host_a(results(stdout), stdout)
     assert "size 2" in stdout and "ssh to host hostb failed or dropped" in stderr, stderr[-3000:]
@@ -88,7 +99,7 @@ def test_script_job_loses_host_b_and_skips_a_bad_joining_host(cluster: Cluster, 
     assert len(left_out) == 1 and "host 'hostc': ssh could not connect" in left_out[0], stderr[-3000:]
     assert "resolve hostname hostc" in left_out[0], left_out
     assert "size 4" not in stdout and "host hostc failed" not in stderr and "on host hostc" not in stderr
-    assert cluster.wait_clean(10.0) == {}
+    cluster.wait_clean(10.0)
 
 
 def test_function_job_stops_the_ranks_of_a_host_that_leaves_discovery(cluster: Cluster, tmp_path: Path) -> None:
@@ -102,10 +113,8 @@ def test_function_job_stops_the_ranks_of_a_host_that_leaves_discovery(cluster: C
     (tmp_path / "next.txt").rename(listing)
     seen += until(driver, "size 2")
     # Host b's rank, its agent and its ssh session end once the world re-formed without it.
-    deadline = time.monotonic() + 10.0
-    while cluster.hosts["hostb"].leftovers() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert cluster.hosts["hostb"].leftovers() == set(), "".join(seen)[-3000:]
+    wait_until(lambda: not cluster.hosts["hostb"].leftovers(), 10.0,
+               f"host b's processes ended; the driver's output: {''.join(seen)[-3000:]}")
     rest, stderr = driver.communicate(timeout=150)
     stdout = "".join(seen) + rest
     assert driver.returncode == 0, stderr[-3000:] + stdout[-2000:]
@@ -119,4 +128,4 @@ def test_function_job_stops_the_ranks_of_a_host_that_leaves_discovery(cluster: C
     # back, and no collective failed.
     assert "collective failed" not in stdout + stderr and "HorovodInternalError" not in stdout + stderr, stderr[-3000:]
     assert values[0]["total"] == 3 * CHANGE_AFTER + 2 * (STEPS - CHANGE_AFTER), values
-    assert cluster.wait_clean(10.0) == {}
+    cluster.wait_clean(10.0)

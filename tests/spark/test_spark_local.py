@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.waits import wait_until
 
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.launch import warm
@@ -18,6 +19,7 @@ from phalanx.launch.proctree import is_alive
 from phalanx.spark import HorovodRunner, TorchDistributor, log_to_driver, run
 
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("local_spark")]
+WAIT_S = 60.0  # bounds waits that end much sooner (generous: a loaded host); a failure names it
 
 KEYS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "HOROVOD_RANK", "HOROVOD_SIZE",
         "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "MASTER_ADDR",
@@ -72,17 +74,33 @@ def test_run_returns_every_rank_in_order_with_the_contract() -> None:
     assert len(out[0]["listening"]) == 2 and not {"00000000", "0" * 32} & set(out[0]["listening"])
 
 
-def _rank_value() -> int:
-    rank = int(os.environ["RANK"])
-    if rank == 0:
-        time.sleep(1.0)  # rank 0 finishes last: pyspark's TorchDistributor would return rank 1's value
-    return rank * 10
+def _rank_value(folder: str) -> int:
+    _finish_last(folder)  # rank 0 finishes last: pyspark's TorchDistributor would return rank 1's value
+    return int(os.environ["RANK"]) * 10
+
+
+def _finish_last(folder: str) -> None:
+    """Rank 0 ends after rank 1, by a handshake: rank 1 leaves its pid (written whole) and goes on; rank 0
+    waits until that process has ended (up to WAIT_S)."""
+    rank, pidfile = os.environ["RANK"], Path(folder, "rank1.pid")
+    if rank == "1":
+        Path(folder, "rank1.part").write_text(str(os.getpid()))
+        os.replace(Path(folder, "rank1.part"), pidfile)
+    elif rank == "0":
+        deadline = time.monotonic() + WAIT_S
+        while not (pidfile.exists() and not is_alive(int(pidfile.read_text()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 1 did not end within {WAIT_S:g} s")
+            time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)
-def test_horovod_runner_and_distributor_return_rank_0s_value() -> None:
-    assert HorovodRunner(np=2).run(_rank_value) == 0
-    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_rank_value) == 0
+def test_horovod_runner_and_distributor_return_rank_0s_value(tmp_path: Path) -> None:
+    (tmp_path / "hr").mkdir()
+    (tmp_path / "td").mkdir()
+    assert HorovodRunner(np=2).run(_rank_value, folder=str(tmp_path / "hr")) == 0
+    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_rank_value,
+                                                                                  str(tmp_path / "td")) == 0
 
 
 @pytest.mark.timeout(120)
@@ -155,8 +173,10 @@ def _fail_once_per_attempt(marker: str) -> None:
     rank = int(os.environ["RANK"])
     Path(f"{marker}.{rank}.{os.getpid()}").write_text(str(os.getpid()))
     if rank == 1:
-        deadline = time.monotonic() + 60  # fail once rank 0 runs too (it may start later)
-        while not list(Path(marker).parent.glob("attempt.0.*")) and time.monotonic() < deadline:
+        deadline = time.monotonic() + WAIT_S  # fail once rank 0 runs too (it may start later)
+        while not list(Path(marker).parent.glob("attempt.0.*")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not start within {WAIT_S:g} s")
             time.sleep(0.05)
         raise ValueError("bad learning rate 42")
     time.sleep(120)  # rank 0 would hang: phalanx must tear it down
@@ -174,10 +194,7 @@ def test_failure_reports_root_cause_once_and_tears_every_rank_down(tmp_path: Pat
     attempts = sorted(p.name.split(".")[1] for p in tmp_path.glob("attempt.*"))
     assert attempts == ["0", "1"], "a deterministic error must run once, not be retried by Spark"
     pids = [int(p.read_text()) for p in tmp_path.glob("attempt.*")]
-    deadline = time.monotonic() + 15
-    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(is_alive(p) for p in pids)
+    wait_until(lambda: not any(is_alive(p) for p in pids), WAIT_S, "every rank ended after the failure")
     assert list(local_spark.sparkContext.statusTracker().getActiveJobsIds()) == []
 
 
@@ -202,9 +219,9 @@ def test_script_returns_rank_0s_stdout_and_a_failing_rank_raises_its_exit_code(t
 
 
 @pytest.mark.timeout(120)
-def test_local_mode_runs_on_the_driver() -> None:
+def test_local_mode_runs_on_the_driver(tmp_path: Path) -> None:
     dist = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False)
-    assert dist.run(_rank_value) == 0
+    assert dist.run(_rank_value, str(tmp_path)) == 0
 
 
 @pytest.mark.timeout(60)
@@ -239,8 +256,9 @@ def test_bad_arguments_are_refused_before_spark_runs() -> None:
 
 
 def _sleep_forever(pid_dir: str) -> None:
-    Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
-    time.sleep(300)
+    Path(pid_dir, os.environ["RANK"] + ".part").write_text(str(os.getpid()))
+    os.replace(Path(pid_dir, os.environ["RANK"] + ".part"), Path(pid_dir, os.environ["RANK"]))
+    time.sleep(300)  # under test: the ranks run until the driver's Ctrl-C stops them
 
 
 @pytest.mark.timeout(120)
@@ -248,19 +266,24 @@ def test_ctrl_c_on_the_driver_stops_every_rank(tmp_path: Path) -> None:
     import signal
     import threading
 
-    def interrupt_when_running() -> None:
-        while len(list(tmp_path.iterdir())) < 2:
-            time.sleep(0.05)
+    pidfiles = [tmp_path / "0", tmp_path / "1"]
+    late: list[str] = []
+
+    def interrupt_when_running() -> None:  # the ranks started (or not, after WAIT_S): Ctrl-C either way
+        try:
+            wait_until(lambda: all(p.exists() for p in pidfiles), WAIT_S, "both ranks wrote their pids")
+        except AssertionError as e:
+            late.append(str(e))
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt_when_running, daemon=True).start()
+    interrupter = threading.Thread(target=interrupt_when_running, daemon=True)
+    interrupter.start()
     with pytest.raises(KeyboardInterrupt):
         run(_sleep_forever, args=(str(tmp_path),), num_proc=2)
-    pids = [int(p.read_text()) for p in tmp_path.iterdir()]
-    deadline = time.monotonic() + 20
-    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if is_alive(p)]
+    interrupter.join(WAIT_S)
+    assert not late, late
+    pids = [int(p.read_text()) for p in pidfiles]
+    wait_until(lambda: not any(is_alive(p) for p in pids), WAIT_S, "every rank ended after the Ctrl-C")
     assert run(lambda: 7, num_proc=2) == [7, 7]
 
 
@@ -270,7 +293,7 @@ def _kill_my_task() -> None:
     if os.environ["RANK"] == "1":
         # The rank's parent is the Spark task (a cold start): kill it, as a lost executor would.
         os.kill(int(os.environ["PHALANX_PARENT_PID"]), signal.SIGKILL)
-    time.sleep(120)
+    time.sleep(120)  # under test: rank 0 runs until its peer's task loss stops the job
 
 
 @pytest.mark.timeout(120)
@@ -308,11 +331,12 @@ def _look_for_state() -> dict[str, Any]:
 @pytest.mark.timeout(180)
 def test_later_spark_jobs_fork_from_executor_templates_without_seeing_earlier_jobs() -> None:
     run(_leave_state_behind, num_proc=2)  # a first job (cold or warm) starts the executors' templates
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT_S
     second = run(_look_for_state, num_proc=2, env={"JOB_VAR": "second"})
-    while not all("phalanx.worker.template" in o["parent"] for o in second) and time.monotonic() < deadline:
-        time.sleep(1)  # the templates import torch in the background after a job
+    # The templates import torch in the background after a job: later jobs start cold until they are ready.
+    while not all("phalanx.worker.template" in o["parent"] for o in second):
+        assert time.monotonic() < deadline, f"no job forked from the templates within {WAIT_S:g} s: {second}"
+        time.sleep(1)  # a poll's interval: each try is a whole job
         second = run(_look_for_state, num_proc=2, env={"JOB_VAR": "second"})
-    assert all("phalanx.worker.template" in o["parent"] for o in second), second
     assert [o["leaks"] for o in second] == [[False, False, False]] * 2
     assert {o["mine"] for o in second} == {"second"}
