@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 import phalanx.torch as hvd
+
+# white-box: the transport's machine identity (no public name)
 from phalanx.transport._setup import _machine_id
 
 

@@ -17,6 +17,8 @@ from phalanx.job.payload import serialize_call
 from phalanx.spark import session
 from phalanx.spark.connect.session import check_slots
 from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
+
+# white-box: _gpu_env: each rank's CUDA_VISIBLE_DEVICES, a task's internal step (no public name)
 from phalanx.spark.task import TaskSpec, _gpu_env, check_script, rank_layout, task_gpus, task_host
 
 JOB = JobContract(run_id="r", master_addr="h", master_port=1, channel="h:2", secret="00")

@@ -9,6 +9,8 @@ from _source_tree import parsed
 
 from phalanx.env import names, settings
 from phalanx.errors import InvalidArgumentError, SettingError
+
+# white-box: the transport's own reading of PHALANX_SHM, with its machine checks stubbed (no public name)
 from phalanx.transport import _setup
 from phalanx.worker import dist_backend
 

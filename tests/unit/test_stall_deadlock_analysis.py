@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+# white-box: the stall and deadlock analyses, internal to phalanx.torch (no public name)
 from phalanx.torch._health import deadlock as _deadlock
 from phalanx.torch._health import stall as _stall
 

@@ -58,6 +58,8 @@ def _early_job() -> list[str]:
     import torch
 
     import phalanx.torch as hvd
+
+    # white-box: the early-reduction area's counters and wait, internal (no public name)
     from phalanx.transport import _early
 
     hvd.init()
@@ -107,6 +109,8 @@ def _join_after_backward_job() -> dict[str, Any]:
     import torch.distributed as dist
 
     import phalanx.torch as hvd
+
+    # white-box: the early-reduction area's counters and wait, internal (no public name)
     from phalanx.transport import _early
 
     hvd.init()
@@ -151,6 +155,8 @@ def _peer_dies_job(how: str, lag: str) -> str:
 
     import phalanx.torch as hvd
     from phalanx.errors import ShmTransportError
+
+    # white-box: the early-reduction area's counters and wait, internal (no public name)
     from phalanx.transport import _early
 
     hvd.init()

@@ -260,6 +260,8 @@ def _in_place_job(pack_on: int) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
+
+    # white-box: which path a bucket took (packed or from .grad) and its route: internal (no public name)
     from phalanx.torch._train import buckets as _buckets
     from phalanx.torch.process_sets import global_process_set, groups_of
     from phalanx.transport import _dispatch
@@ -321,6 +323,8 @@ def _huge_pages_job() -> tuple[list[str], bool, int]:
 
     import phalanx.torch as hvd
     from phalanx.torch.process_sets import global_process_set, groups_of
+
+    # white-box: the grad route's memory advice: internal (no public name)
     from phalanx.transport import _dispatch, _huge_pages
 
     hvd.init()

@@ -49,6 +49,8 @@ def _allreduce_checks(hosts: list[str] | None = None, cma: bool = True) -> list[
     import torch
 
     import phalanx.torch as hvd
+
+    # white-box: which route a group's collectives took: internal (no public name)
     from phalanx.transport import _dispatch
 
     if hosts is not None:
@@ -77,6 +79,8 @@ def _other_checks(hosts: list[str] | None = None) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
+
+    # white-box: counts the hierarchical (cross-host) calls: internal (no public name)
     from phalanx.transport import _hier
 
     calls = {"allgather_": 0, "broadcast_": 0}
@@ -175,6 +179,8 @@ def _large_allreduce_checks(hosts: list[str]) -> list[str]:
     import torch
 
     import phalanx.torch as hvd
+
+    # white-box: counts the hierarchical (cross-host) calls: internal (no public name)
     from phalanx.transport import _hier
 
     paths = {"pipelined": 0}
@@ -227,6 +233,8 @@ def _switch_off() -> bool:
     import torch
 
     import phalanx.torch as hvd
+
+    # white-box: which route a group's collectives took: internal (no public name)
     from phalanx.transport import _dispatch
 
     hvd.init()

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx.errors import ShmTransportError, WorkerFailedError
+
+# white-box: faults injected below the public API, in segments and channels (no public name)
 from phalanx.transport import _ops, _segment
 from phalanx.transport._channel import Channel
 from phalanx.transport._control import layout

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import phalanx.torch as hvd
-from phalanx.compat import _finder
 from phalanx.env import names as env_names
 from phalanx.errors import HostsUpdatedInterrupt
 from phalanx.torch.elastic import state as state_module
@@ -205,8 +204,9 @@ def test_durable_checkpoint_keeps_handled_and_plain_attributes(tmp_path: Path, m
 
 
 def test_horovod_common_names_resolve_to_phalanx() -> None:
-    elastic = _finder._synthetic("horovod.common.elastic", _finder.SYNTHETIC["horovod.common.elastic"])
-    exceptions = _finder._synthetic("horovod.common.exceptions", _finder.SYNTHETIC["horovod.common.exceptions"])
+    import horovod.common.elastic as elastic  # phalanx's alias (no real horovod here): what a user imports
+    import horovod.common.exceptions as exceptions
+
     assert elastic.ObjectState is hvd.elastic.ObjectState and elastic.State is hvd.elastic.State
     assert exceptions.HostsUpdatedInterrupt is hvd.elastic.HostsUpdatedInterrupt
     assert exceptions.HorovodInternalError is hvd.elastic.HorovodInternalError

@@ -10,6 +10,8 @@ import torch
 
 import phalanx.torch as hvd
 from phalanx.env import names as env_names
+
+# white-box: is_peer_loss: which errors re-form a world, internal to elastic.run (no public name)
 from phalanx.torch.elastic._run import is_peer_loss
 
 
@@ -150,6 +152,7 @@ def test_a_users_exception_propagates_even_while_a_new_round_is_published(
         single: None, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     """Horovod re-forms only on its own collective errors (and HostsUpdatedInterrupt): a user's exception
     propagates, so the driver stops the job instead of this rank rolling back alone."""
+    # white-box: a published round and its reset, stubbed inside elastic.run (no public name)
     from phalanx.torch._runtime import RUNTIME
     from phalanx.torch.elastic import _rendezvous, _run
 
@@ -169,6 +172,8 @@ def test_a_users_exception_propagates_even_while_a_new_round_is_published(
 def test_phalanxs_own_collective_error_re_forms_when_a_new_round_is_published(
         single: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from phalanx.errors import ShmTransportError
+
+    # white-box: a published round and its reset, stubbed inside elastic.run (no public name)
     from phalanx.torch._runtime import RUNTIME
     from phalanx.torch.elastic import _rendezvous, _run
 

@@ -13,6 +13,8 @@ pl = pytest.importorskip("pytorch_lightning")
 
 from phalanx.errors import InvalidArgumentError  # noqa: E402
 from phalanx.spark.estimator.lightning import TorchEstimator  # noqa: E402
+
+# white-box: _nan_guard: the remote trainer's internal check (no public name)
 from phalanx.spark.estimator.lightning_remote import _nan_guard, flavour_of  # noqa: E402
 
 

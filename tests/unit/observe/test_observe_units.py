@@ -288,6 +288,8 @@ def test_the_monitor_tells_an_observer_what_happens() -> None:
 
 def test_a_commands_rank_reports_on_a_channel_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     from phalanx.job.channel import DriverChannel
+
+    # white-box: a command rank's stats reporter, started inside hvd.init() (no public name)
     from phalanx.torch._setup import observe as _observe
 
     channel = DriverChannel(2, b"")

@@ -12,6 +12,8 @@ pytest.importorskip("tensorflow")
 
 from phalanx.env import settings
 from phalanx.errors import SettingError
+
+# white-box: the zero-copy bridge's choice, internal to the TF front end (no public name)
 from phalanx.tensorflow import _dlpack
 
 

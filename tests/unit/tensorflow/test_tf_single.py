@@ -103,6 +103,7 @@ def test_schedule_callbacks_set_the_learning_rate(single: None) -> None:
 
 
 def test_gradient_groups_are_fused_separately(single: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # white-box: the fused numpy allreduce and its layout, internal (no public name)
     from phalanx.tensorflow import _bridge
 
     seen: list[tuple[str, list[tuple[int, ...]]]] = []
@@ -175,6 +176,8 @@ def test_without_tensorflow_the_import_error_says_what_to_install() -> None:
 
 def test_fused_buffers_fold_an_exact_average_into_the_copy(single: None) -> None:
     import phalanx.torch as torch_hvd
+
+    # white-box: the fused numpy allreduce and its layout, internal (no public name)
     from phalanx.tensorflow import _bridge
 
     f32, f16, i32 = np.dtype("float32"), np.dtype("float16"), np.dtype("int32")
@@ -330,6 +333,8 @@ def test_a_narrow_inter_op_pool_warns_once_when_a_tf1_graph_gets_a_collective(mo
     import tensorflow as tf
 
     import phalanx.tensorflow as hvd_tf
+
+    # white-box: the thread-pool warning's state, internal (no public name)
     from phalanx.tensorflow import _pools
 
     monkeypatch.setenv("TF_NUM_INTEROP_THREADS", "4")

@@ -82,6 +82,7 @@ def test_render(tmp_path: Path) -> None:
 
 
 def test_names_sort_numerically_and_long_ones_shorten_in_the_middle() -> None:
+    # white-box: _fit: how the summary shortens a long name, internal (no public name)
     from phalanx.timeline.summary import _fit
 
     spans = [_span("ALLREDUCE", f"allreduce.noname.{i}", i, 5.0) for i in (10, 2, 1)]
@@ -94,6 +95,7 @@ def test_names_sort_numerically_and_long_ones_shorten_in_the_middle() -> None:
 
 
 def test_per_step_control_collectives_keep_one_row() -> None:
+    # white-box: the engine's timeline row names (Horovod's), internal (no public name)
     from phalanx.torch._engine.core import timeline_row
 
     assert {timeline_row("optimizer step", None, h) for h in range(230)} == {"optimizer.step"}

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from phalanx.env.contract import nic_env
 from phalanx.errors import InvalidArgumentError
 from phalanx.launch.agent_driver import plan_env
+
+# white-box: the engine's CUDA paths, checked without a GPU: internal (no public name)
 from phalanx.torch._engine import header as _header
 from phalanx.torch._setup import state as _state
 from phalanx.transport import _dispatch
@@ -47,6 +49,7 @@ def test_nccl_is_the_cuda_backend_of_the_default_group_when_cuda_is_there(monkey
 
 
 def test_cuda_payloads_are_never_inlined_in_the_cpu_control_block() -> None:
+    # white-box: the engine's inlining choice: internal (no public name)
     from phalanx.torch._engine import core as _engine
 
     class _Coll:

@@ -10,6 +10,8 @@ from datetime import timedelta
 import pytest
 
 from phalanx.errors import HorovodInternalError
+
+# white-box: how each Horovod knob is read, inside hvd.init(): internal (no public name)
 from phalanx.torch._health import stall as _stall
 from phalanx.torch._runtime import RUNTIME, Inspector
 from phalanx.torch._setup import log as _log

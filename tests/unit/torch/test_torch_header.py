@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+# white-box: the engine's wire format and its parts: internal (no public name)
 from phalanx.torch._engine import header as _header
 from phalanx.torch._engine import names as _names
 from phalanx.torch._engine import reduce as _reduce
@@ -51,6 +52,7 @@ def test_cached_blocks_are_never_written_and_repeat_bit_for_bit() -> None:
 @pytest.mark.parametrize("op", [_reduce.Sum, _reduce.Average, _reduce.Min, _reduce.Max, _reduce.Product])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int16, torch.bool])
 def test_inline_reduction_matches_the_stacked_reduction_bitwise(op: int, dtype: torch.dtype) -> None:
+    # white-box: the engine's wire format and its parts: internal (no public name)
     from phalanx.torch._engine.collectives import _reduce_rows
 
     if dtype == torch.bool and op == _reduce.Average:
@@ -142,6 +144,7 @@ def test_pack_folds_the_scale_and_makes_grads_views() -> None:
 
 
 def test_predictor_needs_a_confirmed_period_and_reads_aabb_as_period_four() -> None:
+    # white-box: the engine's wire format and its parts: internal (no public name)
     from phalanx.torch._engine import speculate as speculation
 
     big_a = speculation.key_of(_sig(shape=(100_000,), op=_reduce.Sum))

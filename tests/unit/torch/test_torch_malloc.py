@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from phalanx.env import names as env_names
+
+# white-box: the allocator tuning at import, internal (no public name)
 from phalanx.torch._setup import malloc as _malloc
 
 # In a fresh process (mallopt is process-wide): page faults of allocating, touching and freeing a 64 MiB

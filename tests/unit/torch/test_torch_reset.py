@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx.torch as hvd
+
+# white-box: the runtime object's reset, which is what this tests (no public name)
 from phalanx.torch import _runtime
 from phalanx.torch._engine import core as _engine
 from phalanx.torch._runtime import RUNTIME, Inspector, ProcessState, Registry

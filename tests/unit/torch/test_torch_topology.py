@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from phalanx.env import JobContract, RankIdentity, assign_ranks, worker_env
+
+# white-box: hvd.init()'s reading of the topology, without a process group (no public name)
 from phalanx.torch._setup.state import topology_from_env
 
 

@@ -7,6 +7,7 @@ import itertools
 
 import torch
 
+# white-box: the wire format's dtype codes and checks: internal (no public name)
 from phalanx.torch._engine import header
 from phalanx.transport import _check
 from phalanx.transport.api import dtype_code, dtype_name, dtype_of

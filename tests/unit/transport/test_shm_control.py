@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from phalanx.errors import ShmTransportError
+
+# white-box: the control block, below the public transport API (no public name)
 from phalanx.transport import _control
 from phalanx.transport._control import CHECK_S, Control, layout
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+# white-box: the huge-page advisor, below the public transport API (no public name)
 from phalanx.transport import _huge_pages
 from phalanx.transport._huge_pages import MADV_COLLAPSE, MADV_HUGEPAGE
 

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+# white-box: the cross-memory copies and their pieces, internal (no public name)
 from phalanx.transport import _cross_memory, _many
 
 

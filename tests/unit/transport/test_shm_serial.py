@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 
+# white-box: the transport's serial worker, internal (no public name)
 from phalanx.transport._serial import Serial
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# white-box: the streaming reduction, below the public transport API (no public name)
 from phalanx.transport import _ops, _segment, _stream
 from phalanx.transport._channel import Channel
 from phalanx.transport._control import layout

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.env import settings
+
+# white-box: segments, channels and ops, below the public transport API (no public name)
 from phalanx.transport import _ops, _segment, _setup
 from phalanx.transport._channel import Channel
 from phalanx.transport._control import LINE, PAGE, layout
@@ -77,6 +79,7 @@ def test_cma_reads_another_process_and_reports_errors() -> None:
     """``process_vm_readv`` from a child's memory; a bad address fails the probe; a dead pid raises ESRCH."""
     import errno
 
+    # white-box: segments, channels and ops, below the public transport API (no public name)
     from phalanx.transport import _cross_memory
 
     if not _cross_memory.supported():
@@ -160,6 +163,7 @@ def test_auto_backend_choice() -> None:
 def test_two_ranks_exchange_whole_tensors_up_to_a_larger_size() -> None:
     from types import SimpleNamespace
 
+    # white-box: segments, channels and ops, below the public transport API (no public name)
     from phalanx.transport import _ops
 
     def limit(n: int, slot: int) -> int:
