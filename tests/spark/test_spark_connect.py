@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.waits import wait_until
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, WorkerFailedError
@@ -23,6 +24,7 @@ from phalanx.launch.proctree import is_alive
 from phalanx.spark import HorovodRunner, TorchDistributor, log_to_driver, run
 
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("connect_spark")]
+WAIT_S = 60.0  # bounds waits that end much sooner (generous: a loaded host); a failure names it
 
 #: An address that does not route from the executors (TEST-NET-2, RFC 5737).
 UNREACHABLE = "198.51.100.1"
@@ -55,14 +57,28 @@ def test_run_returns_every_rank_on_every_slot_and_streams_its_logs_live(
     assert "logs stream live: rank 0's task reached this client" in caplog.text
 
 
-def _rank_work(value: int) -> dict[str, Any]:
+def _finish_last(folder: str) -> None:
+    """Rank 0 ends after rank 1, by a handshake: rank 1 leaves its pid (written whole) and goes on; rank 0
+    waits until that process has ended (up to WAIT_S)."""
+    rank, pidfile = os.environ["RANK"], Path(folder, "rank1.pid")
+    if rank == "1":
+        Path(folder, "rank1.part").write_text(str(os.getpid()))
+        os.replace(Path(folder, "rank1.part"), pidfile)
+    elif rank == "0":
+        deadline = time.monotonic() + WAIT_S
+        while not (pidfile.exists() and not is_alive(int(pidfile.read_text()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 1 did not end within {WAIT_S:g} s")
+            time.sleep(0.05)
+
+
+def _rank_work(value: int, folder: str) -> dict[str, Any]:
     import connect_helper_mod  # only in the driver's project directory, on no executor path
 
     rank = int(os.environ["RANK"])
     print(f"plain output from rank {rank}", flush=True)
     log_to_driver(f"callback from rank {rank}")
-    if rank == 0:
-        time.sleep(1.0)  # rank 0 finishes last: its value must still be the one returned
+    _finish_last(folder)  # rank 0 finishes last: its value must still be the one returned
     return {"rank": rank, "value": connect_helper_mod.scale(value),
             "shipped": "project" not in os.path.dirname(connect_helper_mod.__file__)}
 
@@ -76,17 +92,17 @@ def test_horovod_runner_returns_rank_0s_value_shows_callback_lines_and_ships_mod
     from phalanx.job import shipping
 
     monkeypatch.setattr(shipping, "driver_root", lambda: project)  # as if the driver's script were there
-    assert HorovodRunner(np=2).run(_rank_work, value=7) == {"rank": 0, "value": 21, "shipped": True}
+    assert HorovodRunner(np=2).run(_rank_work, value=7, folder=str(tmp_path)) == {"rank": 0, "value": 21,
+                                                                                  "shipped": True}
     printed = capsys.readouterr().out
     assert "[0]<stdout>:callback from rank 0" in printed and "[1]<stdout>:callback from rank 1" in printed
     assert "plain output" not in printed  # log_callback_only: the full output is in the files
 
 
-def _chatty(tag: str) -> str:
+def _chatty(tag: str, folder: str) -> str:
     print(f"plain output {tag} from rank {os.environ['RANK']}", flush=True)
     log_to_driver(f"callback {tag} from rank {os.environ['RANK']}")
-    if os.environ["RANK"] == "0":
-        time.sleep(1.0)  # rank 0 finishes last: its value must still be the one returned
+    _finish_last(folder)  # rank 0 finishes last: its value must still be the one returned
     return f"{tag}-{os.environ['RANK']}"
 
 
@@ -95,8 +111,10 @@ def _fail_once_per_attempt(marker: str) -> None:
     print(f"rank {rank} was here", flush=True)
     Path(f"{marker}.{rank}.{os.getpid()}").write_text(str(os.getpid()))
     if rank == 1:
-        deadline = time.monotonic() + 60  # fail once rank 0 runs too (it may start later)
-        while not list(Path(marker).parent.glob("attempt.0.*")) and time.monotonic() < deadline:
+        deadline = time.monotonic() + WAIT_S  # fail once rank 0 runs too (it may start later)
+        while not list(Path(marker).parent.glob("attempt.0.*")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 did not start within {WAIT_S:g} s")
             time.sleep(0.05)
         raise ValueError("bad learning rate 42")
     time.sleep(120)  # rank 0 would hang: phalanx must tear it down
@@ -108,7 +126,9 @@ def test_unreachable_client_still_gets_the_result_the_error_and_every_log(
         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(env_names.PHALANX_CONNECT_CLIENT_HOST, UNREACHABLE)
     caplog.set_level(logging.INFO, logger="phalanx")
-    assert TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(_chatty, "late") == "late-0"
+    (tmp_path / "late").mkdir()
+    distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    assert distributor.run(_chatty, "late", str(tmp_path / "late")) == "late-0"
     printed = capsys.readouterr().out
     for rank in (0, 1):
         assert f"[{rank}]<stdout>:plain output late from rank {rank}" in printed
@@ -131,10 +151,7 @@ def test_unreachable_client_still_gets_the_result_the_error_and_every_log(
     attempts = sorted(p.name.split(".")[1] for p in tmp_path.glob("attempt.*"))
     assert attempts == ["0", "1"], "a deterministic error must run once, not be retried by Spark"
     pids = [int(p.read_text()) for p in tmp_path.glob("attempt.*")]
-    deadline = time.monotonic() + 15
-    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(is_alive(p) for p in pids)
+    wait_until(lambda: not any(is_alive(p) for p in pids), WAIT_S, "every rank ended after the failure")
 
 
 @pytest.mark.timeout(180)

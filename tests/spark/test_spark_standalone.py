@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.waits import wait_until
 
 from phalanx.errors import SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.launch.proctree import is_alive
 from phalanx.spark import TorchDistributor, run
 
 pytestmark = [pytest.mark.spark, pytest.mark.usefixtures("standalone_spark")]
+WAIT_S = 60.0  # bounds waits that end much sooner (generous: a loaded host); a failure names it
 
 KEYS = ["RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "HOROVOD_CROSS_RANK",
         "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "CUDA_VISIBLE_DEVICES", "USER_VAR"]
@@ -91,11 +93,13 @@ def _identity_then_fail_on_rank_3(pid_dir: str) -> None:
     report.with_suffix(".tmp").write_text(json.dumps(_identity()))
     report.with_suffix(".tmp").rename(report)  # whole, for rank 3 and the test
     if os.environ["RANK"] == "3":
-        deadline = time.monotonic() + 60
-        while len(list(Path(pid_dir).glob("identity-*.json"))) < 4 and time.monotonic() < deadline:
+        deadline = time.monotonic() + WAIT_S
+        while len(list(Path(pid_dir).glob("identity-*.json"))) < 4:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every rank wrote its identity within {WAIT_S:g} s")
             time.sleep(0.05)
         raise RuntimeError("rank 3 ran out of patience")
-    time.sleep(120)
+    time.sleep(120)  # under test: the other ranks run until rank 3's failure stops them
 
 
 @pytest.mark.timeout(180)
@@ -109,10 +113,7 @@ def test_four_ranks_two_per_worker_then_a_failure_tears_down_every_rank(tmp_path
     _check_identities([json.loads(p.read_text()) for p in sorted(tmp_path.glob("identity-*.json"))])
     pids = [int(p.read_text()) for p in tmp_path.iterdir() if p.name.isdigit()]
     assert len(pids) == 4
-    deadline = time.monotonic() + 20
-    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if is_alive(p)], "worker processes survived on the executors"
+    wait_until(lambda: not any(is_alive(p) for p in pids), WAIT_S, "every rank on the executors ended")
     # the cluster is usable again: the tests after this one run their jobs on all 4 slots
 
 
@@ -168,14 +169,18 @@ def _lose_my_executor(pid_dir: str) -> None:
     mine = Path(pid_dir, f".{os.environ['RANK']}")
     mine.write_text(f"{os.getpid()} {os.environ['HOROVOD_HOSTNAME']}")
     mine.rename(Path(pid_dir, os.environ["RANK"]))  # whole, for the peers that read it
-    deadline = time.monotonic() + 60  # once every rank runs (some may start later)
-    while len(written := [p for p in Path(pid_dir).iterdir() if p.name.isdigit()]) < 4 and (
-            time.monotonic() < deadline):
+    deadline = time.monotonic() + WAIT_S  # once every rank runs (some may start later)
+    while len(written := [p for p in Path(pid_dir).iterdir() if p.name.isdigit()]) < 4:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank started within {WAIT_S:g} s")
         time.sleep(0.05)
     if os.environ["RANK"] == "0":
         os.kill(_executor_jvm(), signal.SIGKILL)  # a lost executor: Spark sees "exited with code 137"
     peers = [int(p.read_text().split()[0]) for p in written]
-    while all(_exists(p) for p in peers) and time.monotonic() < deadline + 60:
+    deadline = time.monotonic() + WAIT_S
+    while all(_exists(p) for p in peers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no peer died within {WAIT_S:g} s of the executor's SIGKILL")
         time.sleep(0.01)
     # a survivor notices its lost peers, as its collective would ("Connection closed by peer")
     raise ConnectionError("a peer is gone")
@@ -211,7 +216,4 @@ def test_a_lost_executor_is_a_spark_job_error_naming_it(tmp_path: Path) -> None:
     assert isinstance(cause, WorkerFailedError) and cause.root_cause.rank in lost, cause
     assert cause.root_cause.exc_type == "phalanx.errors.SparkJobError", cause
     pids = [int(pid) for pid, _host in ranks.values()]
-    deadline = time.monotonic() + 20
-    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if is_alive(p)], "ranks survived their executor or the teardown"
+    wait_until(lambda: not any(is_alive(p) for p in pids), WAIT_S, "every rank ended (its executor's loss or teardown)")
