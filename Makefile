@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml constraints-dev.txt $(wildcard src/_phalanx_startup/*.p
 	# DeepSpeed (built from its sdist: DS_BUILD_OPS=0 compiles no op, ~15 s) and transformers/accelerate.
 	# phalanx[observe]: prometheus_client for the job page's /metrics.
 	DS_BUILD_OPS=0 $(PIP) install -c constraints-dev.txt -e ".[dev,spark,tensorflow,connect,estimator,deepspeed,hf,observe]"
+	# Keras 2 (tf_keras) for phalanx.tensorflow.keras under TF_USE_LEGACY_KERAS=1: without its dependencies,
+	# since it requires the `tensorflow` package by name and would pull that 1.9 GB build over tensorflow-cpu.
+	$(PIP) install --no-deps -c constraints-dev.txt tf-keras
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -169,3 +169,61 @@ def test_hdfs_and_dbfs_stores_take_horovods_paths() -> None:
     with pytest.raises(InvalidArgumentError, match="not a DBFS path"):
         DBFSLocalStore("dbfs://host/x")
     assert type(Store.create("hdfs://nn:8020/x")) is HDFSStore
+
+
+def test_hdfs_store_runs_on_fsspecs_hdfs_filesystem_backed_by_local_disk(tmp_path: Path) -> None:
+    """HDFSStore through fsspec's real ``hdfs`` filesystem class (its URL parsing and pyarrow wrapper), with
+    only the bytes' home swapped: pyarrow's local filesystem instead of its HadoopFileSystem (libhdfs and a
+    namenode, which this machine has not). What it cannot show: the connection, Kerberos, HDFS's rename."""
+    fsspec = pytest.importorskip("fsspec")
+    arrow = pytest.importorskip("fsspec.implementations.arrow")
+    from pyarrow import fs as pafs
+
+
+    connections: list[dict[str, Any]] = []
+
+    class LocalBackedHDFS(arrow.HadoopFileSystem):  # type: ignore[misc]
+        cachable = False
+
+        def __init__(self, host: str = "default", port: int = 0, user: str | None = None,
+                     kerb_ticket: str | None = None, replication: int = 3, extra_conf: Any = None,
+                     **kwargs: Any) -> None:
+            connections.append({"host": host, "port": port, "user": user, "kerb_ticket": kerb_ticket,
+                                "extra_conf": extra_conf})
+            arrow.ArrowFSWrapper.__init__(self, fs=pafs.SubTreeFileSystem(str(tmp_path), pafs.LocalFileSystem()),
+                                          **kwargs)
+
+    fsspec.register_implementation("hdfs", LocalBackedHDFS, clobber=True)
+    try:
+        _exercise_hdfs_store(tmp_path, connections)
+    finally:
+        fsspec.register_implementation("hdfs", arrow.HadoopFileSystem, clobber=True)
+
+
+def _exercise_hdfs_store(tmp_path: Path, connections: list[dict[str, Any]]) -> None:
+    from phalanx.spark.common.store import HDFSStore
+
+    store = HDFSStore("hdfs://namenode01:8020/user/me/runs", user="me", kerb_ticket="/tmp/krb5cc",
+                      extra_conf={"dfs.replication": "2"})
+    ckpt = store.get_checkpoint_path("run1")
+    store.write(f"{ckpt}/{store.get_checkpoint_filename(0)}", b"zero")
+    store.write(f"{ckpt}/{store.get_checkpoint_filename(3)}", b"three")
+    assert connections == [{"host": "namenode01", "port": 8020, "user": "me", "kerb_ticket": "/tmp/krb5cc",
+                            "extra_conf": {"dfs.replication": "2"}}]
+    assert store.root == "/user/me/runs" and ckpt == "/user/me/runs/runs/run1/checkpoints"
+    assert (tmp_path / "user/me/runs/runs/run1/checkpoints/epoch-0003.pt").read_bytes() == b"three"
+    assert store.last_checkpoint("run1") == (3, f"{ckpt}/epoch-0003.pt")
+    assert not any(p.name.endswith(".tmp") for p in (tmp_path / "user/me/runs/runs/run1/checkpoints").iterdir())
+    logs = f"{store.get_logs_path('run1')}/history.jsonl"
+    store.append_text(logs, "a\n")
+    store.append_text(logs, "b\n")
+    assert store.read(logs) == b"a\nb\n"
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"x": [1, 2, 3]}), sink)
+    data = f"{store.get_train_data_path('run1')}/part-0.parquet"
+    store.write(data, sink.getvalue().to_pybytes())
+    with store.open_read(data) as f:
+        assert pq.read_table(f).to_pydict() == {"x": [1, 2, 3]}
+    assert store.spark_url(data) == "hdfs://namenode01:8020/user/me/runs/runs/run1/data/train/part-0.parquet"
+    store.remove(store.get_run_path("run1"))
+    assert not store.exists(ckpt) and not (tmp_path / "user/me/runs/runs/run1").exists()

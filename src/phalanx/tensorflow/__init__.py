@@ -44,7 +44,6 @@ from phalanx.tensorflow.optimizer import (
     DistributedOptimizer,
     broadcast_global_variables,
 )
-from phalanx.tensorflow.sync_batch_norm import SyncBatchNormalization
 from phalanx.tensorflow.util import _executing_eagerly
 from phalanx.torch import (
     Adasum,
@@ -82,6 +81,17 @@ from phalanx.torch import (
 
 _pools.widen()
 _session.install()
+
+
+def __getattr__(name: str) -> object:
+    # SyncBatchNormalization subclasses the BatchNormalization of the Keras tf.keras is, which TensorFlow
+    # chooses (TF_USE_LEGACY_KERAS) at the first use of tf.keras: importing this package must not make that
+    # choice (a warm-start template imports it before a rank's environment is set).
+    if name == "SyncBatchNormalization":
+        from phalanx.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",

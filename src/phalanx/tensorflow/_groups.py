@@ -75,8 +75,9 @@ def local_layer_variables(local_layers: Any) -> list[Any]:
     Raises:
         InvalidArgumentError: an entry is not a Keras layer.
     """
-    import keras
+    from phalanx.tensorflow import keras_flavour
 
+    keras = keras_flavour.keras()
     if local_layers is None:
         return []
     layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else list(local_layers)

@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 import torch
 
-from phalanx.tensorflow import _bridge
+from phalanx.tensorflow import _bridge, keras_flavour
 from phalanx.tensorflow.ops import broadcast_variables
 from phalanx.tensorflow.tf_types import KerasModelLike, KerasOptimizerLike, VariableLike
 from phalanx.torch.elastic import ObjectState
@@ -108,9 +108,7 @@ class TensorFlowKerasState(ObjectState):
     def _optimizer_variables(self) -> list[VariableLike]:
         if self.optimizer is None:
             return []
-        if not getattr(self.optimizer, "built", True):
-            self.optimizer.build(self.model.trainable_variables)
-        return list(self.optimizer.variables)
+        return keras_flavour.optimizer_variables(self.optimizer, build_on=self.model.trainable_variables)
 
     def save(self) -> None:
         """Copy the model's weights, the optimizer's variables and the attributes."""

@@ -89,7 +89,8 @@ def DistributedOptimizer(
     """Wrap an optimizer so that it averages (``op``) gradients across ranks before applying them.
 
     Args:
-        optimizer: a Keras 3 optimizer (-> ``phalanx.tensorflow.keras.DistributedOptimizer``) or a
+        optimizer: a Keras optimizer of the Keras ``tf.keras`` is (Keras 3, or Keras 2's new or legacy
+            ones; -> ``phalanx.tensorflow.keras.DistributedOptimizer``) or a
             ``tf.compat.v1.train.Optimizer``.
         (the others as in Horovod's ``horovod.tensorflow.DistributedOptimizer``; ``device_*`` are accepted
         and unused: tensors travel through host memory)
@@ -99,9 +100,9 @@ def DistributedOptimizer(
         NotImplementedError: ``op=Adasum``.
     """
     del device_dense, device_sparse
-    import keras
+    from phalanx.tensorflow import keras_flavour
 
-    if isinstance(optimizer, keras.optimizers.Optimizer):
+    if isinstance(optimizer, keras_flavour.optimizer_classes()):
         from phalanx.tensorflow.keras.optimizer import DistributedOptimizer as KerasDistributedOptimizer
 
         if op == reduce_ops.Adasum:

@@ -1,4 +1,8 @@
-"""Horovod's Keras API for TensorFlow 2 / Keras 3: ``import phalanx.tensorflow.keras as hvd``.
+"""Horovod's Keras API for TensorFlow 2: ``import phalanx.tensorflow.keras as hvd``.
+
+It works with the Keras ``tf.keras`` is, as TensorFlow chose it: Keras 3, or Keras 2 (``tf_keras``) with
+``TF_USE_LEGACY_KERAS=1`` (``keras_flavour``). Optimizers, callbacks and layers given to it must be that
+Keras's.
 
 Also importable, unchanged, as ``horovod.tensorflow.keras`` and ``horovod.keras``. Needs the optional extra
 ``phalanx[tensorflow]``. Gradients travel on phalanx.torch's collectives (one flat buffer per dtype per step,
@@ -10,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-
-import keras
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import (
@@ -36,6 +38,7 @@ from phalanx.tensorflow import (
     init,
     is_homogeneous,
     is_initialized,
+    keras_flavour,
     local_rank,
     local_size,
     mpi_built,
@@ -63,6 +66,7 @@ from phalanx.tensorflow.keras.optimizer import (
 )
 from phalanx.torch import frontend as reduce_ops
 
+keras: Any = keras_flavour.keras()
 if keras.backend.backend() != "tensorflow":
     raise ImportError(f"phalanx.tensorflow.keras needs Keras' TensorFlow backend; KERAS_BACKEND is "
                       f"{keras.backend.backend()!r}: unset it or set KERAS_BACKEND=tensorflow")
@@ -130,8 +134,9 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
         custom_optimizers: optimizer classes the file refers to (added to ``custom_objects`` by name).
         custom_objects: as in ``keras.models.load_model``.
         compression: the distributed optimizer's compression.
-        legacy_opts: Horovod's switch to ``tf.keras.optimizers.legacy``; Keras 3 has no legacy optimizers,
-            so True raises.
+        legacy_opts: Horovod's switch to ``tf.keras.optimizers.legacy``. Keras 2 (``tf_keras``) records in
+            the file whether its optimizer is a legacy one and loads it as such: True checks that it is.
+            Keras 3 has no legacy optimizers, so True raises there.
         op: its reduce op.
         backward_passes_per_step: as in ``DistributedOptimizer``.
         average_aggregated_gradients: as in ``DistributedOptimizer``.
@@ -141,16 +146,21 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
         The model; when it was saved compiled, ``model.optimizer`` is distributed.
 
     Raises:
-        InvalidArgumentError: ``legacy_opts=True``.
+        InvalidArgumentError: ``legacy_opts=True`` with Keras 3, or with a file whose optimizer is not legacy.
     """
-    if legacy_opts:
+    if legacy_opts and keras_flavour.is_keras3():
         raise InvalidArgumentError("load_model(legacy_opts=True) needs tf.keras.optimizers.legacy, which Keras 3 "
-                                   "removed: save and load with Keras 3 optimizers (legacy_opts=False)")
+                                   "removed: save and load with Keras 3 optimizers (legacy_opts=False), or run "
+                                   "with Keras 2 (pip install tf_keras; TF_USE_LEGACY_KERAS=1)")
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
     model = keras.models.load_model(filepath, custom_objects=objects, compile=compile)
     optimizer = getattr(model, "optimizer", None)
+    if legacy_opts and optimizer is not None and not isinstance(optimizer, keras.optimizers.legacy.Optimizer):
+        raise InvalidArgumentError(
+            f"load_model(legacy_opts=True): {filepath} holds a {type(optimizer).__name__} that is not a "
+            "tf.keras.optimizers.legacy one (Keras 2 loads the kind it saved): pass legacy_opts=False")
     if optimizer is not None and not is_distributed(optimizer):
         make_distributed_in_place(optimizer, Options(compression=compression, op=op,
                                                      backward_passes_per_step=backward_passes_per_step,

@@ -2,7 +2,8 @@
 
 Installed once, when ``phalanx.tensorflow.keras`` is imported (``keras.Model`` is patched; a model without
 a distributed optimizer is not affected, except that ``compile`` accepts and silently drops TF 1's
-``experimental_run_tf_function`` argument, which Horovod's examples pass and Keras 3 refuses):
+``experimental_run_tf_function`` argument, which Horovod's examples pass and Keras 3 refuses). ``keras`` here
+is the Keras ``tf.keras`` is (``keras_flavour``): Keras 3, or Keras 2 (``tf_keras``):
 
 * ``compile``: ``jit_compile`` is forced off (XLA cannot compile the ``tf.numpy_function`` bridge; Keras'
   ``"auto"`` turns it on when a GPU is visible); under the ``mixed_float16`` policy the optimizer becomes
@@ -25,11 +26,10 @@ import warnings
 import weakref
 from typing import Any
 
-import keras
 import tensorflow as tf
 
 from phalanx.errors import CollectiveMismatchError
-from phalanx.tensorflow import _bridge
+from phalanx.tensorflow import _bridge, keras_flavour
 from phalanx.tensorflow.keras import optimizer as keras_optimizer
 
 DROPPED_COMPILE_ARGS = ("experimental_run_tf_function",)
@@ -41,6 +41,7 @@ STEPS_ADVICE = (
 )
 _MODELS: list[weakref.ref[Any]] = []  # compile order; weak: a model dropped by the user is forgotten
 _ORIGINAL: dict[str, Any] = {}
+keras: Any = keras_flavour.keras()
 
 
 class _StepAgreement(keras.callbacks.Callback):
@@ -89,7 +90,7 @@ def explain(error: BaseException) -> CollectiveMismatchError | None:
 
 
 def _compile(self: Any, optimizer: Any = "rmsprop", *args: Any, **kwargs: Any) -> Any:
-    for arg in DROPPED_COMPILE_ARGS:  # a no-op in Keras 3: dropped silently, as Horovod's examples pass it
+    for arg in DROPPED_COMPILE_ARGS:  # a no-op in both Kerases: dropped silently, as Horovod's examples pass it
         kwargs.pop(arg, None)
     optimizer = _distributed_outside(optimizer)
     if keras_optimizer.is_distributed(optimizer):
@@ -121,7 +122,8 @@ def live_models() -> list[Any]:
 def _distributed_outside(optimizer: Any) -> Any:
     """``LossScaleOptimizer(DistributedOptimizer(x))`` built by hand -> ``DistributedOptimizer(LossScale(x))``."""
     inner = getattr(optimizer, "inner_optimizer", None)
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or not keras_optimizer.is_distributed(inner):
+    loss_scaled = keras_flavour.loss_scale_optimizer_class()
+    if not isinstance(optimizer, loss_scaled) or not keras_optimizer.is_distributed(inner):
         return optimizer
     return keras_optimizer.with_options(keras_optimizer.plain_copy(optimizer), keras_optimizer.options_of(inner))
 
@@ -129,9 +131,10 @@ def _distributed_outside(optimizer: Any) -> Any:
 def _loss_scaled(model: Any, optimizer: Any, auto_scale_loss: bool) -> Any:
     """Under ``mixed_float16``, ``Distributed(LossScale(inner))`` instead of Keras' ``LossScale(Distributed)``."""
     policy = getattr(getattr(model, "dtype_policy", None), "name", "")
-    if not auto_scale_loss or policy != "mixed_float16" or isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    loss_scaled = keras_flavour.loss_scale_optimizer_class()
+    if not auto_scale_loss or policy != "mixed_float16" or isinstance(optimizer, loss_scaled):
         return optimizer
-    scaled = keras.optimizers.LossScaleOptimizer(keras_optimizer.plain_copy(optimizer))
+    scaled = loss_scaled(keras_optimizer.plain_copy(optimizer))
     return keras_optimizer.with_options(scaled, keras_optimizer.options_of(optimizer))
 
 

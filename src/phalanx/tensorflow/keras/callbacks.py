@@ -1,20 +1,22 @@
-"""Horovod's Keras callbacks (``hvd.callbacks``) for Keras 3."""
+"""Horovod's Keras callbacks (``hvd.callbacks``), for the Keras ``tf.keras`` is (Keras 3 or ``tf_keras``)."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
-import keras
 import numpy as np
-from keras.src.utils import io_utils
 
 import phalanx.torch as ptorch
 from phalanx.errors import InvalidArgumentError
-from phalanx.tensorflow import _bridge, ops
+from phalanx.tensorflow import _bridge, keras_flavour, ops
 from phalanx.tensorflow.tf_types import KerasModelLike, VariableLike
 from phalanx.torch import frontend
+
+keras: Any = keras_flavour.keras()
+io_utils = importlib.import_module(f"{keras.__name__}.src.utils.io_utils")  # Keras' own console output
 
 
 def model_variables(model: KerasModelLike) -> list[VariableLike]:
@@ -22,7 +24,7 @@ def model_variables(model: KerasModelLike) -> list[VariableLike]:
     variables = list(model.variables)
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
-        variables.extend(optimizer.variables)
+        variables.extend(keras_flavour.optimizer_variables(optimizer))
     return variables
 
 
@@ -121,6 +123,15 @@ def _set_lr(model: Any, value: float) -> None:
     model.optimizer.learning_rate = value
 
 
+def _built(optimizer: Any) -> bool:
+    return bool(getattr(optimizer, "built", getattr(optimizer, "_built", False)))  # Keras 3 / Keras 2
+
+
+def _is_legacy(optimizer: Any) -> bool:
+    """A Keras 2 legacy optimizer (``tf_keras.optimizers.legacy``): hyperparameters are variables."""
+    return hasattr(optimizer, "_hyper") and hasattr(optimizer, "_set_hyper")
+
+
 def _momentum_slots(optimizer: Any) -> list[Any] | None:
     """The momentum variables of an SGD / RMSprop with momentum ([] without momentum); None: not correctable.
 
@@ -131,21 +142,41 @@ def _momentum_slots(optimizer: Any) -> list[Any] | None:
     if not float(getattr(opt, "momentum", 0.0) or 0.0):
         return []
     if isinstance(opt, keras.optimizers.SGD):
-        return list(opt.momentums) if opt.built else []
+        return list(opt.momentums) if _built(opt) else []
     if isinstance(opt, keras.optimizers.RMSprop):
-        return list(opt._momentums) if opt.built else []
+        return list(opt._momentums) if _built(opt) else []
     return None
 
 
+def _with_momentums(optimizer: Any, model: Any) -> list[tuple[Any, Any]]:
+    """Each variable an SGD trains, with its momentum slot (Keras 3, or Keras 2's new SGD, which keeps
+    the slots in the order of an index it built on the model's variables)."""
+    if hasattr(optimizer, "_trainable_variables"):
+        return list(zip(optimizer._trainable_variables, optimizer.momentums))
+    index = optimizer._index_dict
+    keyed = [(v, index.get(optimizer._var_key(v))) for v in model.trainable_variables]
+    return [(v, optimizer.momentums[i]) for v, i in keyed if i is not None]
+
+
 class _MomentumCorrection:
-    """Horovod's momentum correction for one optimizer (exact for SGD, RMSprop and SGD(nesterov=True))."""
+    """Horovod's momentum correction for one optimizer (exact for SGD, RMSprop and SGD(nesterov=True)).
+
+    Keras 3 and Keras 2's new optimizers compile ``momentum`` in, so the momentum buffers are scaled
+    instead; Keras 2's legacy optimizers get Horovod's own correction: ``momentum`` (a variable there) is
+    ``momentum * new_lr / old_lr`` for one step, then restored.
+    """
 
     def __init__(self) -> None:
         self.warned = False
         self.nesterov_fix: tuple[Any, float] | None = None  # (optimizer, momentum * (ratio - 1)) for one step
+        self.restore_momentum: tuple[Any, float] | None = None  # (legacy optimizer, its momentum)
 
     def rescale(self, optimizer: Any, old_lr: float, new_lr: float) -> None:
         """Before the first step at ``new_lr``: scale the momentum buffers by ``new_lr / old_lr``."""
+        opt = getattr(optimizer, "inner_optimizer", optimizer)
+        if _is_legacy(opt) and "momentum" in opt._hyper:
+            self._rescale_legacy(opt, old_lr, new_lr)
+            return
         slots = _momentum_slots(optimizer)
         if slots is None:
             if not self.warned:
@@ -159,17 +190,28 @@ class _MomentumCorrection:
         ratio = new_lr / old_lr
         for m in slots:
             m.assign(m * ratio)
-        opt = getattr(optimizer, "inner_optimizer", optimizer)
         if getattr(opt, "nesterov", False):  # its weight update uses momentum once more: fixed after the step
             self.nesterov_fix = (opt, float(opt.momentum) * (ratio - 1.0))
 
-    def after_step(self) -> None:
-        """SGD(nesterov=True): add the rest of Horovod's corrected update (``(momentum' - momentum) * m``)."""
+    def _rescale_legacy(self, opt: Any, old_lr: float, new_lr: float) -> None:
+        momentum = float(self.restore_momentum[1] if self.restore_momentum else opt._get_hyper("momentum"))
+        if not momentum or old_lr == 0.0 or new_lr == old_lr:
+            return
+        self.restore_momentum = (opt, momentum)
+        opt._set_hyper("momentum", momentum * new_lr / old_lr)
+
+    def after_step(self, model: Any) -> None:
+        """Undo a legacy optimizer's one-step momentum; SGD(nesterov=True): add the rest of Horovod's
+        corrected update (``(momentum' - momentum) * m``)."""
+        if self.restore_momentum is not None:
+            opt, momentum = self.restore_momentum
+            self.restore_momentum = None
+            opt._set_hyper("momentum", momentum)
         if self.nesterov_fix is None:
             return
         opt, extra = self.nesterov_fix
         self.nesterov_fix = None
-        for v, m in zip(opt._trainable_variables, opt.momentums):
+        for v, m in _with_momentums(opt, model):
             v.assign_add(m * extra)
 
 
@@ -232,8 +274,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self._set(self.initial_lr * self.multiplier(epoch))
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        """Finish a nesterov momentum correction."""
-        self._correction.after_step()
+        """Finish a momentum correction."""
+        self._correction.after_step(self.model)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):

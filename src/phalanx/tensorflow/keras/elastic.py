@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
-
+from phalanx.tensorflow import keras_flavour
 from phalanx.tensorflow.elastic import TensorFlowKerasState, run
 from phalanx.tensorflow.tf_types import CommittableState, KerasModelLike, KerasOptimizerLike
+
+keras: Any = keras_flavour.keras()  # the callbacks are the Keras tf.keras is (Keras 3 or tf_keras)
 
 
 class KerasState(TensorFlowKerasState):

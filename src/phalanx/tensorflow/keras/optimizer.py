@@ -1,4 +1,7 @@
-"""``DistributedOptimizer`` for Keras 3: the optimizer's class with an ``apply`` that averages gradients first.
+"""``DistributedOptimizer`` for Keras: the optimizer's class with an update that averages gradients first.
+
+The update is Keras 3's ``apply`` or Keras 2's (``tf_keras``, new and legacy optimizers) ``apply_gradients``,
+for the Keras ``tf.keras`` is (``keras_flavour``).
 
 The wrapper is a subclass of the optimizer's own class made on the fly (as Horovod does), so
 ``isinstance(opt, keras.optimizers.Adam)`` still holds, saving writes the base class, and a Keras
@@ -14,12 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import keras
 import tensorflow as tf
 import torch
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.tensorflow import ops
+from phalanx.tensorflow import keras_flavour, ops
 from phalanx.tensorflow._groups import check_groups, groups_option, local_layer_variables, partition
 from phalanx.tensorflow._subclass import mixed_in
 from phalanx.tensorflow.compression import Compression, Compressor
@@ -54,21 +56,17 @@ class _Accumulators:
 
 
 class _DistributedMixin:
-    """Overrides ``apply``: average the gradients across ranks, then apply them as the base class does."""
+    """Averages the gradients across ranks, then applies them as the base class does (both Kerases)."""
 
     _hvd: Options
     _hvd_acc: _Accumulators | None
 
-    def build(self, variables: Any) -> None:
-        super().build(variables)  # type: ignore[misc]
-        if self._hvd.backward_passes_per_step > 1:
-            object.__setattr__(self, "_hvd_acc", _Accumulators(list(variables), self._var_key))  # type: ignore[attr-defined]
+    def _hvd_key(self, variable: Any) -> Any:
+        return self._var_key(variable)  # type: ignore[attr-defined]
 
-    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-        grads = list(grads)
-        if self._hvd.backward_passes_per_step > 1:
-            return self._hvd_accumulate(grads, trainable_variables)
-        return super().apply(self._hvd_reduce(grads, trainable_variables), trainable_variables)  # type: ignore[misc]
+    def _hvd_apply(self, grads: list[Any], variables: list[Any], *args: Any, **kwargs: Any) -> Any:
+        """The base optimizer's own update with already reduced gradients."""
+        raise NotImplementedError
 
     def register_local_var(self, var: Any) -> None:
         """Leave ``var``'s gradient out of the reduction (it is applied locally, divided by the set's size
@@ -77,14 +75,14 @@ class _DistributedMixin:
         if local is None:
             local = set()
             object.__setattr__(self, "_hvd_local", local)
-        local.add(self._var_key(var))  # type: ignore[attr-defined]
+        local.add(self._hvd_key(var))
 
     def _hvd_reduce(self, grads: list[Any], variables: Any = None) -> list[Any]:
         variables = list(variables if variables is not None else self._trainable_variables)  # type: ignore[attr-defined]
         local = self.__dict__.get("_hvd_local")
         if not local:
             return self._hvd_reduce_shared(grads, variables)
-        keys = [self._var_key(v) for v in variables]  # type: ignore[attr-defined]
+        keys = [self._hvd_key(v) for v in variables]
         shared = [i for i, k in enumerate(keys) if k not in local]
         out = list(grads)
         reduced = self._hvd_reduce_shared([grads[i] for i in shared], [variables[i] for i in shared])
@@ -103,34 +101,34 @@ class _DistributedMixin:
         if not o.groups:
             return ops.fused_allreduce(grads, o.op, o.compression, BUFFER_NAME, o.prescale, o.postscale,
                                        o.process_set)
-        keys = [self._var_key(v) for v in variables]  # type: ignore[attr-defined]
+        keys = [self._hvd_key(v) for v in variables]
         out = list(grads)
-        for k, idx in enumerate(partition(keys, o.groups, self._var_key)):  # type: ignore[attr-defined]
+        for k, idx in enumerate(partition(keys, o.groups, self._hvd_key)):
             reduced = ops.fused_allreduce([grads[i] for i in idx], o.op, o.compression, f"{BUFFER_NAME}.group{k}",
                                           o.prescale, o.postscale, o.process_set)
             for i, r in zip(idx, reduced):
                 out[i] = r
         return out
 
-    def _hvd_accumulate(self, grads: list[Any], trainable_variables: Any) -> Any:
-        if not getattr(self, "built", False):
-            self.build(list(trainable_variables))
-            self.built = True
+    def _hvd_accumulate(self, grads: list[Any], variables: list[Any], *args: Any, **kwargs: Any) -> Any:
+        """Add this pass's gradients to the local sums; every ``backward_passes_per_step``-th pass, reduce
+        and apply the sums. The optimizer's and the sums' variables exist before the branch."""
+        keras_flavour.optimizer_variables(self, variables)
+        if self._hvd_acc is None:
+            object.__setattr__(self, "_hvd_acc", _Accumulators(variables, self._hvd_key))
         acc = self._hvd_acc
         assert acc is not None
-        tvs = list(trainable_variables) if trainable_variables is not None else self._trainable_variables  # type: ignore[attr-defined]
-        sums = [acc.sums[self._var_key(v)] for v in tvs]  # type: ignore[attr-defined]
+        sums = [acc.sums[self._hvd_key(v)] for v in variables]
         for s, g in zip(sums, grads):
             if g is not None:
                 s.assign_add(tf.convert_to_tensor(g))
         passes = acc.passes.assign_add(1)
         n = self._hvd.backward_passes_per_step
         scale = 1.0 / n if self._hvd.average_aggregated_gradients else 1.0
-        base_apply = super().apply  # type: ignore[misc]
 
         def flush() -> tf.Tensor:
             total = [None if g is None else s.read_value() * tf.cast(scale, s.dtype) for s, g in zip(sums, grads)]
-            base_apply(self._hvd_reduce(total, trainable_variables), trainable_variables)
+            self._hvd_apply(self._hvd_reduce(total, variables), variables, *args, **kwargs)
             for s in sums:
                 s.assign(tf.zeros_like(s))
             return tf.constant(True)
@@ -138,9 +136,46 @@ class _DistributedMixin:
         return tf.cond(passes % n == 0, flush, lambda: tf.constant(False))
 
 
+class _Keras3Distributed(_DistributedMixin):
+    """Keras 3: ``apply`` (which ``apply_gradients`` and ``model.fit`` call) reduces first."""
+
+    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+        grads = list(grads)
+        variables = list(trainable_variables if trainable_variables is not None
+                         else self._trainable_variables)  # type: ignore[attr-defined]
+        if self._hvd.backward_passes_per_step > 1:
+            return self._hvd_accumulate(grads, variables)
+        return self._hvd_apply(self._hvd_reduce(grads, variables), variables)
+
+    def _hvd_apply(self, grads: list[Any], variables: list[Any], *args: Any, **kwargs: Any) -> Any:
+        return super().apply(grads, variables)  # type: ignore[misc]
+
+
+class _Keras2Distributed(_DistributedMixin):
+    """Keras 2 (``tf_keras``), new and legacy optimizers: ``apply_gradients`` (which ``minimize`` and
+    ``model.fit`` call) reduces first. Variables are keyed by ``ref()`` (legacy optimizers have no
+    ``_var_key``)."""
+
+    def _hvd_key(self, variable: Any) -> Any:
+        return variable.ref()
+
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        pairs = list(grads_and_vars)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if self._hvd.backward_passes_per_step > 1:
+            return self._hvd_accumulate(grads, variables, *args, **kwargs)
+        return self._hvd_apply(self._hvd_reduce(grads, variables), variables, *args, **kwargs)
+
+    def _hvd_apply(self, grads: list[Any], variables: list[Any], *args: Any, **kwargs: Any) -> Any:
+        return super().apply_gradients(zip(grads, variables), *args, **kwargs)  # type: ignore[misc]
+
+
+_MIXIN: type[_DistributedMixin] = _Keras3Distributed if keras_flavour.is_keras3() else _Keras2Distributed
+
+
 def distributed_class(base: type) -> Any:
     """The distributed subclass of an optimizer class (cached; same name and module as ``base``)."""
-    return mixed_in(_DistributedMixin, base)
+    return mixed_in(_MIXIN, base)
 
 
 def is_distributed(optimizer: object) -> bool:
@@ -174,13 +209,15 @@ def base_class(optimizer: Any) -> Any:
 
 
 def _check(optimizer: Any, options: Options) -> None:
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    if not isinstance(optimizer, keras_flavour.optimizer_classes()):
         raise InvalidArgumentError(
-            f"DistributedOptimizer needs a keras.optimizers.Optimizer (Keras 3); got {type(optimizer).__name__}")
+            f"DistributedOptimizer needs a {keras_flavour.keras().__name__}.optimizers.Optimizer "
+            f"({keras_flavour.version_label()}, the Keras tf.keras is); got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}")
     n = options.backward_passes_per_step
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidArgumentError(f"backward_passes_per_step must be an int >= 1; got {n!r}")
-    if n > 1 and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    if n > 1 and isinstance(optimizer, keras_flavour.loss_scale_optimizer_class()):
         raise InvalidArgumentError(
             "backward_passes_per_step > 1 with a LossScaleOptimizer (mixed precision) is not supported by "
             "phalanx; use backward_passes_per_step=1 or the inner optimizer's gradient_accumulation_steps")
@@ -198,7 +235,8 @@ def DistributedOptimizer(
     """Wrap a Keras optimizer so that ``model.fit`` averages gradients across ranks before applying them.
 
     Args:
-        optimizer: a ``keras.optimizers.Optimizer`` (a ``LossScaleOptimizer`` too).
+        optimizer: an optimizer of the Keras ``tf.keras`` is (a ``LossScaleOptimizer`` too; Keras 2's legacy
+            optimizers too).
         name: accepted for Horovod compatibility (the optimizer keeps its own name).
         device_dense: accepted for Horovod compatibility (gradients travel through host memory).
         device_sparse: accepted for Horovod compatibility.
@@ -220,7 +258,7 @@ def DistributedOptimizer(
         A new optimizer of the same class and configuration whose ``apply`` reduces gradients first.
 
     Raises:
-        InvalidArgumentError: not a Keras 3 optimizer, a bad ``backward_passes_per_step``, op or groups.
+        InvalidArgumentError: not an optimizer of that Keras, a bad ``backward_passes_per_step``, op or groups.
     """
     if gradient_predivide_factor <= 0:
         raise InvalidArgumentError(f"gradient_predivide_factor must be > 0; got {gradient_predivide_factor!r}")
