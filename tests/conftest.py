@@ -2,7 +2,8 @@
 
 ``no_leftover_processes``, ``no_leftover_threads`` and ``no_leaked_environment`` are autouse: a test fails
 when it leaves a child process (or zombie) of the test process behind that was not there before it
-started, a thread of its own still running, or a variable phalanx reads changed in ``os.environ``.
+started, a thread of its own still running, or a variable phalanx reads (or one named ``PHALANX_*`` or
+``HOROVOD_*``) changed in ``os.environ``; each failure names what was left.
 Fixtures that must outlive a test (a Spark session, a standalone cluster) start their processes and
 threads before the test's snapshot, so they are not counted; a tier whose infrastructure legitimately
 starts long-lived processes overrides ``process_is_expected``. ``s3`` starts moto's S3-compatible server
@@ -90,18 +91,26 @@ def no_leftover_processes(process_is_expected: Callable[[int], bool]) -> Iterato
         pytest.fail("test left processes behind:\n" + "\n".join(describe(p) for p in sorted(left)))
 
 
+#: Prefixes of the variables phalanx and Horovod own: a test's own ``PHALANX_TEST_*`` counts too.
+OWN_PREFIXES = ("PHALANX_", "HOROVOD_")
+
+
 def phalanx_variables() -> frozenset[str]:
-    """Every variable phalanx reads or writes (the names in ``phalanx.env.names``)."""
-    return frozenset(v for k, v in vars(env_names).items() if k.isupper() and isinstance(v, str))
+    """Every variable phalanx reads or writes (the names in ``phalanx.env.names``), and every variable of
+    the environment now under a prefix phalanx or Horovod owns."""
+    named = {v for k, v in vars(env_names).items() if k.isupper() and isinstance(v, str)}
+    return frozenset(named | {k for k in os.environ if k.startswith(OWN_PREFIXES)})
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_environment() -> Iterator[None]:
     """Fail the test if it leaves a variable phalanx reads changed in this process's environment (the next
-    test would run under it), and put such variables back. Other variables are third parties' business."""
+    test would run under it), and put such variables back. Other variables are third parties' business:
+    TensorFlow, Lightning and pyspark set their own as they are used, once per process."""
     before = {k: os.environ.get(k) for k in phalanx_variables()}
     yield
-    changed = {k: (v, os.environ.get(k)) for k, v in before.items() if os.environ.get(k) != v}
+    changed = {k: (before.get(k), os.environ.get(k)) for k in before.keys() | phalanx_variables()
+               if os.environ.get(k) != before.get(k)}
     if not changed:
         return
     for k, (v, _) in changed.items():
