@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import tensorflow as tf
@@ -27,6 +28,10 @@ from phalanx.errors import CollectiveMismatchError, InvalidArgumentError
 from phalanx.tensorflow import _pools
 from phalanx.torch import frontend
 from phalanx.torch.process_sets import ProcessSet, global_process_set
+
+T = TypeVar("T")
+#: ``tf.numpy_function``'s signature (``tf.py_function`` adapted to it): a graph op running a Python body.
+GraphFunction = Callable[..., "tf.Tensor | list[tf.Tensor]"]
 
 # Marks the errors a collective raised inside a graph, so model.fit's wrapper can re-raise them cleanly.
 ERROR_MARK = "[phalanx collective error]"
@@ -74,11 +79,11 @@ class TFCollectiveMismatchError(CollectiveMismatchError, tf.errors.FailedPrecond
     """Ranks disagree on a collective: phalanx's ``CollectiveMismatchError`` (a ``RuntimeError``) that is also
     the ``tf.errors.FailedPreconditionError`` Horovod's TensorFlow ops raise for it."""
 
-    def __init__(self, message: str, node_def: Any = None, op: Any = None) -> None:
+    def __init__(self, message: str, node_def: object = None, op: object = None) -> None:
         CollectiveMismatchError.__init__(self, message)
         tf.errors.FailedPreconditionError.__init__(self, node_def, op, message)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[type[TFCollectiveMismatchError], tuple[str]]:
         return (type(self), (self.message,))
 
 
@@ -86,15 +91,15 @@ class TFInvalidArgumentError(InvalidArgumentError, tf.errors.InvalidArgumentErro
     """A bad argument to a collective: phalanx's ``InvalidArgumentError`` (a ``ValueError``) that is also the
     ``tf.errors.InvalidArgumentError`` Horovod's TensorFlow ops raise for it."""
 
-    def __init__(self, message: str, node_def: Any = None, op: Any = None) -> None:
+    def __init__(self, message: str, node_def: object = None, op: object = None) -> None:
         InvalidArgumentError.__init__(self, message)
         tf.errors.InvalidArgumentError.__init__(self, node_def, op, message)
 
-    def __reduce__(self) -> Any:
+    def __reduce__(self) -> tuple[type[TFInvalidArgumentError], tuple[str]]:
         return (type(self), (self.message,))
 
 
-def as_tf_error(error: BaseException, node_def: Any = None, op: Any = None) -> BaseException:
+def as_tf_error(error: BaseException, node_def: object = None, op: object = None) -> BaseException:
     """``error`` with TensorFlow's error type as well, as Horovod's ops raise it (unchanged when it has one,
     or is not a mismatch or a bad argument)."""
     if isinstance(error, tf.errors.OpError):
@@ -106,7 +111,7 @@ def as_tf_error(error: BaseException, node_def: Any = None, op: Any = None) -> B
     return error
 
 
-def eager(fn: Any) -> Any:
+def eager(fn: Callable[[], T]) -> T:
     """Run an eager collective; its mismatch and bad-argument errors get TensorFlow's types too."""
     try:
         return fn()
@@ -147,7 +152,7 @@ def _rank_blocked() -> bool:
     return time.monotonic() - _LAST_START[0] > (60.0 if quiet is None or quiet <= 0 else quiet)
 
 
-def _sync(handle: int) -> Any:
+def _sync(handle: int) -> Any:  # Any: whatever ptorch.synchronize returns for the op (tensor or list)
     """The result of a started collective: eagerly as ``hvd.synchronize``; inside a graph through the
     background thread, so that TensorFlow's executor threads, which start a graph's independent collectives
     in a different order on each rank, never use the engine at once and never wait for each other."""
@@ -156,11 +161,11 @@ def _sync(handle: int) -> Any:
     return ptorch.synchronize(handle)
 
 
-def _guard(fn: Any) -> Any:
+def _guard(fn: Callable[..., T]) -> Callable[..., T]:
     """Run a collective inside a graph; a phalanx error keeps its text but gets ``ERROR_MARK`` (TF wraps it
     in an OpError), and the original exception is kept for :func:`take_error`."""
 
-    def call(*args: Any) -> Any:
+    def call(*args: np.ndarray) -> T:
         _same_threads_in_this_thread()
         _LAST_START[0] = time.monotonic()
         _THREAD.graph = True
@@ -178,8 +183,23 @@ def _guard(fn: Any) -> Any:
     return call
 
 
-def numpy_op(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None,
-             function: Any = tf.numpy_function) -> Any:
+@overload
+def numpy_op(body: Callable[..., np.ndarray], inputs: list[tf.Tensor], tout: tf.DType, op_name: str,
+             name: str | None, function: GraphFunction = ...) -> tf.Tensor: ...
+
+
+@overload
+def numpy_op(body: Callable[..., Sequence[np.ndarray]], inputs: list[tf.Tensor], tout: list[tf.DType],
+             op_name: str, name: str | None, function: GraphFunction = ...) -> list[tf.Tensor]: ...
+
+
+@overload
+def numpy_op(body: Callable[..., object], inputs: list[tf.Tensor], tout: tf.DType | list[tf.DType], op_name: str,
+             name: str | None, function: GraphFunction = ...) -> tf.Tensor | list[tf.Tensor]: ...
+
+
+def numpy_op(body: Callable[..., object], inputs: list[tf.Tensor], tout: tf.DType | list[tf.DType], op_name: str,
+             name: str | None, function: GraphFunction = tf.numpy_function) -> tf.Tensor | list[tf.Tensor]:
     """``body(name, *arrays)`` as one stateful ``tf.numpy_function`` named ``op_name`` in the graph being
     built (``function``: another of its kind, ``tf.py_function``'s signature with ``stateful``). An unnamed
     collective takes the TF op's name (unique in its graph, and the same on every rank, which builds the
@@ -188,7 +208,7 @@ def numpy_op(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: 
     _pools.check_graph_pool()
     cell = [name]
 
-    def fn(*arrays: np.ndarray) -> Any:
+    def fn(*arrays: np.ndarray) -> object:
         return body(cell[0], *arrays)
 
     out = function(_guard(fn), inputs, Tout=tout, stateful=True, name=op_name)
@@ -398,7 +418,18 @@ def np_grouped_allgather(arrays: list[np.ndarray], name: str | None,
     return [to_numpy(t, a.dtype) for t, a in zip(_sync(handle), arrays)]
 
 
-def graph_call(fn: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None) -> Any:
+@overload
+def graph_call(fn: Callable[..., np.ndarray], inputs: list[tf.Tensor], tout: tf.DType, op_name: str,
+               name: str | None) -> tf.Tensor: ...
+
+
+@overload
+def graph_call(fn: Callable[..., Sequence[np.ndarray]], inputs: list[tf.Tensor], tout: list[tf.DType],
+               op_name: str, name: str | None) -> list[tf.Tensor]: ...
+
+
+def graph_call(fn: Callable[..., np.ndarray | Sequence[np.ndarray]], inputs: list[tf.Tensor],
+               tout: tf.DType | list[tf.DType], op_name: str, name: str | None) -> tf.Tensor | list[tf.Tensor]:
     """``fn(name, *arrays)`` over ``inputs``: eagerly on numpy arrays, or as one stateful
     ``tf.numpy_function`` in a graph (see :func:`numpy_op`; a phalanx error inside it keeps its text and gets
     ``ERROR_MARK``)."""

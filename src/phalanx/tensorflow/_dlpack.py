@@ -20,8 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -34,7 +33,7 @@ from phalanx.torch import frontend
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
-def on_gpu(tensor: Any) -> bool:
+def on_gpu(tensor: object) -> bool:
     """Whether an eager tensor lives on a GPU (its device is ``.../device:GPU:i``)."""
     return ":GPU:" in str(getattr(tensor, "device", "") or "").upper()
 
@@ -75,13 +74,15 @@ def to_tf(tensor: torch.Tensor) -> tf.Tensor:
     return tf.experimental.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(tensor.contiguous()))
 
 
-def _py_function(func: Any, inp: list[tf.Tensor], Tout: Any, stateful: bool, name: str) -> Any:
+def _py_function(func: Callable[..., object], inp: list[tf.Tensor], Tout: tf.DType | list[tf.DType], stateful: bool,
+                 name: str) -> tf.Tensor | list[tf.Tensor]:
     """``tf.py_function`` with ``tf.numpy_function``'s signature (a py_function is always stateful)."""
     del stateful
     return tf.py_function(func, inp, Tout=Tout, name=name)
 
 
-def _call(body: Any, inputs: list[tf.Tensor], tout: Any, op_name: str, name: str | None) -> Any:
+def _call(body: Callable[..., tf.Tensor | list[tf.Tensor]], inputs: list[tf.Tensor], tout: tf.DType | list[tf.DType],
+          op_name: str, name: str | None) -> tf.Tensor | list[tf.Tensor]:
     """``body(name, *tensors)``: eagerly, or as one ``tf.py_function`` in the graph being built."""
     if tf.executing_eagerly():
         return _bridge.eager(lambda: body(name, *inputs))
@@ -129,7 +130,7 @@ def tf_broadcast(tensor: tf.Tensor, root_rank: int, name: str | None,
     return _shaped(_call(fn, [tensor], tensor.dtype, "phalanx_broadcast", name), tensor.shape)
 
 
-def _shaped(out: Any, shape: tf.TensorShape) -> Any:
+def _shaped(out: tf.Tensor, shape: tf.TensorShape) -> tf.Tensor:
     if not tf.executing_eagerly():
         out.set_shape(shape)
     return out

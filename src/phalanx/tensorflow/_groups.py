@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Union
 
 from phalanx.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    import keras
 
-def partition(keys: Sequence[Hashable], groups: int | tuple[tuple[Any, ...], ...],
+    from phalanx.tensorflow.tf_types import VariableLike
+
+#: Horovod's gradient groups once read: a count, or lists of variables (only hashed and printed here).
+Groups = int | tuple[tuple[object, ...], ...]
+#: Horovod's ``groups=`` as given: None, a count, or lists of variables.
+GroupsOption = int | Iterable[Iterable[object]] | None
+#: Horovod's ``local_layers=``: a Keras layer, several, or None.
+LocalLayers = Union["keras.layers.Layer", Iterable["keras.layers.Layer"], None]
+
+
+def partition(keys: Sequence[Hashable], groups: Groups,
               key: Callable[[object], Hashable]) -> list[list[int]]:
     """Horovod's gradient groups as lists of positions (each group is fused into its own buffers).
 
@@ -36,7 +48,7 @@ def partition(keys: Sequence[Hashable], groups: int | tuple[tuple[Any, ...], ...
     return out + [[i] for i in range(len(keys)) if i not in placed]
 
 
-def check_groups(groups: Any) -> None:
+def check_groups(groups: Groups) -> None:
     if isinstance(groups, bool) or (isinstance(groups, int) and groups < 0):
         raise InvalidArgumentError(f"num_groups / groups must be an int >= 0 or lists of variables; got {groups!r}")
     if isinstance(groups, int):
@@ -54,7 +66,7 @@ def label(variable: object) -> str:
     return str(getattr(variable, "path", variable))
 
 
-def groups_option(num_groups: Any, groups: Any) -> int | tuple[tuple[Any, ...], ...]:
+def groups_option(num_groups: int, groups: GroupsOption) -> Groups:
     """Horovod's two spellings as one value: ``num_groups`` (deprecated there) or ``groups`` (int or lists)."""
     if num_groups and groups is not None:
         raise InvalidArgumentError(f"pass num_groups={num_groups!r} or groups=..., not both (num_groups is "
@@ -69,7 +81,7 @@ def groups_option(num_groups: Any, groups: Any) -> int | tuple[tuple[Any, ...], 
             f"num_groups / groups must be an int >= 0 or lists of variables; got {value!r}") from None
 
 
-def local_layer_variables(local_layers: Any) -> list[Any]:
+def local_layer_variables(local_layers: LocalLayers) -> list[VariableLike]:
     """The trainable weights of Horovod's ``local_layers`` (one Keras layer or several).
 
     Raises:

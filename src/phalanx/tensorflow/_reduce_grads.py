@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
 
 import tensorflow as tf
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import ops
-from phalanx.tensorflow._groups import check_groups, groups_option, partition
+from phalanx.tensorflow._groups import Groups, GroupsOption, check_groups, groups_option, partition
 from phalanx.tensorflow.compression import Compression, Compressor
+from phalanx.tensorflow.tf_types import Gradient
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
@@ -37,7 +37,7 @@ class GradReducer:
     op: int = reduce_ops.Average
     prescale: float = 1.0
     postscale: float = 1.0
-    groups: int | tuple[tuple[Any, ...], ...] = 0
+    groups: Groups = 0
     process_set: ProcessSet = global_process_set
     scale_local_gradients: bool = True
     local: set[Hashable] = field(default_factory=set)
@@ -50,7 +50,7 @@ class GradReducer:
         """Whether ``variable`` was registered as local."""
         return var_key(variable) in self.local
 
-    def __call__(self, grads: list[Any], variables: list[Any]) -> list[Any]:
+    def __call__(self, grads: list[Gradient], variables: list[object]) -> list[Gradient]:
         """The reduced gradients, in order (None stays None)."""
         if not self.process_set.included():
             return list(grads)
@@ -64,14 +64,14 @@ class GradReducer:
             self._scale_local(out, variables)
         return out
 
-    def _groups(self, variables: list[Any]) -> list[list[int]]:
+    def _groups(self, variables: list[object]) -> list[list[int]]:
         if not self.groups:
             return [list(range(len(variables)))]
         return partition([var_key(v) for v in variables], self.groups, var_key)
 
-    def _reduce(self, grads: list[Any], tag: int) -> list[Any]:
-        out: list[Any] = list(grads)
-        dense = []
+    def _reduce(self, grads: list[Gradient], tag: int) -> list[Gradient]:
+        out = list(grads)
+        dense: list[int] = []
         for i, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
                 out[i] = ops.allreduce(g, op=self.op, name=f"{self.name}.sparse{i}", process_set=self.process_set)
@@ -83,7 +83,7 @@ class GradReducer:
             out[i] = r
         return out
 
-    def _scale_local(self, out: list[Any], variables: list[Any]) -> None:
+    def _scale_local(self, out: list[Gradient], variables: list[object]) -> None:
         n = self.process_set.size()
         for i, v in enumerate(variables):
             g = out[i]
@@ -96,7 +96,7 @@ class GradReducer:
 
 
 def make_reducer(name: str, compression: type[Compressor], sparse_as_dense: bool, op: int,
-                 gradient_predivide_factor: float, num_groups: int, groups: Any, process_set: ProcessSet,
+                 gradient_predivide_factor: float, num_groups: int, groups: GroupsOption, process_set: ProcessSet,
                  scale_local_gradients: bool) -> GradReducer:
     """Validate Horovod's options (its errors, as ``InvalidArgumentError``, a ``ValueError``) and build the
     reducer; ``Average`` with ``gradient_predivide_factor`` f scales by 1/f before the sum and f after."""
@@ -112,4 +112,4 @@ def make_reducer(name: str, compression: type[Compressor], sparse_as_dense: bool
     return GradReducer(name, compression, sparse_as_dense, op, pre, post, chosen, process_set, scale_local_gradients)
 
 
-ReduceFn = Callable[[list[Any], list[Any]], list[Any]]
+ReduceFn = Callable[[list[Gradient], list[object]], list[Gradient]]

@@ -9,7 +9,6 @@ that type and phalanx's ``CollectiveMismatchError``; every other error passes th
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 from tensorflow.python.client import session
 
@@ -23,7 +22,7 @@ def install() -> None:
         return
 
     @functools.wraps(original)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def run(self: session.BaseSession, *args: object, **kwargs: object) -> object:
         try:
             return original(self, *args, **kwargs)
         except Exception as e:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import tensorflow as tf
 
@@ -13,7 +12,7 @@ from phalanx.env import names as env_names
 from phalanx.torch.process_sets import ProcessSet
 
 
-def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
+def init(comm: object = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     """Initialize phalanx for TensorFlow (idempotent; the same state as ``phalanx.torch.init``).
 
     When ``OMP_NUM_THREADS`` is not set and several ranks share a host, TensorFlow's intra-op pool gets

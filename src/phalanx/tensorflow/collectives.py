@@ -8,8 +8,7 @@ received splits; a reducescatter's the allgather of the gradient (times the set'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -44,28 +43,27 @@ def _own_slice(dy: tf.Tensor, x: tf.Tensor, name: str | None, process_set: Proce
     return averaged[start : start + sizes[process_set.rank()]]
 
 
-def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+def allgather(tensor: object, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every member's tensor along dim 0 (dim 0 may differ between ranks), in rank order."""
     name = scoped_name(name, ignore_name_scope)
 
     @tf.custom_gradient
-    def gather(x: tf.Tensor) -> Any:
+    def gather(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
         return _dlpack.tf_allgather(x, name, process_set), lambda dy: _own_slice(dy, x, name, process_set)
 
     return gather(tf.convert_to_tensor(tensor))
 
 
-def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
+def grouped_allgather(tensors: Sequence[object], name: str | None = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allgather each tensor along dim 0 as one grouped collective; returns the gathered tensors in order."""
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
     if not tensors:
         return []
     name = scoped_name(name, ignore_name_scope)
 
     @tf.custom_gradient
-    def gather(*xs: tf.Tensor) -> Any:
+    def gather(*xs: tf.Tensor) -> tuple[list[tf.Tensor], Callable[..., list[tf.Tensor]]]:
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             return [_own_slice(dy, x, _grad_name(name, str(i)), process_set) for i, (dy, x) in enumerate(zip(dys, xs))]
 
@@ -77,16 +75,16 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return list(outs), grad
 
-    return list(gather(*tensors))
+    return list(gather(*[tf.convert_to_tensor(t) for t in tensors]))
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+def broadcast(tensor: object, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s tensor (a global rank) on every member of the set."""
     name = scoped_name(name, ignore_name_scope)
 
     @tf.custom_gradient
-    def bcast(x: tf.Tensor) -> Any:
+    def bcast(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
         def grad(dy: tf.Tensor) -> tf.Tensor:
             averaged = _dlpack.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), reduce_ops.Average, 1.0,
                                             1.0, process_set)
@@ -103,7 +101,7 @@ def _global_rank() -> int:
     return ptorch.rank()
 
 
-def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+def broadcast_(variables: Sequence[VariableLike], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Broadcast ``variables`` in place from ``root_rank``; returns their new values (Horovod's
     ``broadcast_``). Every member passes the same variables (count, shapes, dtypes) in the same order."""
@@ -115,8 +113,8 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     return [tf.convert_to_tensor(v) for v in variables]
 
 
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(tensor: object, splits: object = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[i]`` rows (dim 0) to the i-th member and gather what every member sent here.
 
     Args:
@@ -137,17 +135,18 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     return (out, received) if given else out
 
 
-def _alltoall(x: tf.Tensor, splits: tf.Tensor, name: str | None, process_set: ProcessSet) -> Any:
+def _alltoall(x: tf.Tensor, splits: tf.Tensor, name: str | None, process_set: ProcessSet,
+              ) -> tuple[tf.Tensor, tf.Tensor]:
     def fn(op_name: str | None, array: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return _bridge.np_alltoall(array, counts, op_name, process_set)
 
     @tf.custom_gradient
-    def exchange(x: tf.Tensor) -> Any:
+    def exchange(x: tf.Tensor) -> tuple[tuple[tf.Tensor, tf.Tensor], Callable[..., tf.Tensor]]:
         out, received = _bridge.graph_call(fn, [x, splits], [x.dtype, tf.int32], "phalanx_alltoall", name)
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         received.set_shape([process_set.size()])
 
-        def grad(dy: tf.Tensor, _unused: Any = None) -> tf.Tensor:
+        def grad(dy: tf.Tensor, _unused: object = None) -> tf.Tensor:
             back, _ = _alltoall(tf.convert_to_tensor(dy), received, _grad_name(name), process_set)
             return back
 
@@ -157,7 +156,7 @@ def _alltoall(x: tf.Tensor, splits: tf.Tensor, name: str | None, process_set: Pr
 
 
 def reducescatter(
-    tensor: Any, device_dense: str = "", compression: type[Compressor] = Compression.none,
+    tensor: object, device_dense: str = "", compression: type[Compressor] = Compression.none,
     op: int = reduce_ops.Average, name: str | None = None, process_set: ProcessSet = global_process_set,
     ignore_name_scope: bool = False, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
 ) -> tf.Tensor:
@@ -190,7 +189,7 @@ def _reducescatter(x: tf.Tensor, op: int, name: str | None, pre: float, post: fl
         return _bridge.np_reducescatter(array, op_name, op, pre, post, process_set)
 
     @tf.custom_gradient
-    def scatter(x: tf.Tensor) -> Any:
+    def scatter(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
         out = _bridge.graph_call(fn, [x], x.dtype, "phalanx_reducescatter", name)
         out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
 
@@ -206,7 +205,7 @@ def _reducescatter(x: tf.Tensor, op: int, name: str | None, pre: float, post: fl
 
 
 def grouped_reducescatter(
-    tensors: Sequence[Any], device_dense: str = "", compression: type[Compressor] = Compression.none,
+    tensors: Sequence[object], device_dense: str = "", compression: type[Compressor] = Compression.none,
     op: int = reduce_ops.Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[tf.Tensor]:
@@ -216,7 +215,7 @@ def grouped_reducescatter(
 
 
 def broadcast_variables(variables: Sequence[VariableLike], root_rank: int, process_set: ProcessSet = global_process_set,
-                        inplace: bool = False, name: str = "broadcast_variables") -> Any:
+                        inplace: bool = False, name: str = "broadcast_variables") -> tf.Operation | None:
     """Assign ``root_rank``'s values to ``variables`` on every rank (one collective per dtype).
 
     Args:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import tensorflow as tf
 
 
@@ -11,12 +9,12 @@ class Compressor:
     """Interface: compress a tensor before a collective and decompress the result."""
 
     @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, object]:
         """Return the tensor to send and a context for :meth:`decompress`."""
         raise NotImplementedError
 
     @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
+    def decompress(tensor: tf.Tensor, ctx: object) -> tf.Tensor:
         """Undo :meth:`compress` on the collective's result."""
         raise NotImplementedError
 
@@ -25,12 +23,12 @@ class NoneCompressor(Compressor):
     """No compression: the tensor travels as it is."""
 
     @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, object]:
         """Return ``tensor`` unchanged."""
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
+    def decompress(tensor: tf.Tensor, ctx: object) -> tf.Tensor:
         """Return ``tensor`` unchanged."""
         return tensor
 
@@ -39,14 +37,14 @@ class FP16Compressor(Compressor):
     """Floating-point tensors travel as float16 and are cast back; other dtypes are untouched."""
 
     @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, Any]:
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, object]:
         """Cast a floating-point tensor to float16; the context is the original dtype."""
         if tensor.dtype.is_floating and tensor.dtype != tf.float16:
             return tf.cast(tensor, tf.float16), tensor.dtype
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: Any) -> tf.Tensor:
+    def decompress(tensor: tf.Tensor, ctx: object) -> tf.Tensor:
         """Cast back to the original dtype."""
         return tensor if ctx is None else tf.cast(tensor, ctx)
 

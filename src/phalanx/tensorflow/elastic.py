@@ -4,6 +4,10 @@ The machinery is ``phalanx.torch.elastic``'s (one process state, one driver prot
 TensorFlow variables and Keras models. ``run`` also turns the ``OpError`` TensorFlow raises around a failed
 collective inside a graph back into the collective's own exception, which is how the elastic loop tells a
 lost peer from a bug. Launch with ``phalanx.run(fn, np=N, min_np=A, max_np=B)`` or ``phalanxrun --min-np``.
+
+``Any`` stays where the base class (``phalanx.torch.elastic.ObjectState``) has it: ``**kwargs`` are the user's
+own state attributes (and ``ObjectState``'s options), ``load_durable`` takes a checkpoint as ``torch.load``
+read it back.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class TensorFlowState(ObjectState):
         self._saved_values = _snapshot(self.variables)  # Horovod's sync saves: restore() keeps rank 0's values
         super().sync()
 
-    def durable(self) -> dict[str, Any]:
+    def durable(self) -> dict[str, object]:
         """The variables and attributes as last committed."""
         return {"variables": _as_tensors(self._saved_values), **super().durable()}
 
@@ -130,7 +134,7 @@ class TensorFlowKerasState(ObjectState):
         self._opt_values = _snapshot(self._optimizer_variables())
         super().sync()
 
-    def durable(self) -> dict[str, Any]:
+    def durable(self) -> dict[str, object]:
         """Weights, optimizer variables and attributes as last committed."""
         return {"model": _as_tensors(self._weights), "optimizer": _as_tensors(self._opt_values),
                 **super().durable()}
@@ -146,7 +150,7 @@ class TensorFlowKerasState(ObjectState):
 
 def _unwrapped(func: Callable[..., Result]) -> Callable[..., Result]:
     @functools.wraps(func)
-    def call(*args: Any, **kwargs: Any) -> Result:
+    def call(*args: object, **kwargs: object) -> Result:
         try:
             return func(*args, **kwargs)
         except tf.errors.OpError as e:

@@ -1,7 +1,8 @@
 """Object collectives for TensorFlow programs (Horovod's ``horovod.tensorflow.functions``).
 
 Objects travel pickled (cloudpickle) through phalanx.torch's collectives; ``session`` is TensorFlow 1's and is
-accepted for compatibility (TensorFlow 2 runs eagerly, so no session is needed).
+accepted for compatibility (TensorFlow 2 runs eagerly, so no session is needed). The objects are typed
+``Any``: any picklable value, and what comes back is another rank's, of whatever type it sent.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from phalanx.tensorflow.ops import broadcast_variables
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
+def broadcast_object(obj: Any, root_rank: int = 0, session: object = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Send a picklable object from ``root_rank`` to every member of the set.
 
@@ -32,7 +33,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     return ptorch.broadcast_object(obj, root_rank, name=name or type(obj).__name__, process_set=process_set)
 
 
-def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+def broadcast_object_fn(root_rank: int = 0, session: object = None, name: str | None = None,
                         process_set: ProcessSet = global_process_set) -> Callable[[Any], Any]:
     """A function ``obj -> root's obj`` (Horovod builds its graph once for TensorFlow 1 sessions)."""
     del session
@@ -44,7 +45,7 @@ def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | Non
     return _bcast
 
 
-def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+def allgather_object(obj: Any, session: object = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> list[Any]:
     """Gather a picklable object from every member; returns the objects in rank order."""
     del session

@@ -6,13 +6,13 @@ rank counts the same passes, so the ranks meet in the reduction on the same pass
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable
 
 import tensorflow as tf
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.tensorflow._reduce_grads import var_key
+from phalanx.tensorflow._reduce_grads import ReduceFn, var_key
+from phalanx.tensorflow.tf_types import Gradient
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
 
@@ -34,7 +34,7 @@ class LocalGradientAggregationHelper:
     _OPTIMIZER_TYPE_KERAS = "optimizer_type_keras"
     _OPTIMIZER_TYPE_LEGACY = "optimizer_type_legacy"
 
-    def __init__(self, backward_passes_per_step: int, allreduce_func: Callable[..., list[Any]],
+    def __init__(self, backward_passes_per_step: int, allreduce_func: ReduceFn,
                  sparse_as_dense: bool, average_aggregated_gradients: bool, rank: int, optimizer_type: str,
                  process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
                  name: str | None = None) -> None:
@@ -51,15 +51,15 @@ class LocalGradientAggregationHelper:
         self.scale_local_gradients = scale_local_gradients
         self.name = name or "LocalGradientAggregationHelper"
         self.counter: tf.Variable | None = None
-        self.locally_aggregated_grads: dict[Any, tf.Variable] = {}
-        self._local_vars: set[Any] = set()
+        self.locally_aggregated_grads: dict[Hashable, tf.Variable] = {}
+        self._local_vars: set[Hashable] = set()
         self.at_boundary = tf.constant(False)
 
-    def register_local_var(self, var: Any) -> None:
+    def register_local_var(self, var: object) -> None:
         """Keep ``var``'s gradient out of the reduction (it is applied locally)."""
         self._local_vars.add(var_key(var))
 
-    def _accumulators(self, grads: list[Any], variables: list[Any]) -> list[tf.Variable | None]:
+    def _accumulators(self, grads: list[Gradient], variables: list[tf.Variable]) -> list[tf.Variable | None]:
         with tf.init_scope():
             if self.counter is None:
                 self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name=f"{self.name}_counter")
@@ -69,7 +69,7 @@ class LocalGradientAggregationHelper:
                         tf.zeros(v.shape, dtype=v.dtype), trainable=False, name=f"{self.name}_aggregated")
         return [None if g is None else self.locally_aggregated_grads[var_key(v)] for g, v in zip(grads, variables)]
 
-    def compute_gradients(self, grads: Any, vars: Any) -> list[Any]:
+    def compute_gradients(self, grads: Iterable[Gradient], vars: Iterable[tf.Variable]) -> list[Gradient]:
         """Add this pass's gradients to the sums; on the last pass of a step return the reduced sums (the
         local gradients otherwise, which :meth:`apply_gradients` then does not apply)."""
         grads, variables = list(grads), list(vars)
@@ -84,7 +84,7 @@ class LocalGradientAggregationHelper:
         self.at_boundary = tf.equal(passes % self.backward_passes_per_step, 0)
         scale = 1.0 / self.backward_passes_per_step if self.average_aggregated_gradients else 1.0
 
-        def reduced() -> list[Any]:
+        def reduced() -> list[tf.Tensor]:
             total = [None if s is None else s.read_value() * tf.cast(scale, s.dtype) for s in sums]
             out = self.allreduce_grads(total, variables)
             for s in sums:
@@ -92,14 +92,14 @@ class LocalGradientAggregationHelper:
                     s.assign(tf.zeros_like(s))
             return [tf.zeros_like(v) if o is None else tf.convert_to_tensor(o) for o, v in zip(out, variables)]
 
-        def local() -> list[Any]:
+        def local() -> list[tf.Tensor]:
             return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
 
         result = tf.cond(self.at_boundary, reduced, local)
         return [None if g is None else r for g, r in zip(grads, result)]
 
-    def apply_gradients(self, apply_grads_closure: Callable[[], Any], optimizer: Any, *args: Any,
-                        **kwargs: Any) -> Any:
+    def apply_gradients(self, apply_grads_closure: Callable[[], object], optimizer: object, *args: object,
+                        **kwargs: object) -> tf.Tensor:
         """Run ``apply_grads_closure`` on the last pass of each step only; a no-op on the others."""
         del optimizer, args, kwargs
 

@@ -11,16 +11,16 @@ Wrap the tape after recording; ``tape.gradient`` then returns reduced gradients:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from phalanx.errors import InvalidArgumentError
-from phalanx.tensorflow._groups import local_layer_variables
+from phalanx.tensorflow._groups import GroupsOption, LocalLayers, local_layer_variables
 from phalanx.tensorflow._reduce_grads import GradReducer, make_reducer
 from phalanx.tensorflow._subclass import mixed_in
 from phalanx.tensorflow.compression import Compression, Compressor
+from phalanx.tensorflow.tf_types import Gradient
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
@@ -35,8 +35,9 @@ class _DistributedGradientTapeMixin:
         ``scale_local_gradients``)."""
         self._hvd_reducer.register_local(source)
 
-    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE, use_generic_names: bool = False) -> Any:
+    def gradient(self, target: object, sources: object, output_gradients: object = None,
+                 unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+                 use_generic_names: bool = False) -> object:
         del use_generic_names  # Horovod's collective names; phalanx names the fused buffers itself
         grads = super().gradient(target, sources, output_gradients,  # type: ignore[misc]
                                  unconnected_gradients=unconnected_gradients)
@@ -44,15 +45,15 @@ class _DistributedGradientTapeMixin:
         flat = self._hvd_reducer(tf.nest.flatten(grads), flat_sources)
         return tf.nest.pack_sequence_as(grads, flat)
 
-    def get_local_and_global_gradients(self, target: Any, sources: Any,
-                                       output_gradients: Any = None) -> tuple[list[Any], list[Any]]:
+    def get_local_and_global_gradients(self, target: object, sources: object, output_gradients: object = None,
+                                       ) -> tuple[list[tuple[object, Gradient]], list[tuple[object, Gradient]]]:
         """:meth:`gradient`'s results split into ``(local, global)`` lists of ``(variable, gradient)`` pairs,
         in the order of ``sources``: the local sources' gradients (not reduced; divided by the set's size
         with ``scale_local_gradients``) and the reduced ones."""
         flat_sources = tf.nest.flatten(sources)
         grads = tf.nest.flatten(self.gradient(target, sources, output_gradients))
-        local: list[Any] = []
-        shared: list[Any] = []
+        local: list[tuple[object, Gradient]] = []
+        shared: list[tuple[object, Gradient]] = []
         for source, grad in zip(flat_sources, grads):
             (local if self._hvd_reducer.is_local(source) else shared).append((source, grad))
         return local, shared
@@ -61,9 +62,9 @@ class _DistributedGradientTapeMixin:
 def DistributedGradientTape(
     gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False, op: int = reduce_ops.Average,
-    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: GroupsOption = None,
     process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
-) -> Any:
+) -> tf.GradientTape:
     """A tape whose ``gradient`` averages (``op``) the gradients across the set's ranks.
 
     Args:
@@ -100,10 +101,10 @@ def DistributedGradientTape(
 def PartialDistributedGradientTape(
     gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False, op: int = reduce_ops.Average,
-    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-    process_set: ProcessSet = global_process_set, local_layers: Sequence[Any] | Any = None,
+    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: GroupsOption = None,
+    process_set: ProcessSet = global_process_set, local_layers: LocalLayers = None,
     scale_local_gradients: bool = True,
-) -> Any:
+) -> tf.GradientTape:
     """:func:`DistributedGradientTape` that leaves the gradients of ``local_layers``' weights local.
 
     Args:

@@ -6,7 +6,7 @@ when the graph runs, not when it is built (``rank_op``, ``size_op``, ...), ``joi
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -24,6 +24,7 @@ from phalanx.tensorflow.collectives import (
     reducescatter,
 )
 from phalanx.tensorflow.ops import allreduce, grouped_allreduce
+from phalanx.tensorflow.tf_types import Gradient
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch import process_sets
 from phalanx.torch.basics import (
@@ -74,7 +75,7 @@ def check_num_rank_power_of_2(num_rank: int) -> bool:
     return num_rank > 0 and num_rank & (num_rank - 1) == 0
 
 
-def _scalar_op(fn: Any, name: str | None) -> tf.Tensor:
+def _scalar_op(fn: Callable[[], int], name: str | None) -> tf.Tensor:
     """An int32 scalar computed by ``fn`` when the graph runs (eagerly: now)."""
     if tf.executing_eagerly():
         return tf.constant(fn(), dtype=tf.int32)
@@ -140,7 +141,7 @@ def join() -> tf.Tensor:
     return _scalar_op(ptorch.join, "phalanx_join")
 
 
-def _allreduce(tensor: Any, name: str | None = None, op: int = Sum, prescale_factor: float = 1.0,
+def _allreduce(tensor: object, name: str | None = None, op: int = Sum, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, ignore_name_scope: bool = False,
                process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Horovod's raw allreduce op (default ``Sum``), which the public ``allreduce`` wraps."""
@@ -148,21 +149,22 @@ def _allreduce(tensor: Any, name: str | None = None, op: int = Sum, prescale_fac
                      process_set=process_set, ignore_name_scope=ignore_name_scope)
 
 
-def _grouped_allreduce(tensors: Any, name: str | None = None, op: int = Sum, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, ignore_name_scope: bool = False,
-                       process_set: ProcessSet = global_process_set) -> list[Any]:
+def _grouped_allreduce(tensors: Sequence[object], name: str | None = None, op: int = Sum,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, ignore_name_scope: bool = False,
+                       process_set: ProcessSet = global_process_set) -> list[Gradient]:
     """Horovod's raw grouped allreduce op (default ``Sum``)."""
     return grouped_allreduce(tensors, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              process_set=process_set, ignore_name_scope=ignore_name_scope, name=name)
 
 
-def _reducescatter(tensor: Any, name: str | None = None, op: int = Sum, ignore_name_scope: bool = False,
+def _reducescatter(tensor: object, name: str | None = None, op: int = Sum, ignore_name_scope: bool = False,
                    process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Horovod's raw reducescatter op (default ``Sum``)."""
     return reducescatter(tensor, op=op, name=name, process_set=process_set, ignore_name_scope=ignore_name_scope)
 
 
-def _grouped_reducescatter(tensors: Any, name: str | None = None, op: int = Sum, ignore_name_scope: bool = False,
+def _grouped_reducescatter(tensors: Sequence[object], name: str | None = None, op: int = Sum,
+                           ignore_name_scope: bool = False,
                            process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Horovod's raw grouped reducescatter op (default ``Sum``)."""
     del name, ignore_name_scope

@@ -8,14 +8,14 @@ incoming gradient with the same op and factors); ``fused_allreduce``, the optimi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
 from phalanx.tensorflow import _dlpack
 from phalanx.tensorflow.collectives import allgather, broadcast_variables, scoped_name
 from phalanx.tensorflow.compression import Compression, Compressor
+from phalanx.tensorflow.tf_types import Gradient
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.process_sets import ProcessSet, global_process_set
 
@@ -51,7 +51,7 @@ def _sparse_allreduce(slices: tf.IndexedSlices, op: int, name: str | None,
 def _dense_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float, post: float,
                      process_set: ProcessSet) -> tf.Tensor:
     @tf.custom_gradient
-    def reduce(x: tf.Tensor) -> Any:
+    def reduce(x: tf.Tensor) -> tuple[tf.Tensor, Callable[[tf.Tensor], tf.Tensor]]:
         def grad(dy: tf.Tensor) -> tf.Tensor:
             return _dlpack.tf_allreduce(tf.convert_to_tensor(dy), _grad_name(name), op, pre, post, process_set)
 
@@ -61,11 +61,11 @@ def _dense_allreduce(tensor: tf.Tensor, name: str | None, op: int, pre: float, p
 
 
 def allreduce(
-    tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+    tensor: object, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0, name: str | None = None, process_set: ProcessSet = global_process_set,
     ignore_name_scope: bool = False,
-) -> Any:
+) -> tf.Tensor | tf.IndexedSlices:
     """Allreduce a tensor across the set (``hvd.allreduce``); eager or in a graph; differentiable.
 
     Args:
@@ -102,11 +102,11 @@ def allreduce(
 
 
 def grouped_allreduce(
-    tensors: Sequence[Any], average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+    tensors: Sequence[object], average: bool | None = None, device_dense: str = "", device_sparse: str = "",
     compression: type[Compressor] = Compression.none, op: int | None = None, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
     name: str | None = None,
-) -> list[Any]:
+) -> list[Gradient]:
     """Allreduce several tensors as one flat buffer per dtype (one collective per dtype); differentiable.
 
     ``IndexedSlices`` among them are reduced as :func:`allreduce` reduces them; None stays None.
@@ -114,12 +114,11 @@ def grouped_allreduce(
     Returns:
         The reduced tensors, in order.
     """
-    tensors = list(tensors)
     if not tensors:
-        return tensors
+        return []
     op_ = reduce_ops.resolve_op(op, average)
     name = scoped_name(name, ignore_name_scope) or "grouped_allreduce"
-    out: list[Any] = [None] * len(tensors)
+    out: list[Gradient] = [None] * len(tensors)
     dense = []
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
@@ -139,7 +138,7 @@ def grouped_allreduce(
 def _differentiable_fused(tensors: list[tf.Tensor], op: int, name: str, pre: float, post: float,
                           process_set: ProcessSet) -> list[tf.Tensor]:
     @tf.custom_gradient
-    def reduce(*xs: tf.Tensor) -> Any:
+    def reduce(*xs: tf.Tensor) -> tuple[list[tf.Tensor], Callable[..., list[tf.Tensor]]]:
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             return _dlpack.tf_fused_allreduce([tf.convert_to_tensor(d) for d in dys], f"{name}.grad", op, pre, post,
                                               process_set)
@@ -150,7 +149,7 @@ def _differentiable_fused(tensors: list[tf.Tensor], op: int, name: str, pre: flo
 
 
 def fused_allreduce(
-    tensors: list[Any], op: int, compression: type[Compressor], name: str, pre: float = 1.0, post: float = 1.0,
+    tensors: list[Gradient], op: int, compression: type[Compressor], name: str, pre: float = 1.0, post: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[tf.Tensor | None]:
     """The fusion behind the distributed optimizers and tapes: one ``tf.numpy_function`` call, one

@@ -7,18 +7,24 @@ optimizer is wrapped so that ``compute_gradients`` returns reduced gradients.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
 from phalanx.errors import InvalidArgumentError, UsageError
+from phalanx.tensorflow._groups import GroupsOption
 from phalanx.tensorflow._reduce_grads import GradReducer, make_reducer
 from phalanx.tensorflow.compression import Compression, Compressor
 from phalanx.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from phalanx.tensorflow.ops import broadcast_variables
+from phalanx.tensorflow.tf_types import Gradient
 from phalanx.torch import frontend as reduce_ops
 from phalanx.torch.basics import rank
 from phalanx.torch.process_sets import ProcessSet, global_process_set
+
+if TYPE_CHECKING:
+    import keras
 
 _LegacyOptimizer: Any = tf.compat.v1.train.Optimizer
 
@@ -26,8 +32,8 @@ _LegacyOptimizer: Any = tf.compat.v1.train.Optimizer
 class _DistributedOptimizer(_LegacyOptimizer):
     """Wraps a ``tf.compat.v1.train.Optimizer``: ``compute_gradients`` reduces across ranks."""
 
-    def __init__(self, optimizer: Any, reducer: GradReducer, name: str | None, use_locking: bool,
-                 backward_passes_per_step: int, average_aggregated_gradients: bool) -> None:
+    def __init__(self, optimizer: tf.compat.v1.train.Optimizer, reducer: GradReducer, name: str | None,
+                 use_locking: bool, backward_passes_per_step: int, average_aggregated_gradients: bool) -> None:
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
         self._optimizer = optimizer
         self._reducer = reducer
@@ -41,13 +47,13 @@ class _DistributedOptimizer(_LegacyOptimizer):
                 LocalGradientAggregationHelper._OPTIMIZER_TYPE_LEGACY, reducer.process_set,
                 reducer.scale_local_gradients, self.get_name())
 
-    def register_local_var(self, var: Any) -> None:
+    def register_local_var(self, var: object) -> None:
         """Leave ``var``'s gradient local (not reduced)."""
         if self._agg_helper is not None:
             self._agg_helper.register_local_var(var)
         self._reducer.register_local(var)
 
-    def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
+    def compute_gradients(self, *args: object, **kwargs: object) -> list[tuple[Gradient, tf.Variable]]:
         """The wrapped optimizer's gradients, reduced across the set's ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
@@ -57,35 +63,37 @@ class _DistributedOptimizer(_LegacyOptimizer):
             reduced = self._reducer(grads, variables)
         return list(zip(reduced, variables))
 
-    def apply_gradients(self, grads_and_vars: Any, global_step: Any = None, name: str | None = None) -> Any:
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Gradient, tf.Variable]],
+                        global_step: tf.Variable | None = None, name: str | None = None) -> tf.Operation:
         """The wrapped optimizer's ``apply_gradients`` (on the last pass of each step)."""
-        def apply() -> Any:
+        def apply() -> tf.Operation:
             return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
         if self._agg_helper is not None:
             return self._agg_helper.apply_gradients(apply, self._optimizer)
         return apply()
 
-    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+    def get_slot(self, *args: object, **kwargs: object) -> tf.Variable | None:
         """The wrapped optimizer's slot."""
         return self._optimizer.get_slot(*args, **kwargs)
 
-    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+    def get_slot_names(self, *args: object, **kwargs: object) -> list[str]:
         """The wrapped optimizer's slot names."""
         return self._optimizer.get_slot_names(*args, **kwargs)
 
-    def variables(self, *args: Any, **kwargs: Any) -> Any:
+    def variables(self, *args: object, **kwargs: object) -> list[tf.Variable]:
         """The wrapped optimizer's variables."""
         return self._optimizer.variables(*args, **kwargs)
 
 
 def DistributedOptimizer(
-    optimizer: Any, name: str | None = None, use_locking: bool = False, device_dense: str = "",
+    optimizer: keras.optimizers.Optimizer | tf.compat.v1.train.Optimizer, name: str | None = None,
+    use_locking: bool = False, device_dense: str = "",
     device_sparse: str = "", compression: type[Compressor] = Compression.none, sparse_as_dense: bool = False,
     backward_passes_per_step: int = 1, op: int = reduce_ops.Average, gradient_predivide_factor: float = 1.0,
-    average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+    average_aggregated_gradients: bool = False, num_groups: int = 0, groups: GroupsOption = None,
     process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
-) -> Any:
+) -> keras.optimizers.Optimizer | tf.compat.v1.train.Optimizer:
     """Wrap an optimizer so that it averages (``op``) gradients across ranks before applying them.
 
     Args:
@@ -122,7 +130,7 @@ def DistributedOptimizer(
                                  average_aggregated_gradients)
 
 
-def broadcast_global_variables(root_rank: int) -> Any:
+def broadcast_global_variables(root_rank: int) -> tf.Operation | None:
     """Broadcast ``tf.compat.v1.global_variables()`` from ``root_rank`` (TensorFlow 1-style graphs only).
 
     Returns:
@@ -157,6 +165,6 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
             self.bcast_op = broadcast_global_variables(self.root_rank)
 
-    def after_create_session(self, session: Any, coord: Any) -> None:
+    def after_create_session(self, session: tf.compat.v1.Session, coord: tf.train.Coordinator) -> None:
         """Run the broadcast once the variables are initialized."""
         session.run(self.bcast_op)

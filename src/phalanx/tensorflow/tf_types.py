@@ -9,10 +9,14 @@ these Protocols is checked at test time instead, against the real classes and ob
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import numpy as np
+    import tensorflow as tf
+
+#: A variable's gradient: dense, sparse (``IndexedSlices``), or None for a variable the loss does not use.
+Gradient: TypeAlias = "tf.Tensor | tf.IndexedSlices | None"
 
 
 class VariableLike(Protocol):

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from typing import TypeVar
 
 import tensorflow as tf
 
@@ -15,23 +15,25 @@ from phalanx.tensorflow.tf_types import ReferableVariable, VariableLike, Variabl
 
 _has_eager = True
 
+T = TypeVar("T")
+
 
 def _executing_eagerly() -> bool:
     """Whether TensorFlow runs ops eagerly here (False while a graph or a ``tf.function`` is built)."""
     return bool(tf.executing_eagerly())
 
 
-def _make_subgraph(f: Callable[..., Any]) -> Callable[..., Any]:
+def _make_subgraph(f: Callable[..., T]) -> Callable[..., T]:
     """``f`` as a ``tf.function`` (a graph TensorFlow traces once per input signature)."""
     return tf.function(f)
 
 
-def _cache(f: Callable[..., Any]) -> Callable[..., Any]:
+def _cache(f: Callable[..., T]) -> Callable[..., T]:
     """Memoize ``f`` on its (hashable) arguments and on whether TensorFlow runs eagerly, as Horovod does
     for the functions that build its broadcast subgraphs."""
-    cache: dict[tuple[Hashable, ...], Any] = {}
+    cache: dict[tuple[Hashable, ...], T] = {}
 
-    def wrapper(*args: Hashable) -> Any:
+    def wrapper(*args: Hashable) -> T:
         key = (args, _executing_eagerly())
         if key not in cache:
             cache[key] = f(*args)
