@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.waits import wait_until
+from tests.waits import end_rank_0_last, wait_until
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, WorkerFailedError
@@ -57,28 +57,13 @@ def test_run_returns_every_rank_on_every_slot_and_streams_its_logs_live(
     assert "logs stream live: rank 0's task reached this client" in caplog.text
 
 
-def _finish_last(folder: str) -> None:
-    """Rank 0 ends after rank 1, by a handshake: rank 1 leaves its pid (written whole) and goes on; rank 0
-    waits until that process has ended (up to WAIT_S)."""
-    rank, pidfile = os.environ["RANK"], Path(folder, "rank1.pid")
-    if rank == "1":
-        Path(folder, "rank1.part").write_text(str(os.getpid()))
-        os.replace(Path(folder, "rank1.part"), pidfile)
-    elif rank == "0":
-        deadline = time.monotonic() + WAIT_S
-        while not (pidfile.exists() and not is_alive(int(pidfile.read_text()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 1 did not end within {WAIT_S:g} s")
-            time.sleep(0.05)
-
-
 def _rank_work(value: int, folder: str) -> dict[str, Any]:
     import connect_helper_mod  # only in the driver's project directory, on no executor path
 
     rank = int(os.environ["RANK"])
     print(f"plain output from rank {rank}", flush=True)
     log_to_driver(f"callback from rank {rank}")
-    _finish_last(folder)  # rank 0 finishes last: its value must still be the one returned
+    end_rank_0_last(folder)  # rank 0 finishes last: its value must still be the one returned
     return {"rank": rank, "value": connect_helper_mod.scale(value),
             "shipped": "project" not in os.path.dirname(connect_helper_mod.__file__)}
 
@@ -102,7 +87,7 @@ def test_horovod_runner_returns_rank_0s_value_shows_callback_lines_and_ships_mod
 def _chatty(tag: str, folder: str) -> str:
     print(f"plain output {tag} from rank {os.environ['RANK']}", flush=True)
     log_to_driver(f"callback {tag} from rank {os.environ['RANK']}")
-    _finish_last(folder)  # rank 0 finishes last: its value must still be the one returned
+    end_rank_0_last(folder)  # rank 0 finishes last: its value must still be the one returned
     return f"{tag}-{os.environ['RANK']}"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.waits import wait_until
+from tests.waits import end_rank_0_last, wait_until
 
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError, SparkJobError, WorkerFailedError
 from phalanx.launch import warm
@@ -75,23 +75,8 @@ def test_run_returns_every_rank_in_order_with_the_contract() -> None:
 
 
 def _rank_value(folder: str) -> int:
-    _finish_last(folder)  # rank 0 finishes last: pyspark's TorchDistributor would return rank 1's value
+    end_rank_0_last(folder)  # rank 0 finishes last: pyspark's TorchDistributor would return rank 1's value
     return int(os.environ["RANK"]) * 10
-
-
-def _finish_last(folder: str) -> None:
-    """Rank 0 ends after rank 1, by a handshake: rank 1 leaves its pid (written whole) and goes on; rank 0
-    waits until that process has ended (up to WAIT_S)."""
-    rank, pidfile = os.environ["RANK"], Path(folder, "rank1.pid")
-    if rank == "1":
-        Path(folder, "rank1.part").write_text(str(os.getpid()))
-        os.replace(Path(folder, "rank1.part"), pidfile)
-    elif rank == "0":
-        deadline = time.monotonic() + WAIT_S
-        while not (pidfile.exists() and not is_alive(int(pidfile.read_text()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank 1 did not end within {WAIT_S:g} s")
-            time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)
