@@ -1,7 +1,7 @@
 """phalanx.tensorflow.keras on Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``), on 2 real ranks in one job:
 the Keras TensorFlow chose, Horovod's import paths, gradient averaging by ``model.fit`` with a new and a legacy
 optimizer (with accumulation), the callbacks, ``PartialDistributedOptimizer``, ``SyncBatchNormalization``,
-elastic ``KerasState`` and ``load_model``."""
+elastic ``KerasState``, mixed precision and ``load_model``."""
 
 from __future__ import annotations
 
@@ -142,6 +142,30 @@ def _elastic_checks(hvd: Any, me: int) -> dict[str, Any]:
             "elastic epoch": state.epoch, "elastic optimizer variables": len(state._opt_values)}
 
 
+def _mixed_precision_checks(hvd: Any, me: int) -> dict[str, Any]:
+    """Only rank 1's float16 gradients overflow: compile makes DistributedOptimizer(LossScaleOptimizer),
+    so both ranks see the averaged (overflowed) gradients, skip the step and halve the loss scale."""
+    import numpy as np
+    import tensorflow as tf
+
+    from phalanx.tensorflow.keras.optimizer import base_class
+
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        tf.keras.utils.set_random_seed(3)  # the same initial weights on both ranks
+        model = tf.keras.Sequential([tf.keras.layers.Dense(4, input_shape=(3,)),
+                                     tf.keras.layers.Dense(1, dtype="float32")])
+        model.compile(optimizer=hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01)), loss="mse")
+        before = [w.copy() for w in model.get_weights()]
+        x = np.full((8, 3), 1e6 if me == 1 else 0.5, dtype="float32")  # 1e6 is inf in float16
+        model.fit(x, np.ones((8, 1), "float32"), batch_size=8, epochs=1, verbose=0)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    return {"mixed optimizer": base_class(model.optimizer).__name__,
+            "overflow skipped": all(np.array_equal(a, b) for a, b in zip(before, model.get_weights())),
+            "loss scale": float(model.optimizer.loss_scale)}
+
+
 def _load_checks(hvd: Any, me: int, tmp: str) -> dict[str, Any]:
     import numpy as np
     import tensorflow as tf
@@ -170,6 +194,7 @@ def _keras2_job(tmp: str) -> dict[str, Any]:
     out.update(_fit_checks(hvd, me))
     out.update(_sync_batch_norm_checks(hvd, me))
     out.update(_elastic_checks(hvd, me))
+    out.update(_mixed_precision_checks(hvd, me))
     out.update(_load_checks(hvd, me, tmp))
     return out
 
@@ -192,5 +217,7 @@ def test_keras2_fit_callbacks_layers_and_elastic_state(tmp_path: Path) -> None:
         assert "fused=True" in r["sync bn fused"]
         assert r["elastic epoch"] == 2 and r["elastic optimizer variables"] > 0
         assert r["loaded"] == "True:legacy.Adam"
+        assert r["mixed optimizer"] == "LossScaleOptimizerV3" and r["overflow skipped"] is True
+        assert r["loss scale"] == 2.0**15 / 2
     assert r0["history"] == r1["history"]  # MetricAverageCallback: the same averaged metrics on both ranks
     assert r0["elastic synced"] == r1["elastic synced"]
