@@ -10,8 +10,8 @@ from _source_tree import parsed
 from phalanx.env import names, settings
 from phalanx.errors import InvalidArgumentError, SettingError
 
-# white-box: the transport's own reading of PHALANX_SHM, with its machine checks stubbed (no public name)
-from phalanx.transport import _setup
+# white-box: stubs the transport's machine checks (x86-64, /dev/shm), which no public name switches
+from phalanx.transport import _setup, api
 from phalanx.worker import dist_backend
 
 ONE_HOST = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "1"}
@@ -24,7 +24,7 @@ def test_an_empty_phalanx_shm_means_unset_for_every_reader(value: str, monkeypat
     monkeypatch.setattr(_setup._segment, "available", lambda: True)
     monkeypatch.setattr(_setup.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(dist_backend, "_x86_64", lambda: True)
-    assert _setup.enabled() is True
+    assert api.enabled() is True
     assert dist_backend.SHM_BACKEND in dist_backend.choose("gloo", {**ONE_HOST, names.PHALANX_SHM: value})
 
 
@@ -33,7 +33,7 @@ def test_phalanx_shm_off_is_off_for_every_reader(value: str, monkeypatch: pytest
     monkeypatch.setenv(names.PHALANX_SHM, value)
     monkeypatch.setattr(_setup._segment, "available", lambda: True)
     monkeypatch.setattr(dist_backend, "_x86_64", lambda: True)
-    assert _setup.enabled() is False
+    assert api.enabled() is False
     assert dist_backend.choose("gloo", {**ONE_HOST, names.PHALANX_SHM: value}) == "gloo"
 
 

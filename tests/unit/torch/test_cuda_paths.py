@@ -18,7 +18,7 @@ from phalanx.launch.agent_driver import plan_env
 # white-box: the engine's CUDA paths, checked without a GPU: internal (no public name)
 from phalanx.torch._engine import header as _header
 from phalanx.torch._setup import state as _state
-from phalanx.transport import _dispatch
+from phalanx.transport import _dispatch, api
 
 
 def test_a_non_cpu_tensor_goes_to_torch_distributed_never_to_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,7 +35,7 @@ def test_a_non_cpu_tensor_goes_to_torch_distributed_never_to_shared_memory(monke
     monkeypatch.setattr(dist, "all_gather_into_tensor",
                         lambda out, t, **kw: calls.append(f"dist.all_gather:{t.device.type}"), raising=False)
     cuda_like = torch.empty(4, device="meta")
-    _dispatch.all_reduce(cuda_like, group=group)
+    api.all_reduce(cuda_like, group=group)
     assert calls == ["dist.all_reduce:meta"]
     assert _dispatch._route(group, torch.ones(4)) is not None  # a CPU tensor would take shared memory
 
