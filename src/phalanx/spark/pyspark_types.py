@@ -7,7 +7,7 @@ objects alike where both are accepted (a Connect session has no SparkContext).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import pyspark
@@ -44,7 +44,7 @@ class SessionLike(Protocol):
 
 
 #: What the GPU and slot checks accept: a classic SparkContext or a Spark Connect session.
-ContextOrSession = SparkContextLike | SessionLike
+ContextOrSession: TypeAlias = "SparkContextLike | ConnectSession"
 
 
 if TYPE_CHECKING:

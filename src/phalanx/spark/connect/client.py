@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import cloudpickle
 
@@ -32,6 +32,10 @@ from phalanx.spark.connect.session import StageWatch, check_slots, client_bind_h
 from phalanx.spark.connect.task import ConnectTaskSpec, connect_task
 from phalanx.spark.driver_log import rank_log_dir
 from phalanx.spark.launcher import Rank0Stdout, StreamSink
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
 
 log = logging.getLogger("phalanx")
 
@@ -77,12 +81,12 @@ class ConnectLauncher:
         elastic: the elastic policy, or None for a plain job.
     """
 
-    def __init__(self, spec: JobSpec, session: Any, elastic: ElasticSpec | None = None) -> None:
+    def __init__(self, spec: JobSpec, session: ConnectSession, elastic: ElasticSpec | None = None) -> None:
         self.spec = spec
         self.session = session
         self.elastic = elastic
         self.run_id = new_run_id()
-        self.values: list[Any] = []
+        self.values: list[object] = []
         self.rank0_stdout = Rank0Stdout()
         self.log_dir: str | None = None
         self.spark_error: SparkJobError | None = None
@@ -94,7 +98,7 @@ class ConnectLauncher:
         self._secret = ""
         self._query_ended = threading.Event()
 
-    def run(self) -> list[Any]:
+    def run(self) -> list[object]:
         """Run the job to its end; return each rank's value (None for a command job) in rank order.
 
         Raises:
@@ -135,13 +139,13 @@ class ConnectLauncher:
         self.log_dir = rank_log_dir(self.run_id)
         return _Sinks(console, FileSink(self.log_dir))
 
-    def _query(self, link: DriverChannel) -> Any:
+    def _query(self, link: DriverChannel) -> DataFrame:
         spec = ConnectTaskSpec(job=replace(self.spec, stdout=None, stderr=None), run_id=self.run_id,
                                elastic=self.elastic, client=link.address, secret=link.secret, probe_s=LINK_PROBE_S)
         tasks = self.spec.tasks
         return self.session.range(0, tasks, 1, tasks).mapInArrow(connect_task(spec), connect_wire.SCHEMA, barrier=True)
 
-    def _collect(self, query: Any, tag: str, watch: StageWatch, link: DriverChannel) -> None:
+    def _collect(self, query: DataFrame, tag: str, watch: StageWatch, link: DriverChannel) -> None:
         watch.thread_id = threading.get_ident()
         self.session.addTag(tag)  # tags are the thread's: this query only
         try:
@@ -211,7 +215,7 @@ class ConnectLauncher:
             raise self._spark_failed(SparkJobError(_status_errors(self._collected.statuses) or "no outcome"))
         return connect_wire.verify(self._collected.outcome, self._secret)
 
-    def _finish(self, outcome: connect_wire.Outcome, sinks: _Sinks) -> list[Any]:
+    def _finish(self, outcome: connect_wire.Outcome, sinks: _Sinks) -> list[object]:
         assert self._collected is not None
         self._show_logs(outcome, sinks)
         self.resets = outcome.resets
@@ -250,12 +254,12 @@ class ConnectLauncher:
         return self.spark_error
 
 
-def _status_errors(statuses: list[dict[str, Any]]) -> str:
+def _status_errors(statuses: list[connect_wire.TaskStatus]) -> str:
     errors = [f"rank {s['rank']}: {s['error']}" for s in statuses if s.get("error")]
     return "; ".join(errors)
 
 
-def _load(rank: int, raw: bytes | None) -> Any:
+def _load(rank: int, raw: bytes | None) -> object:
     if raw is None:
         return None
     try:

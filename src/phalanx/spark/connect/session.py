@@ -18,13 +18,16 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
+    from pyspark.sql.connect.shell.progress import StageInfo
     from typing_extensions import TypeIs
 
     from phalanx.spark.pyspark_types import SessionLike
@@ -33,12 +36,12 @@ _LOCAL = re.compile(r"local(?:\[(\d+|\*)(?:,\s*\d+)?\])?$")
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[(\d+),\s*(\d+),\s*\d+\]$")
 
 
-def is_connect(session: object) -> TypeIs[SessionLike]:
+def is_connect(session: object) -> TypeIs[ConnectSession]:
     """True when ``session`` is a Spark Connect ``SparkSession``."""
     return type(session).__module__.startswith("pyspark.sql.connect")
 
 
-def active_connect_session() -> Any | None:
+def active_connect_session() -> ConnectSession | None:
     """The active Spark Connect session, or None (no pyspark, no Connect client, or a classic session)."""
     try:
         from pyspark.sql.utils import is_remote
@@ -50,7 +53,8 @@ def active_connect_session() -> Any | None:
 
     # The active session is per thread; the default one (the first created) serves other threads, as in
     # pyspark's own SparkSession.active().
-    session = SparkSession.getActiveSession() or getattr(SparkSession, "_default_session", None)
+    session: SparkSession | None = (SparkSession.getActiveSession()
+                                    or getattr(SparkSession, "_default_session", None))
     if session is None or getattr(session, "is_stopped", False):
         return None
     return session if is_connect(session) else None
@@ -65,7 +69,7 @@ def conf(session: SessionLike, key: str) -> str | None:
     return None if value is None else str(value)
 
 
-def task_slots(session: Any) -> int | None:
+def task_slots(session: ConnectSession) -> int | None:
     """Tasks the session's cluster runs at once, from its settings; None when the settings do not say."""
     master = conf(session, "spark.master") or ""
     per_task = int(float(conf(session, "spark.task.cpus") or 1))
@@ -83,7 +87,7 @@ def task_slots(session: Any) -> int | None:
     return cores // max(per_task, 1) if gpu_bound is None else min(cores // max(per_task, 1), gpu_bound)
 
 
-def _host_cores(batches: Iterator[Any]) -> Iterator[Any]:
+def _host_cores(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     import pyarrow as pa
 
     for _ in batches:
@@ -98,7 +102,7 @@ _server_cores: dict[str, int] = {}
 _server_cores_lock = threading.Lock()
 
 
-def server_cores(session: Any) -> int:
+def server_cores(session: ConnectSession) -> int:
     """The cores of the Connect server's host (one small query per session; for ``local[*]``, whose
     executors are the server's JVM)."""
     key = str(getattr(session, "session_id", id(session)))
@@ -145,7 +149,7 @@ def ranks_asked(np: int, ranks_per_task: int) -> str:
     return f"{np} ranks ({np // ranks_per_task} tasks of {ranks_per_task} GPUs each)"
 
 
-def check_slots(session: Any, np: int, ranks_per_task: int = 1) -> None:
+def check_slots(session: ConnectSession, np: int, ranks_per_task: int = 1) -> None:
     """Refuse a job the session's cluster cannot run at once (``np / ranks_per_task`` tasks), when its settings
     say so.
 
@@ -174,7 +178,7 @@ def check_slots(session: Any, np: int, ranks_per_task: int = 1) -> None:
     )
 
 
-def every_slot(session: Any) -> int:
+def every_slot(session: ConnectSession) -> int:
     """The number of task slots, for "one rank per slot" (``num_proc=None``, ``np=0``).
 
     Raises:
@@ -190,14 +194,14 @@ def every_slot(session: Any) -> int:
     return slots
 
 
-def client_host(session: Any, environ: dict[str, str] | None = None) -> str:
+def client_host(session: ConnectSession, environ: dict[str, str] | None = None) -> str:
     """The address executors would reach this client at: ``PHALANX_CONNECT_CLIENT_HOST`` when set, else the
     local address of the route to the Connect server (its host as the session was given it)."""
     chosen = settings.CONNECT_CLIENT_HOST.get(environ)
     return chosen or _route_address(session) or socket.gethostname()
 
 
-def client_bind_host(session: Any, advertise: str) -> str:
+def client_bind_host(session: ConnectSession, advertise: str) -> str:
     """The address the client's log link listens on: ``advertise`` (what the cluster reaches the client at)
     when it is one of this machine's, else the local address of the route to the Connect server (an
     ``advertise`` behind NAT arrives there), never every interface."""
@@ -206,7 +210,7 @@ def client_bind_host(session: Any, advertise: str) -> str:
     return _route_address(session) or "127.0.0.1"
 
 
-def _route_address(session: Any) -> str | None:
+def _route_address(session: ConnectSession) -> str | None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((socket.gethostbyname(_server_host(session)), 9))  # a UDP "connect" sends nothing
@@ -223,7 +227,7 @@ def _is_local(address: str) -> bool:
         return False
 
 
-def _server_host(session: Any) -> str:
+def _server_host(session: ConnectSession) -> str:
     client = getattr(session, "client", None)
     host = getattr(client, "host", None) or getattr(getattr(client, "_builder", None), "host", None)
     return str(host or "localhost")
@@ -233,7 +237,7 @@ def _server_host(session: Any) -> str:
 PROGRESS_INTERVAL_KEY = "spark.connect.progress.reportInterval"
 
 
-def reports_progress(session: Any) -> bool:
+def reports_progress(session: ConnectSession) -> bool:
     """True when the server reports query progress: Spark 4 servers do unless their setting is negative."""
     try:
         major = int(str(session.version).split(".")[0])
@@ -253,22 +257,25 @@ class StageWatch:
     the server does not report progress: then nothing can be told.
     """
 
-    def __init__(self, session: Any) -> None:
+    def __init__(self, session: ConnectSession) -> None:
         self.session = session
         self.armed = reports_progress(session)
         self.started = threading.Event()
         self.thread_id: int | None = None
 
-    def __call__(self, stages: Any, inflight_tasks: int, operation_id: Any, done: bool) -> None:
+    def __call__(self, stages: Iterable[StageInfo] | None, inflight_tasks: int, operation_id: str | None,
+                 done: bool) -> None:
         """A progress report (pyspark's ``ProgressHandler`` interface)."""
-        if threading.get_ident() == self.thread_id and any(stage.num_tasks > 0 for stage in stages):
+        if threading.get_ident() == self.thread_id and any(stage.num_tasks > 0 for stage in stages or ()):
             self.started.set()
 
     def __enter__(self) -> StageWatch:
         if self.armed:
-            self.session.registerProgressHandler(self)
+            # pyspark calls any callable of ProgressHandler's signature; subclassing its ABC would import
+            # pyspark's Connect client with this module.
+            self.session.registerProgressHandler(self)  # type: ignore[arg-type]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.armed:
-            self.session.removeProgressHandler(self)
+            self.session.removeProgressHandler(self)  # type: ignore[arg-type]

@@ -16,9 +16,13 @@ import json
 import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from phalanx.errors import SparkJobError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import Row
 
 #: The query's result schema: which task, what kind of row, its order, its bytes.
 SCHEMA = "rank int, kind string, seq int, data binary"
@@ -79,7 +83,7 @@ def verify(blob: bytes, secret: str) -> Outcome:
     return outcome
 
 
-def rows(rank: int, kind: str, data: bytes) -> Iterator[Any]:
+def rows(rank: int, kind: str, data: bytes) -> Iterator[pa.RecordBatch]:
     """Arrow record batches carrying ``data`` in chunks of at most :data:`CHUNK_BYTES`."""
     import pyarrow as pa
 
@@ -92,6 +96,15 @@ def rows(rank: int, kind: str, data: bytes) -> Iterator[Any]:
         )
 
 
+class TaskStatus(TypedDict):
+    """A task's status row, as :func:`status_body` writes it."""
+
+    rank: int
+    exit: int
+    reported: bool
+    error: str
+
+
 def status_body(rank: int, returncode: int, reported: bool, error: str = "") -> bytes:
     """A task's status row: its rank, its worker's exit code, whether rank 0 heard it, its own error."""
     return json.dumps({"rank": rank, "exit": returncode, "reported": reported, "error": error}).encode()
@@ -101,13 +114,13 @@ def status_body(rank: int, returncode: int, reported: bool, error: str = "") -> 
 class Collected:
     """The query's rows put back together: every task's status and rank 0's signed outcome (or None)."""
 
-    statuses: list[dict[str, Any]]
+    statuses: list[TaskStatus]
     outcome: bytes | None
 
 
-def assemble(result: Iterable[Any]) -> Collected:
+def assemble(result: Iterable[Row]) -> Collected:
     """Join the rows of the query (``Row(rank, kind, seq, data)``, any order) into statuses and outcome."""
-    statuses: list[dict[str, Any]] = []
+    statuses: list[TaskStatus] = []
     parts: list[tuple[int, bytes]] = []
     for row in result:
         if row.kind == STATUS:
