@@ -7,7 +7,7 @@ imported only when a job runs, so ``import phalanx.spark`` stays cheap.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from phalanx.spark.api import run
@@ -33,7 +33,7 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'phalanx.spark' has no attribute {name!r}")

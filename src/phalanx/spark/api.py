@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, TypeVar, cast
 
 from phalanx.env.contract import nic_env
 from phalanx.errors import InvalidArgumentError, PhalanxError, WorkerFailedError
@@ -22,7 +22,10 @@ from phalanx.spark.launcher import SparkLauncher
 from phalanx.spark.session import every_slot, spark_target, wait_for_slots
 
 if TYPE_CHECKING:
-    pass
+    from phalanx.spark.pyspark_types import SparkTarget
+
+#: What the user's function returns on each rank.
+R = TypeVar("R")
 
 log = logging.getLogger("phalanx")
 
@@ -37,7 +40,7 @@ _START_HINT = start_timeout_hint("start_timeout=", spark=True)
 AnyLauncher = SparkLauncher | ConnectLauncher
 
 
-def launch_spark(spec: JobSpec, sc: Any, launcher: AnyLauncher | None = None) -> AnyLauncher:
+def launch_spark(spec: JobSpec, sc: SparkTarget, launcher: AnyLauncher | None = None) -> AnyLauncher:
     """Check the slots, then run the job; return the finished launcher (values in ``.values``).
 
     Args:
@@ -108,9 +111,9 @@ def _nics(value: object) -> tuple[str, ...]:
 
 @entry_point("phalanx.spark.run")
 def run(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    kwargs: dict[str, Any] | None = None,
+    fn: Callable[..., R],
+    args: tuple[object, ...] = (),
+    kwargs: Mapping[str, object] | None = None,
     num_proc: int | None = None,
     start_timeout: float | None = None,
     env: Mapping[str, str] | None = None,
@@ -119,8 +122,8 @@ def run(
     verbose: int = 1,
     dashboard: bool | int | str | None = None,
     mlflow: bool | None = None,
-    **compat: Any,
-) -> list[Any]:
+    **compat: object,
+) -> list[R]:
     """Run ``fn(*args, **kwargs)`` as ``num_proc`` ranks of a Spark barrier stage (``horovod.spark.run``).
 
     Args:
@@ -153,12 +156,13 @@ def run(
     """
     spec, sc = run_spec(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose, compat)
     spec = replace(spec, observe=resolve_observe(dashboard, mlflow))
-    return launch_spark(spec, sc).values
+    return cast("list[R]", launch_spark(spec, sc).values)  # the ranks' unpickled returns of fn
 
 
-def run_spec(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None, num_proc: int | None,
-             start_timeout: float | None, env: Mapping[str, str] | None, stdout: IO[str] | None,
-             stderr: IO[str] | None, verbose: int, compat: Mapping[str, object]) -> tuple[JobSpec, Any]:
+def run_spec(fn: Callable[..., object], args: tuple[object, ...], kwargs: Mapping[str, object] | None,
+             num_proc: int | None, start_timeout: float | None, env: Mapping[str, str] | None,
+             stdout: IO[str] | None, stderr: IO[str] | None, verbose: int, compat: Mapping[str, object],
+             ) -> tuple[JobSpec, SparkTarget]:
     """Validate :func:`run`'s arguments and build its job; return it with the SparkContext (or the Spark
     Connect session) to run it on.
 

@@ -24,11 +24,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast, overload
 
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
 from phalanx.launch.api import validate_np
-from phalanx.spark.distributor import TorchDistributor, script_command
+from phalanx.spark.distributor import R, TorchDistributor, script_command
 
 DEEPSPEED_FLAG = "--deepspeed"
 CONFIG_FLAG = "--deepspeed_config"
@@ -112,15 +112,15 @@ class DeepSpeedCall:
         config: the DeepSpeed config as JSON text; None for DeepSpeed's defaults (then only ``--deepspeed``).
     """
 
-    target: Callable[..., Any] | str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    target: Callable[..., object] | str
+    args: tuple[object, ...] = ()
+    kwargs: dict[str, object] = field(default_factory=dict)
     config: str | None = None
 
-    def __call__(self) -> Any:
+    def __call__(self) -> object:
         with _config_file(self.config) as flags:
             if isinstance(self.target, str):
-                with _argv([self.target, *self.args, *flags], os.path.dirname(self.target)):
+                with _argv([self.target, *map(str, self.args), *flags], os.path.dirname(self.target)):
                     runpy.run_path(self.target, run_name="__main__")
                 return None
             with _argv([sys.argv[0] if sys.argv else "", *flags]):
@@ -147,14 +147,23 @@ class DeepspeedTorchDistributor(TorchDistributor):
     """
 
     def __init__(self, numGpus: int = 1, nnodes: int = 1, localMode: bool = True, useGpu: bool = True,
-                 deepspeedConfig: str | os.PathLike[str] | dict[str, Any] | None = None) -> None:
+                 deepspeedConfig: str | os.PathLike[str] | dict[str, object] | None = None) -> None:
         self.num_gpus = validate_np(numGpus, "numGpus")
         self.nnodes = validate_np(nnodes, "nnodes")
         self.deepspeed_config = deepspeedConfig
         self._config = config_text(deepspeedConfig)
         super().__init__(self.num_gpus * self.nnodes, localMode, useGpu)
 
-    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+    # pyspark's DeepspeedTorchDistributor returns None for a script, where TorchDistributor returns its
+    # stdout: not a substitute there, hence the ignores.
+    @overload  # type: ignore[override]
+    def run(self, train_object: Callable[..., R], *args: object, **kwargs: object) -> R: ...
+
+    @overload
+    def run(self, train_object: str | os.PathLike[str], *args: object, **kwargs: object) -> None: ...
+
+    def run(self, train_object: Callable[..., R] | str | os.PathLike[str], *args: object, **kwargs: object,
+            ) -> R | None:
         """Run ``train_object`` on every rank with ``--deepspeed [--deepspeed_config PATH]`` in ``sys.argv``.
 
         Args:
@@ -183,7 +192,7 @@ class DeepspeedTorchDistributor(TorchDistributor):
         else:
             raise InvalidArgumentError(f"train_object must be a function or a script path; got {train_object!r}")
         try:
-            return super().run(call)
+            return cast("R | None", super().run(call))  # rank 0's return of the function; None for a script
         except (SlotsUnavailableError, InvalidArgumentError) as e:  # the checks before launch, in num_processes
             raise type(e)(f"DeepspeedTorchDistributor(numGpus={self.num_gpus}, nnodes={self.nnodes}) runs "
                           f"num_processes={self.num_processes} ranks: {e}") from e

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar, cast, overload
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
@@ -21,10 +21,14 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.warm import preload_for
+from phalanx.spark.api import AnyLauncher
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
 from phalanx.spark.session import spark_target
 from phalanx.spark.task import task_gpus
+
+#: What the training function returns on rank 0.
+R = TypeVar("R")
 
 _START_HINT = start_timeout_hint(None, spark=True)
 
@@ -50,7 +54,7 @@ def driver_gpus(environ: dict[str, str] | None = None) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
-def script_command(path: str, args: tuple[Any, ...]) -> tuple[str, ...]:
+def script_command(path: str, args: tuple[object, ...]) -> tuple[str, ...]:
     """``(absolute script path, *args as str)``.
 
     Raises:
@@ -97,8 +101,15 @@ class TorchDistributor:
         if self.elastic is not None:
             self.elastic.check_np(self.num_processes)
 
+    @overload
+    def run(self, train_object: Callable[..., R], *args: object, **kwargs: object) -> R: ...
+
+    @overload
+    def run(self, train_object: str | os.PathLike[str], *args: object, **kwargs: object) -> str: ...
+
     @entry_point("TorchDistributor.run")
-    def run(self, train_object: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> Any:
+    def run(self, train_object: Callable[..., R] | str | os.PathLike[str], *args: object, **kwargs: object,
+            ) -> R | str:
         """Run ``train_object`` on every rank.
 
         Args:
@@ -129,7 +140,7 @@ class TorchDistributor:
         if self.local_mode:
             return self._local(train_object, args, kwargs)
         payload = shipped_payload(train_object, args, kwargs)
-        return self._spark(payload=payload, command=None, preload=preload_for(train_object)).values[0]
+        return cast(R, self._spark(payload=payload, command=None, preload=preload_for(train_object)).values[0])
 
     def _run_script(self, command: tuple[str, ...]) -> str:
         if self.local_mode:
@@ -138,7 +149,7 @@ class TorchDistributor:
         return "".join(line + "\n" for line in lines)
 
     def _spark(self, payload: bytes, command: tuple[str, ...] | None,
-               preload: tuple[str, ...] | None = None) -> Any:
+               preload: tuple[str, ...] | None = None) -> AnyLauncher:
         sc = spark_target()
         check_gpu_conf(sc, self.use_gpu)
         name = Path(command[0]).name if command else "function"
@@ -162,12 +173,12 @@ class TorchDistributor:
             )
         return {env_names.CUDA_VISIBLE_DEVICES: ",".join(gpus)}
 
-    def _local(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _local(self, fn: Callable[..., R], args: tuple[object, ...], kwargs: dict[str, object]) -> R:
         from phalanx.launch.api import run as run_local
 
         elastic = local_elastic_kwargs(self.elastic)
-        env = {**self._gpu_env(), **elastic.pop("env", {})}
-        return run_local(fn, args=args, kwargs=kwargs, np=self.num_processes, env=env, **elastic)[0]
+        elastic["env"] = {**self._gpu_env(), **elastic.get("env", {})}
+        return run_local(fn, args=args, kwargs=kwargs, np=self.num_processes, **elastic)[0]
 
     def _local_script(self, command: tuple[str, ...]) -> str:
         from phalanx.launch.local import LocalLauncher

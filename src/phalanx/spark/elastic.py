@@ -14,21 +14,33 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, TypedDict, cast
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SparkJobError, WorkerFailedError
 from phalanx.launch.api import elastic_spec, validate_np
 from phalanx.launch.core import JobSpec
-from phalanx.spark.api import AnyLauncher, launch_spark, run_spec
+from phalanx.spark.api import AnyLauncher, R, launch_spark, run_spec
 from phalanx.spark.connect.client import ConnectLauncher
 from phalanx.spark.connect.session import is_connect
 from phalanx.spark.launcher import SparkLauncher
+
+if TYPE_CHECKING:
+    from phalanx.spark.pyspark_types import SparkTarget
 
 log = logging.getLogger(__name__)
 
 #: ``reset_limit`` of an elastic Spark job when none is given.
 DEFAULT_RESET_LIMIT = 3
+
+
+class LocalElasticKwargs(TypedDict, total=False):
+    """:func:`phalanx.run`'s elastic arguments, as :func:`local_elastic_kwargs` gives them."""
+
+    min_np: int | None
+    max_np: int | None
+    reset_limit: int
+    env: dict[str, str]
 
 
 @dataclass(frozen=True)
@@ -86,12 +98,12 @@ def elastic_options(min_np: object = None, max_np: object = None, reset_limit: o
     return ElasticOptions(lo, hi, limit, ckpt)
 
 
-def launch(spec: JobSpec, sc: Any, options: ElasticOptions | None) -> AnyLauncher:
+def launch(spec: JobSpec, sc: SparkTarget, options: ElasticOptions | None) -> AnyLauncher:
     """Run ``spec``: elastically with ``options``, else as a plain job (:func:`~phalanx.spark.api.launch_spark`)."""
     return launch_elastic(spec, sc, options) if options is not None else launch_spark(spec, sc)
 
 
-def local_elastic_kwargs(options: ElasticOptions | None) -> dict[str, Any]:
+def local_elastic_kwargs(options: ElasticOptions | None) -> LocalElasticKwargs:
     """The arguments of :func:`phalanx.run` that make a driver-local job (``np < 0``, ``local_mode``) elastic."""
     if options is None:
         return {}
@@ -99,7 +111,7 @@ def local_elastic_kwargs(options: ElasticOptions | None) -> dict[str, Any]:
             "env": options.env({})}
 
 
-def launch_elastic(spec: JobSpec, sc: Any, options: ElasticOptions) -> AnyLauncher:
+def launch_elastic(spec: JobSpec, sc: SparkTarget, options: ElasticOptions) -> AnyLauncher:
     """Run ``spec`` elastically; return the launcher of the attempt that completed.
 
     Raises:
@@ -120,7 +132,7 @@ def launch_elastic(spec: JobSpec, sc: Any, options: ElasticOptions) -> AnyLaunch
         elastic = elastic_spec(spec.np, options.min_np, options.max_np, remaining, spec.env)
         assert elastic is not None
         launcher: SparkLauncher | ConnectLauncher = (
-            ConnectLauncher(spec, sc, elastic) if connect else SparkLauncher(spec, sc, elastic))
+            ConnectLauncher(spec, sc, elastic) if is_connect(sc) else SparkLauncher(spec, sc, elastic))
         started = time.monotonic()
         try:
             return launch_spark(spec, sc, launcher)
@@ -147,9 +159,9 @@ def _check_executor_path(path: str) -> None:
 
 
 def run_elastic(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    kwargs: dict[str, Any] | None = None,
+    fn: Callable[..., R],
+    args: tuple[object, ...] = (),
+    kwargs: Mapping[str, object] | None = None,
     num_proc: int | None = None,
     *,
     checkpoint_dir: str | None = None,
@@ -161,8 +173,8 @@ def run_elastic(
     stdout: IO[str] | None = None,
     stderr: IO[str] | None = None,
     verbose: int = 1,
-    **compat: Any,
-) -> list[Any]:
+    **compat: object,
+) -> list[R]:
     """Run ``fn`` like :func:`phalanx.spark.run`, surviving lost workers (``horovod.spark.run_elastic``).
 
     ``fn`` uses ``hvd.elastic.run`` and ``state.commit()``. A worker that dies while its executor lives
@@ -195,9 +207,8 @@ def run_elastic(
         WorkerFailedError: the job gave up (reset_limit reached, below min_np); root cause first.
         SparkJobError: Spark failed the last allowed stage.
     """
-    min_np = compat.pop("min_num_proc", min_np)
-    max_np = compat.pop("max_num_proc", max_np)
-    options = elastic_options(min_np, max_np, reset_limit, checkpoint_dir)
+    options = elastic_options(compat.pop("min_num_proc", min_np), compat.pop("max_num_proc", max_np), reset_limit,
+                              checkpoint_dir)
     assert options is not None
     spec, sc = run_spec(fn, args, kwargs, num_proc, start_timeout, env, stdout, stderr, verbose, compat)
-    return launch_elastic(spec, sc, options).values
+    return cast("list[R]", launch_elastic(spec, sc, options).values)  # the ranks' unpickled returns of fn

@@ -45,6 +45,8 @@ class SessionLike(Protocol):
 
 #: What the GPU and slot checks accept: a classic SparkContext or a Spark Connect session.
 ContextOrSession: TypeAlias = "SparkContextLike | ConnectSession"
+#: Where a job runs: the classic SparkContext, or the Spark Connect session (which has none).
+SparkTarget: TypeAlias = "pyspark.SparkContext | ConnectSession"
 
 
 if TYPE_CHECKING:

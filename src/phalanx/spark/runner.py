@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, cast
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.job.report import entry_point
@@ -16,6 +16,9 @@ from phalanx.launch.warm import preload_for
 from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
 from phalanx.spark.session import every_slot, spark_target
+
+#: What the training function returns on rank 0.
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ class HorovodRunner:
             self.elastic.check_np(abs(np))
 
     @entry_point("HorovodRunner.run")
-    def run(self, main: Callable[..., Any], **kwargs: Any) -> Any:
+    def run(self, main: Callable[..., R], **kwargs: object) -> R:
         """Run ``main(**kwargs)`` on every rank and return rank 0's return value.
 
         Args:
@@ -101,7 +104,7 @@ class HorovodRunner:
             description=f"HorovodRunner(np={np}).run({getattr(main, '__name__', 'main')})",
             warm_preload=preload_for(main),
         )
-        return launch(spec, sc, self.elastic).values[0]
+        return cast(R, launch(spec, sc, self.elastic).values[0])  # rank 0's unpickled return of main
 
     def _console(self) -> str:
         return "all" if self.driver_log_verbosity == "all" else "log_callback_only"

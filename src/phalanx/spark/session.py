@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, SlotsUnavailableError
@@ -24,6 +24,9 @@ from phalanx.spark.connect.session import active_connect_session, is_connect, ra
 
 if TYPE_CHECKING:
     from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from phalanx.spark.pyspark_types import SparkTarget
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ _EMBEDDED_CONF = {
 }
 
 
-def spark_target(progress: bool = True) -> Any:
+def spark_target(progress: bool = True) -> SparkTarget:
     """Where a job runs: the active Spark Connect session when there is one, else :func:`spark_context`
     (``progress``: say on stderr that an embedded Spark starts, when it does).
 
@@ -80,7 +83,7 @@ def spark_context(progress: bool = True) -> SparkContext:
     return context
 
 
-def _classic_context(session: Any) -> SparkContext:
+def _classic_context(session: SparkSession) -> SparkContext:
     try:
         context: SparkContext = session.sparkContext
         return context
@@ -187,7 +190,7 @@ def wait_for_slots(sc: SparkContext, np: int, timeout_s: float, knob: str, ranks
         time.sleep(0.25)
 
 
-def every_slot(sc: SparkContext, timeout_s: float, knob: str) -> int:
+def every_slot(sc: SparkTarget, timeout_s: float, knob: str) -> int:
     """The number of task slots, for "one rank per slot" (``num_proc=None``, ``np=0``).
 
     Waits up to ``timeout_s`` for a first executor to join a cluster that has none yet. On a Spark

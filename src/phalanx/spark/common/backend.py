@@ -11,16 +11,19 @@ accepted and change nothing: phalanx's ranks always prefix their lines with the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from phalanx.errors import InvalidArgumentError
+
+#: What the function returns on each rank.
+R = TypeVar("R")
 
 
 class Backend:
     """Horovod's backend interface: ``run`` a function on the ranks, and how many ranks there are."""
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-            env: Mapping[str, str] | None = None) -> list[Any]:
+    def run(self, fn: Callable[..., R], args: tuple[object, ...] = (), kwargs: Mapping[str, object] | None = None,
+            env: Mapping[str, str] | None = None) -> list[R]:
         """Every rank's return value of ``fn(*args, **kwargs)``, in rank order."""
         raise NotImplementedError
 
@@ -34,7 +37,7 @@ class SparkBackend(Backend):
 
     def __init__(self, num_proc: int | None = None, env: Mapping[str, str] | None = None,
                  stdout: IO[str] | None = None, stderr: IO[str] | None = None,
-                 start_timeout: float | None = None, verbose: int = 1, **ignored: Any) -> None:
+                 start_timeout: float | None = None, verbose: int = 1, **ignored: object) -> None:
         if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1):
             raise InvalidArgumentError(f"SparkBackend(num_proc={num_proc!r}): give an integer >= 1, or None for "
                                        "one rank per task slot of the cluster")
@@ -59,8 +62,8 @@ class SparkBackend(Backend):
         """``stdout``, ``stderr``, ``start_timeout`` and ``verbose`` as :func:`phalanx.spark.run` takes them."""
         return dict(self._options)
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-            env: Mapping[str, str] | None = None) -> list[Any]:
+    def run(self, fn: Callable[..., R], args: tuple[object, ...] = (), kwargs: Mapping[str, object] | None = None,
+            env: Mapping[str, str] | None = None) -> list[R]:
         """``phalanx.spark.run(fn, ...)`` with this backend's settings."""
         from phalanx.spark.api import run
 
