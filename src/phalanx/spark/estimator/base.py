@@ -4,6 +4,9 @@ A framework (torch, Keras, Lightning) gives three things: its checks of ``model`
 the bytes that carry its model to the ranks, and the training function each rank runs. The run is an
 ordinary ``phalanx.spark`` job (``run_spec`` + ``launch_spark``): the embedded ``local[*]`` default, live
 rank-prefixed logs, root-cause errors, the timeline (``HOROVOD_TIMELINE`` in ``env``) and GPU assignment.
+
+The parameter values (``values``, a dict by name) are typed ``Any``: they hold the user's model, optimizer,
+loss and callbacks besides settings.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pyspark.ml import Estimator
 
@@ -23,14 +26,19 @@ from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError, PayloadError
 from phalanx.launch.api import resolve_start_timeout
 from phalanx.spark.api import launch_spark, run_spec
-from phalanx.spark.common.backend import SparkBackend, num_proc_of
-from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.common.backend import Backend, SparkBackend, num_proc_of
+from phalanx.spark.estimator.job import TrainResult, TrainSpec
 from phalanx.spark.estimator.params import PARAMS, EstimatorParams
 from phalanx.spark.estimator.prepare import prepare
 from phalanx.spark.estimator.schema import check_validation
 from phalanx.spark.estimator.store import LocalStore, Store, check_run_id
 from phalanx.spark.pyspark_types import SparkContextLike
 from phalanx.spark.session import every_slot, spark_context
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from phalanx.spark.estimator.model import PhalanxModel
 
 log = logging.getLogger("phalanx")
 
@@ -66,7 +74,7 @@ def check_common(values: dict[str, Any]) -> None:
         check_run_id(values["run_id"])
 
 
-def pickled(obj: Any, what: str) -> bytes:
+def pickled(obj: object, what: str) -> bytes:
     """``obj`` by cloudpickle, to carry it to the ranks.
 
     Raises:
@@ -98,7 +106,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
 
     framework = "model"
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: object) -> None:
         super().__init__()
         self._setDefault(**{name: default for name, (default, _) in self.extra_params().items()})
         unknown = sorted(set(kwargs) - set(PARAMS) - set(self.extra_params()))
@@ -110,7 +118,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
 
     # -- the framework's part ---------------------------------------------------------------------------
     @classmethod
-    def extra_params(cls) -> dict[str, tuple[Any, str]]:
+    def extra_params(cls) -> dict[str, tuple[object, str]]:
         """Parameters beyond the shared ones (name -> (default, doc))."""
         return {}
 
@@ -121,11 +129,11 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         """The bytes that carry the model (and optimizer) to the ranks."""
         raise NotImplementedError
 
-    def remote(self) -> Callable[[TrainSpec], dict[str, Any]]:
+    def remote(self) -> Callable[[TrainSpec], TrainResult]:
         """The function every rank runs."""
         raise NotImplementedError
 
-    def make_model(self, result: dict[str, Any], spec: TrainSpec) -> Any:
+    def make_model(self, result: TrainResult, spec: TrainSpec) -> PhalanxModel:
         """The Spark ML ``Model`` from rank 0's result."""
         raise NotImplementedError
 
@@ -135,7 +143,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         names = set(PARAMS) | set(self.extra_params())
         return {name: self.getOrDefault(getattr(self, name)) for name in names}
 
-    def _fit(self, dataset: Any) -> Any:
+    def _fit(self, dataset: DataFrame) -> PhalanxModel:
         values = self.values()
         check_common(values)
         self.check_framework(values)
@@ -154,7 +162,8 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         results = self._run(spec, sc, num_proc, bool(values["use_gpu"]), values["backend"])
         return self.make_model(results[0], spec)
 
-    def _run(self, spec: TrainSpec, sc: SparkContextLike, num_proc: int, use_gpu: bool, backend: Any) -> list[Any]:
+    def _run(self, spec: TrainSpec, sc: SparkContextLike, num_proc: int, use_gpu: bool, backend: Backend | None,
+             ) -> list[TrainResult]:
         gpu = use_gpu and _task_gpus(sc)
         env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
         verbose = int(self.values()["verbose"] or 0)
@@ -164,8 +173,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
             out, err, timeout = (backend.options()[k] for k in ("stdout", "stderr", "start_timeout"))
         job, sc = run_spec(self.remote(), (spec,), None, num_proc, timeout, env, out, err, verbose, {})
         job = dataclasses.replace(job, use_gpu=gpu, description=f"phalanx {type(self).__name__}.fit ({spec.run_id})")
-        values: list[Any] = launch_spark(job, sc).values
-        return values
+        return cast("list[TrainResult]", launch_spark(job, sc).values)  # what remote() returned on each rank
 
 
 def _task_gpus(sc: SparkContextLike) -> bool:

@@ -5,11 +5,30 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from phalanx.spark.estimator.prepare import Prepared
 from phalanx.spark.estimator.reader import Batch, ShardReader, steps_per_epoch
 from phalanx.spark.estimator.store import Store
+
+
+class EpochRecord(TypedDict, total=False):
+    """One epoch's metrics, as the ranks log and return them (``getHistory()``'s entries)."""
+
+    epoch: int
+    train: dict[str, float]
+    validation: dict[str, float]
+    steps: int
+    steps_per_rank: list[int]
+
+
+class TrainResult(TypedDict, total=False):
+    """What a rank's training function returns: the history and steps per epoch; rank 0 also its trained
+    state (the framework's bytes)."""
+
+    history: list[EpochRecord]
+    steps: list[int]
+    state: bytes
 
 
 @dataclass(frozen=True)
@@ -20,7 +39,8 @@ class TrainSpec:
         model_blob: the framework's serialized model (and optimizer).
         data: the run's data (columns and row groups).
         store, run_id: where the data, checkpoints and logs are.
-        params: the estimator's parameter values (the ``PARAMS`` names).
+        params: the estimator's parameter values (the ``PARAMS`` names): the user's model, optimizer, loss
+            and callbacks as well as settings, so typed ``Any``.
         resume_epoch: the last finished epoch of an interrupted run (its checkpoint is loaded), or -1.
     """
 
@@ -59,7 +79,7 @@ class TrainSpec:
         for batch in self.reader(rank, size, validation).epoch(epoch, self.steps(size, validation)):
             yield transform(batch) if transform is not None else batch
 
-    def log_epoch(self, record: dict[str, Any]) -> None:
+    def log_epoch(self, record: EpochRecord) -> None:
         """Append one epoch's metrics to the run's ``logs/history.jsonl`` (rank 0 calls it)."""
         path = f"{self.store.get_logs_path(self.run_id)}/history.jsonl"
         self.store.append_text(path, json.dumps(record) + "\n")
@@ -69,7 +89,7 @@ class TrainSpec:
         return f"{self.store.get_checkpoint_path(self.run_id)}/{self.store.get_checkpoint_filename(epoch)}"
 
 
-def epoch_line(record: dict[str, Any], epochs: int) -> str:
+def epoch_line(record: EpochRecord, epochs: int) -> str:
     """One line for the driver's console: ``epoch 2/5: loss=0.41 val_loss=0.38 (96 steps)``."""
     parts = [f"{k}={v:.4g}" for k, v in record["train"].items()]
     parts += [f"val_{k}={v:.4g}" for k, v in record.get("validation", {}).items()]

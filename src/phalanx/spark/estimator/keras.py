@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
 
 from phalanx.errors import InvalidArgumentError, PayloadError
 from phalanx.spark.estimator.base import PhalanxEstimator
-from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.estimator.job import TrainResult, TrainSpec
 from phalanx.spark.estimator.model import PhalanxModel
 from phalanx.spark.estimator.params import add_params
-from phalanx.spark.estimator.schema import VECTOR, ColumnSpec
+from phalanx.spark.estimator.schema import VECTOR, ColumnSpec, Shapes
 from phalanx.spark.estimator.transform import Predictor
 
-KERAS_PARAMS: dict[str, tuple[Any, str]] = {
+if TYPE_CHECKING:
+    import keras
+
+KERAS_PARAMS: dict[str, tuple[object, str]] = {
     "input_shapes": (None, "shape of each input (default: the model's input shapes)"),
     "custom_objects": ({}, "custom Keras objects the model needs to load"),
     "checkpoint_callback": (None, "ignored: phalanx checkpoints every epoch into the store"),
@@ -37,7 +41,7 @@ class KerasEstimator(PhalanxEstimator):
     framework = "keras"
 
     @classmethod
-    def extra_params(cls) -> dict[str, tuple[Any, str]]:
+    def extra_params(cls) -> dict[str, tuple[object, str]]:
         """``input_shapes``, ``custom_objects``, ``checkpoint_callback``, ``backend_env``,
         ``tensorflow_dataset_prefetch_buffer_size``."""
         return KERAS_PARAMS
@@ -71,13 +75,13 @@ class KerasEstimator(PhalanxEstimator):
         except Exception as e:
             raise PayloadError(f"the Keras model, loss or metrics cannot be serialized: {type(e).__name__}: {e}") from e
 
-    def remote(self) -> Any:
+    def remote(self) -> Callable[[TrainSpec], TrainResult]:
         """``keras_remote.train``."""
         from phalanx.spark.estimator.keras_remote import train
 
         return train
 
-    def make_model(self, result: dict[str, Any], spec: TrainSpec) -> KerasModel:
+    def make_model(self, result: TrainResult, spec: TrainSpec) -> KerasModel:
         """A :class:`KerasModel` holding the trained model."""
         import pickle
 
@@ -105,7 +109,8 @@ add_params(KerasEstimator, KERAS_PARAMS)
 class _KerasPredictorFactory:
     """Carries the model's ``.keras`` bytes to the executors and builds the predictor there."""
 
-    def __init__(self, blob: bytes, specs: list[ColumnSpec], shapes: Any, custom: dict[str, Any]) -> None:
+    def __init__(self, blob: bytes, specs: list[ColumnSpec], shapes: Shapes | None, custom: dict[str, object],
+                 ) -> None:
         self.blob, self.specs, self.shapes, self.custom = blob, specs, shapes, custom
 
     def __call__(self) -> Predictor:
@@ -127,7 +132,7 @@ class KerasModel(PhalanxModel):
     """Spark ML ``Transformer`` wrapping a trained Keras model (``getModel()``); ``transform(df)`` adds
     ``<label>__output`` columns, computed on the executors."""
 
-    def __init__(self, custom_objects: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(self, custom_objects: dict[str, object] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.custom_objects = dict(custom_objects or {})
 
@@ -138,13 +143,13 @@ class KerasModel(PhalanxModel):
         return save_model(self.getOrDefault("model"))
 
     @classmethod
-    def model_from_bytes(cls, data: bytes) -> Any:
+    def model_from_bytes(cls, data: bytes) -> keras.Model:
         """The model from :meth:`model_bytes` (custom objects must be registered with Keras)."""
         from phalanx.spark.estimator.keras_remote import load_model
 
         return load_model(data, None)
 
-    def predictor_factory(self) -> Any:
+    def predictor_factory(self) -> Callable[[], Predictor]:
         """Builds the predictor on the executor."""
         return _KerasPredictorFactory(self.model_bytes(), self.getOrDefault("feature_specs"),
                                       self.getOrDefault("input_shapes"), self.custom_objects)

@@ -6,18 +6,26 @@ import math
 import os
 import pickle
 import tempfile
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, SupportsFloat
 
 import cloudpickle
 import numpy as np
 
 from phalanx.spark.driver_log import log_to_driver
-from phalanx.spark.estimator.job import TrainSpec, epoch_line
+from phalanx.spark.estimator.job import EpochRecord, TrainResult, TrainSpec, epoch_line
 from phalanx.spark.estimator.reader import Batch, prefetched
 
+if TYPE_CHECKING:
+    import keras
 
-def load_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
+#: A model's inputs or labels as ``fit`` takes them: one array, or one per column.
+Arrays = np.ndarray | tuple[np.ndarray, ...]
+#: One batch for ``fit``: (inputs, labels) or (inputs, labels, sample weights).
+KerasBatch = tuple[Arrays, Arrays] | tuple[Arrays, Arrays, np.ndarray]
+
+
+def load_model(data: bytes, custom_objects: Mapping[str, object] | None) -> keras.Model:
     """A Keras model from the bytes of its ``.keras`` file."""
     import keras
 
@@ -28,7 +36,7 @@ def load_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
         return keras.models.load_model(path, custom_objects=custom_objects, compile=False)
 
 
-def save_model(model: Any) -> bytes:
+def save_model(model: keras.Model) -> bytes:
     """The bytes of ``model``'s ``.keras`` file."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.keras")
@@ -37,7 +45,7 @@ def save_model(model: Any) -> bytes:
             return f.read()
 
 
-def shaped(arrays: Sequence[np.ndarray], shapes: Sequence[Any]) -> list[np.ndarray]:
+def shaped(arrays: Sequence[np.ndarray], shapes: Sequence[Sequence[int | None]]) -> list[np.ndarray]:
     """Each array reshaped to its input's shape (``(rows, *shape)``) when the sizes agree."""
     out = []
     for array, shape in zip(arrays, shapes):
@@ -47,7 +55,7 @@ def shaped(arrays: Sequence[np.ndarray], shapes: Sequence[Any]) -> list[np.ndarr
     return out
 
 
-def _xy(batch: Batch, spec: TrainSpec, model: Any) -> tuple[Any, ...]:
+def _xy(batch: Batch, spec: TrainSpec, model: keras.Model) -> KerasBatch:
     data = spec.data
     given = spec.params.get("input_shapes")
     shapes = given or [tuple(t.shape) for t in model.inputs]
@@ -58,8 +66,8 @@ def _xy(batch: Batch, spec: TrainSpec, model: Any) -> tuple[Any, ...]:
     return (xs, ys, batch[data.weight.name]) if data.weight else (xs, ys)
 
 
-def _batches(spec: TrainSpec, model: Any, rank: int, size: int, epoch: int, validation: bool,
-             counter: list[int]) -> Iterator[tuple[Any, ...]]:
+def _batches(spec: TrainSpec, model: keras.Model, rank: int, size: int, epoch: int, validation: bool,
+             counter: list[int]) -> Iterator[KerasBatch]:
     depth = int(spec.params.get("tensorflow_dataset_prefetch_buffer_size") or 0)
     batches = (_xy(batch, spec, model) for batch in spec.batches(rank, size, epoch, validation))
     for item in prefetched(batches, depth) if depth else batches:
@@ -67,14 +75,14 @@ def _batches(spec: TrainSpec, model: Any, rank: int, size: int, epoch: int, vali
         yield item
 
 
-def _checkpoint(spec: TrainSpec, model: Any, epoch: int, history: list[Any]) -> None:
+def _checkpoint(spec: TrainSpec, model: keras.Model, epoch: int, history: list[EpochRecord]) -> None:
     state = {"weights": model.get_weights(), "optimizer": [np.asarray(v) for v in model.optimizer.variables],
              "history": history, "epoch": epoch}
     spec.store.write(spec.checkpoint_path(epoch), pickle.dumps(state))
     spec.log_epoch(history[-1])
 
 
-def _restore(spec: TrainSpec, model: Any) -> list[Any]:
+def _restore(spec: TrainSpec, model: keras.Model) -> list[EpochRecord]:
     if spec.resume_epoch < 0:
         return []
     state = pickle.loads(spec.store.read(spec.checkpoint_path(spec.resume_epoch)))
@@ -85,16 +93,16 @@ def _restore(spec: TrainSpec, model: Any) -> list[Any]:
     return list(state["history"])
 
 
-def _record(epoch: int, logs: dict[str, Any], steps: int) -> dict[str, Any]:
+def _record(epoch: int, logs: Mapping[str, SupportsFloat], steps: int) -> EpochRecord:
     train = {k: float(v) for k, v in logs.items() if not k.startswith("val_")}
     val = {k[4:]: float(v) for k, v in logs.items() if k.startswith("val_")}
-    record: dict[str, Any] = {"epoch": epoch, "train": train, "steps": steps}
+    record: EpochRecord = {"epoch": epoch, "train": train, "steps": steps}
     if val:
         record["validation"] = val
     return record
 
 
-def train(spec: TrainSpec) -> dict[str, Any]:
+def train(spec: TrainSpec) -> TrainResult:
     """Train on this rank's shard with ``phalanx.tensorflow.keras``; rank 0 checkpoints every epoch.
     Returns the history, this rank's steps per epoch, and (rank 0) the trained weights, pickled."""
     import keras
@@ -132,7 +140,7 @@ def train(spec: TrainSpec) -> dict[str, Any]:
             _checkpoint(spec, model, epoch, history)
             if int(spec.params.get("verbose") or 0) > 0:
                 log_to_driver(epoch_line(record, epochs))
-    result: dict[str, Any] = {"history": history, "steps": steps}
+    result: TrainResult = {"history": history, "steps": steps}
     if rank == 0:  # the weights only: the compiled model holds the distributed optimizer wrapper
         result["state"] = pickle.dumps(model.get_weights())
     return result

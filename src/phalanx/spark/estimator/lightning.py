@@ -9,11 +9,12 @@ number of ranks, as Horovod's strategy does).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.spark.estimator.base import PhalanxEstimator, pickled
-from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.estimator.job import TrainResult, TrainSpec
 from phalanx.spark.estimator.lightning_remote import flavour_of
 from phalanx.spark.estimator.params import add_params
 from phalanx.spark.estimator.torch import TorchModel, trained_model
@@ -22,7 +23,7 @@ from phalanx.spark.estimator.torch import TorchModel, trained_model
 #: with (the ``lightning>=2.2`` of pyproject's dev extra).
 MIN_PL_VERSION = "2.2.0"
 
-LIGHTNING_PARAMS: dict[str, tuple[Any, str]] = {
+LIGHTNING_PARAMS: dict[str, tuple[object, str]] = {
     "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
     "trainer_args": ({}, "ignored: phalanx builds the Trainer (epochs, steps, strategy)"),
     "logger": (None, "ignored: metrics go to the history and the store's logs"),
@@ -42,7 +43,7 @@ class TorchEstimator(PhalanxEstimator):
     framework = "lightning"
 
     @classmethod
-    def extra_params(cls) -> dict[str, tuple[Any, str]]:
+    def extra_params(cls) -> dict[str, tuple[object, str]]:
         """``input_shapes``, ``trainer_args``, ``logger``, ``terminate_on_nan``, ``profiler``."""
         return LIGHTNING_PARAMS
 
@@ -57,13 +58,13 @@ class TorchEstimator(PhalanxEstimator):
         """The module, pickled."""
         return pickled(values["model"], "the LightningModule")
 
-    def remote(self) -> Any:
+    def remote(self) -> Callable[[TrainSpec], TrainResult]:
         """``lightning_remote.train``."""
         from phalanx.spark.estimator.lightning_remote import train
 
         return train
 
-    def make_model(self, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
+    def make_model(self, result: TrainResult, spec: TrainSpec) -> TorchModel:
         """A :class:`TorchModel` holding a copy of the module with the trained weights."""
         return trained_model(self.getOrDefault("model"), result, spec)
 

@@ -9,7 +9,7 @@ import importlib.util
 import io
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import torch
@@ -18,8 +18,11 @@ from phalanx.env import names as env_names
 from phalanx.errors import InvalidArgumentError
 from phalanx.lightning.flavours import FLAVOURS
 from phalanx.spark.driver_log import log_to_driver
-from phalanx.spark.estimator.job import TrainSpec, epoch_line
+from phalanx.spark.estimator.job import EpochRecord, TrainResult, TrainSpec, epoch_line
 from phalanx.spark.estimator.schema import row_shape
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 
 class ShardDataset(torch.utils.data.IterableDataset):
@@ -48,30 +51,32 @@ class ShardDataset(torch.utils.data.IterableDataset):
         return self.spec.steps(self.size, self.validation)
 
 
+# L: the Lightning package the module's Trainer comes from (lightning.pytorch or pytorch_lightning), chosen at
+# run time; typed Any because its Callback is the base class of the callbacks defined here.
 def _callback(L: Any, spec: TrainSpec, train_set: ShardDataset, val_set: ShardDataset | None,
-              history: list[Any]) -> Any:
+              history: list[EpochRecord]) -> object:
     class StoreCallback(L.Callback):
         """Sets each epoch's shuffle, records metrics, checkpoints into the store (rank 0)."""
 
-        def on_train_start(self, trainer: Any, module: Any) -> None:
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             if spec.resume_epoch >= 0:
                 state = torch.load(io.BytesIO(spec.store.read(spec.checkpoint_path(spec.resume_epoch))),
                                    weights_only=False)
                 for optimizer, saved in zip(trainer.optimizers, state["optimizers"]):
                     optimizer.load_state_dict(saved)
 
-        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             epoch = spec.resume_epoch + 1 + trainer.current_epoch
             train_set.epoch = epoch
             train_set.taken = 0
             if val_set is not None:
                 val_set.epoch = epoch
 
-        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        def on_train_epoch_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
             epoch = spec.resume_epoch + 1 + trainer.current_epoch
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-            record: dict[str, Any] = {"epoch": epoch, "steps": train_set.taken,
-                                      "train": {k: v for k, v in metrics.items() if not k.startswith("val_")}}
+            record: EpochRecord = {"epoch": epoch, "steps": train_set.taken,
+                                   "train": {k: v for k, v in metrics.items() if not k.startswith("val_")}}
             val = {k[4:]: v for k, v in metrics.items() if k.startswith("val_")}
             if val:
                 record["validation"] = val
@@ -90,12 +95,14 @@ def _callback(L: Any, spec: TrainSpec, train_set: ShardDataset, val_set: ShardDa
     return StoreCallback()
 
 
-def _nan_guard(L: Any) -> Any:
+def _nan_guard(L: Any) -> object:
     class TerminateOnNaN(L.Callback):
         """Lightning 1.x's ``terminate_on_nan``: a ``ValueError`` at the end of the training batch whose
         loss, or any parameter after it, is NaN or inf."""
 
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # outputs: what training_step returned (Lightning's STEP_OUTPUT: a tensor, a mapping, or None)
+        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any,
+                               batch: dict[str, torch.Tensor], batch_idx: int) -> None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None and not bool(torch.isfinite(torch.as_tensor(loss)).all()):
                 raise InvalidArgumentError(f"the loss returned in training_step is {float(loss)} (batch {batch_idx}); "
@@ -108,7 +115,7 @@ def _nan_guard(L: Any) -> Any:
     return TerminateOnNaN()
 
 
-def flavour_of(module: Any) -> str | None:
+def flavour_of(module: object) -> str | None:
     """The Lightning package whose ``LightningModule`` ``module`` is (``lightning.pytorch`` or the standalone
     ``pytorch_lightning``), or None; the run trains it with that package's Trainer."""
     for flavour in FLAVOURS:
@@ -119,7 +126,7 @@ def flavour_of(module: Any) -> str | None:
     return None
 
 
-def _restore(spec: TrainSpec, module: Any) -> list[Any]:
+def _restore(spec: TrainSpec, module: torch.nn.Module) -> list[EpochRecord]:
     if spec.resume_epoch < 0:
         return []
     state = torch.load(io.BytesIO(spec.store.read(spec.checkpoint_path(spec.resume_epoch))), weights_only=False)
@@ -127,7 +134,7 @@ def _restore(spec: TrainSpec, module: Any) -> list[Any]:
     return list(state["history"])
 
 
-def train(spec: TrainSpec) -> dict[str, Any]:
+def train(spec: TrainSpec) -> TrainResult:
     """Fit the LightningModule on this rank's shard; returns the history, the steps, and (rank 0) the
     trained ``state_dict`` as ``torch.save`` bytes."""
     import phalanx.lightning  # noqa: F401 (registers strategy="horovod")
@@ -155,7 +162,7 @@ def train(spec: TrainSpec) -> dict[str, Any]:
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=None) if val_set is not None else None
     if trainer.max_epochs and trainer.max_epochs > 0:
         trainer.fit(module, loader, val_loader)
-    result: dict[str, Any] = {"history": history, "steps": [h["steps"] for h in history]}
+    result: TrainResult = {"history": history, "steps": [h["steps"] for h in history]}
     if rank == 0:
         buffer = io.BytesIO()
         torch.save(module.cpu().state_dict(), buffer)

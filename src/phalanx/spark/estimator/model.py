@@ -8,7 +8,8 @@ framework's model as its own bytes. ``load`` unpickles that file: load only mode
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from pyspark.ml import Model
@@ -16,9 +17,12 @@ from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReadable
 
 from phalanx.spark.estimator.params import add_params
 from phalanx.spark.estimator.schema import ColumnSpec
-from phalanx.spark.estimator.transform import transform
+from phalanx.spark.estimator.transform import Predictor, transform
 
-MODEL_PARAMS: dict[str, tuple[Any, str]] = {
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+MODEL_PARAMS: dict[str, tuple[object, str]] = {
     "history": ([], "per-epoch metrics: [{'epoch', 'train': {...}, 'validation': {...}, 'steps'}]"),
     "model": (None, "the trained model"),
     "feature_columns": (None, "feature column names"),
@@ -36,7 +40,7 @@ _MODEL_FILE = "model.pkl"
 class PhalanxModel(Model, MLWritable, MLReadable):
     """A trained model as a Spark ML ``Transformer`` (the framework subclass serializes its model)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:  # Spark ML params: the trained model among them
         super().__init__()
         self._setDefault(**{name: default for name, (default, _) in MODEL_PARAMS.items()})
         self._set(**kwargs)
@@ -49,21 +53,20 @@ class PhalanxModel(Model, MLWritable, MLReadable):
         raise NotImplementedError
 
     @classmethod
-    def model_from_bytes(cls, data: bytes) -> Any:
+    def model_from_bytes(cls, data: bytes) -> object:
         """The inverse of :meth:`model_bytes`."""
         raise NotImplementedError
 
-    def predictor_factory(self) -> Any:
+    def predictor_factory(self) -> Callable[[], Predictor]:
         """A picklable no-argument callable that builds a :data:`Predictor` on an executor."""
         raise NotImplementedError
 
     # -- transform ------------------------------------------------------------------------------------
-    def _transform(self, dataset: Any) -> Any:
+    def _transform(self, dataset: DataFrame) -> DataFrame:
         specs: list[ColumnSpec] = self.getOrDefault("feature_specs")
         outputs = list(zip(self.getOrDefault("output_cols"), self.getOrDefault("output_sizes"),
                            self.getOrDefault("vector_outputs")))
-        factory: Any = self.predictor_factory()
-        return transform(dataset, specs, outputs, factory)
+        return transform(dataset, specs, outputs, self.predictor_factory())
 
     # -- persistence ----------------------------------------------------------------------------------
     def write(self) -> MLWriter:
@@ -75,7 +78,7 @@ class PhalanxModel(Model, MLWritable, MLReadable):
         """A reader for ``load(path)``."""
         return _Reader(cls)
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self) -> dict[str, object]:
         state = {name: self.getOrDefault(getattr(self, name)) for name in MODEL_PARAMS if name != "model"}
         return {**state, "model": self.model_bytes()}
 

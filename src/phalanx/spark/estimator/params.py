@@ -13,7 +13,7 @@ from typing import Any
 from pyspark.ml.param import Param, Params
 
 # name -> (default, doc). The defaults are Horovod's.
-PARAMS: dict[str, tuple[Any, str]] = {
+PARAMS: dict[str, tuple[object, str]] = {
     "num_proc": (None, "number of ranks (default: every task slot of the cluster)"),
     "model": (None, "the model to train"),
     "optimizer": (None, "the optimizer (torch: an instance over the model's parameters)"),
@@ -63,24 +63,25 @@ class EstimatorParams(Params):
         super().__init__()
         self._setDefault(**{name: default for name, (default, _) in PARAMS.items()})
 
-    def setParams(self, **kwargs: Any) -> EstimatorParams:
+    def setParams(self, **kwargs: object) -> EstimatorParams:
         """Set several parameters at once."""
         return self._set(**kwargs)
 
     def value(self, name: str) -> Any:
-        """The value of parameter ``name`` (set or default)."""
+        """The value of parameter ``name`` (set or default): a setting, or the user's model, optimizer, loss or
+        callbacks, hence ``Any``."""
         return self.getOrDefault(getattr(self, name))
 
 
-def add_params(cls: type, table: dict[str, tuple[Any, str]]) -> None:
+def add_params(cls: type, table: dict[str, tuple[object, str]]) -> None:
     """Give ``cls`` a ``Param`` attribute and Horovod's ``getX`` / ``setX`` for every entry of ``table``."""
     for name, (_, doc) in table.items():
         setattr(cls, name, Param(Params._dummy(), name, doc))
 
-        def getter(self: Params, _name: str = name) -> Any:
+        def getter(self: Params, _name: str = name) -> object:
             return self.getOrDefault(getattr(self, _name))
 
-        def setter(self: Params, value: Any, _name: str = name) -> Any:
+        def setter(self: Params, value: object, _name: str = name) -> Params:
             return self._set(**{_name: value})
 
         getter.__doc__ = f"The value of ``{name}``: {doc}."

@@ -95,6 +95,10 @@ def check_shapes(specs: Sequence[ColumnSpec], shapes: Sequence[Sequence[int]] | 
                 "column")
 
 
+#: ``input_shapes`` / ``label_shapes``: one shape per column, the batch dimension first as -1.
+Shapes = Sequence[Sequence[int]]
+
+
 def row_shape(spec: ColumnSpec, shape: Sequence[int] | None) -> tuple[int, ...]:
     """The per-row shape of a column on the ranks: the given shape without its batch dim, else its size."""
     if shape is None:

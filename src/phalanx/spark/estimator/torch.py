@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import io
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import numpy as np
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.spark.estimator.base import PhalanxEstimator, pickled
-from phalanx.spark.estimator.job import TrainSpec
+from phalanx.spark.estimator.job import TrainResult, TrainSpec
 from phalanx.spark.estimator.model import PhalanxModel
 from phalanx.spark.estimator.params import add_params
-from phalanx.spark.estimator.schema import VECTOR, ColumnSpec, row_shape
+from phalanx.spark.estimator.schema import VECTOR, ColumnSpec, Shapes, row_shape
 from phalanx.spark.estimator.transform import Predictor
 
-TORCH_PARAMS: dict[str, tuple[Any, str]] = {
+if TYPE_CHECKING:
+    import torch
+
+TORCH_PARAMS: dict[str, tuple[object, str]] = {
     "input_shapes": (None, "shape of each input, the batch dimension first as -1"),
     "loss_constructors": (None, "functions that return the loss(es); instead of loss"),
     "train_minibatch_fn": (None, "not supported: phalanx runs the standard step"),
@@ -40,7 +44,7 @@ class TorchEstimator(PhalanxEstimator):
     framework = "pytorch"
 
     @classmethod
-    def extra_params(cls) -> dict[str, tuple[Any, str]]:
+    def extra_params(cls) -> dict[str, tuple[object, str]]:
         """``input_shapes``, ``loss_constructors``, ``train_minibatch_fn``, ``backward_passes_per_step``."""
         return TORCH_PARAMS
 
@@ -74,13 +78,13 @@ class TorchEstimator(PhalanxEstimator):
         """The model and its optimizer, pickled together (the optimizer keeps pointing at the model)."""
         return pickled((values["model"], values["optimizer"]), "the model or optimizer")
 
-    def remote(self) -> Any:
+    def remote(self) -> Callable[[TrainSpec], TrainResult]:
         """``torch_remote.train``."""
         from phalanx.spark.estimator.torch_remote import train
 
         return train
 
-    def make_model(self, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
+    def make_model(self, result: TrainResult, spec: TrainSpec) -> TorchModel:
         """A :class:`TorchModel` holding a copy of ``model`` with the trained weights."""
         return trained_model(self.getOrDefault("model"), result, spec)
 
@@ -88,7 +92,7 @@ class TorchEstimator(PhalanxEstimator):
 add_params(TorchEstimator, TORCH_PARAMS)
 
 
-def trained_model(module: Any, result: dict[str, Any], spec: TrainSpec) -> TorchModel:
+def trained_model(module: torch.nn.Module, result: TrainResult, spec: TrainSpec) -> TorchModel:
     """A :class:`TorchModel` holding a copy of ``module`` (a ``torch.nn.Module``, a ``LightningModule`` too)
     with rank 0's trained weights from ``result``, in eval mode."""
     import copy
@@ -107,13 +111,13 @@ def trained_model(module: Any, result: dict[str, Any], spec: TrainSpec) -> Torch
                       feature_specs=features, output_sizes=sizes, vector_outputs=vectors[:len(sizes)])
 
 
-def _output_sizes(model: Any, specs: list[ColumnSpec], shapes: Any) -> list[int]:
+def _output_sizes(model: torch.nn.Module, specs: list[ColumnSpec], shapes: Shapes | None) -> list[int]:
     predict = _TorchPredictor(model, specs, shapes)
     return [int(np.prod(out.shape[1:])) for out in predict([np.zeros((1, s.size), np.float32) for s in specs])]
 
 
 class _TorchPredictor:
-    def __init__(self, model: Any, specs: list[ColumnSpec], shapes: Any) -> None:
+    def __init__(self, model: torch.nn.Module, specs: list[ColumnSpec], shapes: Shapes | None) -> None:
         self.model, self.specs, self.shapes = model, specs, shapes
 
     def __call__(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -131,7 +135,7 @@ class _TorchPredictor:
 class _TorchPredictorFactory:
     """Carries the model's bytes to the executors and builds the predictor there, once per task."""
 
-    def __init__(self, blob: bytes, specs: list[ColumnSpec], shapes: Any) -> None:
+    def __init__(self, blob: bytes, specs: list[ColumnSpec], shapes: Shapes | None) -> None:
         self.blob, self.specs, self.shapes = blob, specs, shapes
 
     def __call__(self) -> Predictor:
@@ -149,11 +153,11 @@ class TorchModel(PhalanxModel):
         return bytes(cloudpickle.dumps(self.getOrDefault("model")))
 
     @classmethod
-    def model_from_bytes(cls, data: bytes) -> Any:
+    def model_from_bytes(cls, data: bytes) -> torch.nn.Module:
         """The model from :meth:`model_bytes`."""
         return cloudpickle.loads(data)
 
-    def predictor_factory(self) -> Any:
+    def predictor_factory(self) -> Callable[[], Predictor]:
         """Builds the predictor on the executor."""
         return _TorchPredictorFactory(self.model_bytes(), self.getOrDefault("feature_specs"),
                                       self.getOrDefault("input_shapes"))

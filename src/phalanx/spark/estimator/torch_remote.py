@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -11,12 +11,15 @@ import torch
 
 import phalanx.torch as hvd
 from phalanx.spark.driver_log import log_to_driver
-from phalanx.spark.estimator.job import TrainSpec, epoch_line
+from phalanx.spark.estimator.job import EpochRecord, TrainResult, TrainSpec, epoch_line
 from phalanx.spark.estimator.reader import Batch
-from phalanx.spark.estimator.schema import ColumnSpec, row_shape
+from phalanx.spark.estimator.schema import ColumnSpec, Shapes, row_shape
+
+#: A model's outputs: one tensor, or one per label column.
+Outputs = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
 
 
-def tensors(batch: Batch, specs: Sequence[ColumnSpec], shapes: Sequence[Any] | None,
+def tensors(batch: Batch, specs: Sequence[ColumnSpec], shapes: Shapes | None,
             device: torch.device) -> list[torch.Tensor]:
     """The batch's columns as tensors shaped ``(rows, *shape)`` on ``device``."""
     out = []
@@ -27,7 +30,7 @@ def tensors(batch: Batch, specs: Sequence[ColumnSpec], shapes: Sequence[Any] | N
     return out
 
 
-def shaped_labels(outputs: Any, labels: list[torch.Tensor], given: bool) -> list[torch.Tensor]:
+def shaped_labels(outputs: Outputs, labels: list[torch.Tensor], given: bool) -> list[torch.Tensor]:
     """Horovod's rule: without ``label_shapes``, a label takes its output's shape when their element counts
     match (a ``[batch]`` label column against a ``[batch, 1]`` output)."""
     if given:
@@ -37,7 +40,8 @@ def shaped_labels(outputs: Any, labels: list[torch.Tensor], given: bool) -> list
             for out, label in zip(outs, labels)]
 
 
-def compute_loss(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor], weights: torch.Tensor | None) -> Any:
+def compute_loss(spec: TrainSpec, outputs: Outputs, labels: list[torch.Tensor], weights: torch.Tensor | None,
+                 ) -> torch.Tensor:
     """Horovod's rule: one loss per label (or one for all), weighted by ``loss_weights``; with sample weights
     each loss is called with ``reduction='none'`` (``F.binary_cross_entropy``, ``torch.nn.MSELoss()``...),
     its per-element values flattened, multiplied by the rows' weights and averaged."""
@@ -55,7 +59,7 @@ def compute_loss(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor], weig
     return total
 
 
-def _unreduced(fn: Any, out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+def _unreduced(fn: Callable[..., torch.Tensor], out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     """``fn(out, label, reduction='none')``, or a loss module's own ``reduction`` set to ``'none'``."""
     if isinstance(fn, torch.nn.Module) and hasattr(fn, "reduction"):
         kept = fn.reduction
@@ -67,7 +71,7 @@ def _unreduced(fn: Any, out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return fn(out, label, reduction="none")
 
 
-def _metrics(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor]) -> dict[str, float]:
+def _metrics(spec: TrainSpec, outputs: Outputs, labels: list[torch.Tensor]) -> dict[str, float]:
     outs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     found = {}
     for fn in spec.params.get("metrics") or []:
@@ -76,8 +80,8 @@ def _metrics(spec: TrainSpec, outputs: Any, labels: list[torch.Tensor]) -> dict[
     return found
 
 
-def run_epoch(spec: TrainSpec, model: torch.nn.Module, optimizer: Any, epoch: int, device: torch.device,
-              validation: bool) -> tuple[dict[str, float], int]:
+def run_epoch(spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
+              device: torch.device, validation: bool) -> tuple[dict[str, float], int]:
     """One epoch (training or validation) on this rank: the metrics averaged over its steps, and the steps."""
     data = spec.data
     model.train(not validation)
@@ -110,7 +114,7 @@ def run_epoch(spec: TrainSpec, model: torch.nn.Module, optimizer: Any, epoch: in
     return dict(zip(means, averaged.tolist())), steps
 
 
-def _restore(spec: TrainSpec, model: torch.nn.Module, optimizer: Any) -> list[dict[str, Any]]:
+def _restore(spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[EpochRecord]:
     if spec.resume_epoch < 0:
         return []
     state = torch.load(io.BytesIO(spec.store.read(spec.checkpoint_path(spec.resume_epoch))), weights_only=False)
@@ -119,7 +123,8 @@ def _restore(spec: TrainSpec, model: torch.nn.Module, optimizer: Any) -> list[di
     return list(state["history"])
 
 
-def _save(spec: TrainSpec, model: torch.nn.Module, optimizer: Any, epoch: int, history: list[Any]) -> None:
+def _save(spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
+          history: list[EpochRecord]) -> None:
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "history": history,
                 "epoch": epoch}, buffer)
@@ -134,7 +139,7 @@ def _device(spec: TrainSpec) -> torch.device:
     return torch.device("cpu")
 
 
-def train(spec: TrainSpec) -> dict[str, Any]:
+def train(spec: TrainSpec) -> TrainResult:
     """Train on this rank's shard; rank 0 checkpoints every epoch. Returns the history, this rank's steps
     per epoch, and (rank 0) the final model's ``state_dict`` as ``torch.save`` bytes."""
     hvd.init()
@@ -153,7 +158,7 @@ def train(spec: TrainSpec) -> dict[str, Any]:
                                                                       or 1))
     epochs, steps = int(spec.params["epochs"]), []
     for epoch in range(spec.resume_epoch + 1, epochs):
-        record: dict[str, Any] = {"epoch": epoch}
+        record: EpochRecord = {"epoch": epoch}
         record["train"], taken = run_epoch(spec, model, optimizer, epoch, device, validation=False)
         record["steps"] = taken
         record["steps_per_rank"] = hvd.allgather_object(taken)
@@ -168,7 +173,7 @@ def train(spec: TrainSpec) -> dict[str, Any]:
                 log_to_driver(epoch_line(record, epochs))
         for callback in spec.params.get("callbacks") or []:
             callback(epoch, record)
-    result: dict[str, Any] = {"history": history, "steps": steps}
+    result: TrainResult = {"history": history, "steps": steps}
     if hvd.rank() == 0:
         buffer = io.BytesIO()
         torch.save(model.cpu().state_dict(), buffer)
