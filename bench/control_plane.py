@@ -51,7 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phalanx.env import elastic as elastic_keys
+from phalanx.env import rounds as elastic_keys
 from phalanx.errors import WorkerFailedError
 from phalanx.job import handshake
 from phalanx.job.channel import Custom, DriverChannel, Role, WorkerChannel

@@ -5,13 +5,13 @@
   (``SettingError``), under one truth rule (unset or empty means the default);
 - :mod:`phalanx.env.contract`: the worker contract, pure functions from (job, rank) to ``dict[str, str]``;
 - :mod:`phalanx.env.catalog`: docs/env.md's tables (``tools/gen_env.py`` writes the page from it);
-- :mod:`phalanx.env.elastic`, :mod:`phalanx.env.foreign`, :mod:`phalanx.env.shm`: elastic store keys, other
-  launchers' rank variables, the transport's file names.
+- :mod:`phalanx.env.rounds`, :mod:`phalanx.env.foreign`, :mod:`phalanx.env.shm`: the store keys of an elastic
+  job's rounds, other launchers' rank variables, the transport's file names.
 """
 
 from __future__ import annotations
 
-from phalanx.env import elastic, names, settings
+from phalanx.env import names, rounds, settings
 from phalanx.env.contract import (
     DEFAULT_START_TIMEOUT_S,
     JobContract,
@@ -30,9 +30,9 @@ __all__ = [
     "WorkerContract",
     "assign_ranks",
     "compose_env",
-    "elastic",
     "names",
     "read_contract",
+    "rounds",
     "settings",
     "worker_env",
 ]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from phalanx.env import names
-from phalanx.env.elastic import DEFAULT_ELASTIC_TIMEOUT_S
+from phalanx.env.rounds import DEFAULT_ELASTIC_TIMEOUT_S
 from phalanx.errors import SettingError
 
 T = TypeVar("T")

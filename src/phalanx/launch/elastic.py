@@ -1,7 +1,7 @@
 """Elastic local jobs: a lost worker is replaced and the world re-forms instead of the job failing.
 
 Each process is a *worker* with a stable id (its channel rank, ``PHALANX_ELASTIC_WORKER_ID``); its torch
-rank comes from the round the driver publishes in the store it hosts (``phalanx.env.elastic``).
+rank comes from the round the driver publishes in the store it hosts (``phalanx.env.rounds``).
 Round 0 is workers ``0..np-1``; after a loss the survivors keep their order and replacements (new ids)
 fill the free slots, up to ``np`` (``max_np`` caps it, ``min_np`` is the floor).
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from phalanx.env import JobContract, RankIdentity
-from phalanx.env import elastic as elastic_keys
 from phalanx.env import names as env_names
+from phalanx.env import rounds as elastic_keys
 from phalanx.errors import PhalanxError
 from phalanx.job.channel import Custom, DriverChannel
 from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated

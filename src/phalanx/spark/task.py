@@ -271,7 +271,7 @@ class _Commands:
 
 
 def _elastic_env(spec: TaskSpec, hosts: list[str], gpus: list[list[str]], slot: int, worker: int) -> dict[str, str]:
-    # The channel rank is the worker id; the torch rank comes from the driver's round (phalanx.env.elastic).
+    # The channel rank is the worker id; the torch rank comes from the driver's round (phalanx.env.rounds).
     who = replace(assign_ranks(hosts)[slot], rank=worker, size=spec.worker_ids)
     own = {env_names.PHALANX_ELASTIC_WORKER_ID: str(worker),
            env_names.PHALANX_ELASTIC_TIMEOUT_S: f"{spec.elastic_timeout_s:g}"}

@@ -7,7 +7,7 @@ import queue
 import cloudpickle
 import pytest
 
-from phalanx.env import elastic as elastic_keys
+from phalanx.env import rounds as elastic_keys
 from phalanx.errors import InvalidArgumentError, WorkerFailedError
 from phalanx.job.channel import Result
 from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from phalanx.env import elastic as elastic_keys
+from phalanx.env import rounds as elastic_keys
 from phalanx.errors import InvalidArgumentError, SparkJobError
 from phalanx.job.channel import Role
 from phalanx.job.elastic import ElasticPolicy

@@ -1,6 +1,6 @@
 """The worker side of an elastic round: wait for the driver's assignment, join that round's group.
 
-The driver hosts the store and publishes each round (``phalanx.env.elastic``); a worker is a store
+The driver hosts the store and publishes each round (``phalanx.env.rounds``); a worker is a store
 client. Each round's process group lives under its own key prefix, so a new round never reads the keys
 of a broken one.
 """
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.env import assign_ranks, settings
-from phalanx.env import elastic as elastic_keys
 from phalanx.env import names as env_names
+from phalanx.env import rounds as elastic_keys
 from phalanx.errors import ElasticTimeoutError, WorkerContractError
 from phalanx.job import store_client
 from phalanx.torch._runtime import RUNTIME
