@@ -180,15 +180,15 @@ def _check_ranks(out: list[dict[str, Any]]) -> None:
 
 
 def _check_two_tasks_per_host(out: list[dict[str, Any]]) -> None:
-    """Tasks of 2 GPUs, two tasks on each host's executor: a host's 4 ranks come from 2 tasks."""
+    """Tasks of 2 GPUs, two tasks on each host's executor: a host's 4 ranks come from 2 tasks (their parent: the
+    executor's one warm template, or, started cold, their task)."""
     assert [o["RANK"] for o in out] == [str(r) for r in range(8)] and {o["size"] for o in out} == {8}
     for task in range(4):  # a task runs two consecutive ranks
         first, second = out[2 * task], out[2 * task + 1]
         assert first["PHALANX_PARENT_PID"] == second["PHALANX_PARENT_PID"] and first["host"] == second["host"]
-    assert len({o["PHALANX_PARENT_PID"] for o in out}) == 4
     for host in ("hosta", "hostb"):
         mine = [o for o in out if o["host"] == host]
-        assert len(mine) == 4 and len({o["PHALANX_PARENT_PID"] for o in mine}) == 2, mine
+        assert len(mine) == 4 and len({o["PHALANX_PARENT_PID"] for o in mine}) <= 2, mine
         assert sorted(o["local_rank"] for o in mine) == [0, 1, 2, 3] and {o["LOCAL_WORLD_SIZE"] for o in mine} == {"4"}
         assert [o["LOCAL_RANK"] for o in mine] == [str(o["local_rank"]) for o in mine]
         assert len({o["cross_rank"] for o in mine}) == 1

@@ -310,18 +310,22 @@ def _look_for_state() -> dict[str, Any]:
     import torch
 
     return {"parent": _parent_cmd(), "leaks": [hasattr(json, "PHALANX_LEAK"), hasattr(torch, "PHALANX_LEAK"),
-                                               "PHALANX_LEAK" in os.environ], "mine": os.environ.get("JOB_VAR")}
+                                               "PHALANX_LEAK" in os.environ], "mine": os.environ.get("JOB_VAR"),
+            "ppid": os.getppid(), "pid": os.getpid(), "draw": torch.rand(4).tolist()}
 
 
 @pytest.mark.timeout(180)
-def test_later_spark_jobs_fork_from_executor_templates_without_seeing_earlier_jobs() -> None:
-    run(_leave_state_behind, num_proc=2)  # a first job (cold or warm) starts the executors' templates
-    deadline = time.monotonic() + WAIT_S
+def test_later_spark_jobs_fork_from_the_executors_template_without_seeing_earlier_jobs() -> None:
+    run(_leave_state_behind, num_proc=2)  # a first job starts the executor's template (and waits for it)
     second = run(_look_for_state, num_proc=2, env={"JOB_VAR": "second"})
-    # The templates import torch in the background after a job: later jobs start cold until they are ready.
-    while not all("phalanx.worker.template" in o["parent"] for o in second):
-        assert time.monotonic() < deadline, f"no job forked from the templates within {WAIT_S:g} s: {second}"
-        time.sleep(1)  # a poll's interval: each try is a whole job
-        second = run(_look_for_state, num_proc=2, env={"JOB_VAR": "second"})
+    assert all("phalanx.worker.template_shared" in o["parent"] for o in second), second
     assert [o["leaks"] for o in second] == [[False, False, False]] * 2
     assert {o["mine"] for o in second} == {"second"}
+    # local[2] is one executor: both tasks' ranks fork from its one template (a template per task would be two
+    # parents), and the next job's ranks from the same one (no import of torch again).
+    third = run(_look_for_state, num_proc=2, env={"JOB_VAR": "third"})
+    assert len({o["ppid"] for o in second + third}) == 1, (second, third)
+    # ... yet each rank is a process of its own, with generators of its own
+    assert len({o["pid"] for o in second + third}) == 4
+    assert len({tuple(o["draw"]) for o in second + third}) == 4
+    assert {o["mine"] for o in third} == {"third"}

@@ -154,12 +154,17 @@ def test_torch_estimator_on_the_cluster(standalone_spark: Any, tmp_path: Path) -
 
 
 def _executor_jvm() -> int:
-    """The pid of the Spark executor JVM this rank runs under (its nearest ``java`` ancestor)."""
+    """The pid of the Spark executor JVM this rank runs under (its nearest ``java`` ancestor; a rank forked from
+    its executor's shared template goes on from the template's owner, its executor's pyspark daemon)."""
     pid = os.getppid()
     while pid > 1:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"CoarseGrainedExecutorBackend" in f.read():
-                return pid
+            argv = f.read().split(b"\0")
+        if any(b"CoarseGrainedExecutorBackend" in a for a in argv):
+            return pid
+        if b"phalanx.worker.template_shared" in argv:  # ... -m phalanx.worker.template_shared FD OWNER ...
+            pid = int(argv[argv.index(b"phalanx.worker.template_shared") + 2])
+            continue
         with open(f"/proc/{pid}/stat") as f:
             pid = int(f.read().rsplit(")", 1)[1].split()[1])
     raise RuntimeError("no executor JVM above this rank")
@@ -167,7 +172,8 @@ def _executor_jvm() -> int:
 
 def _lose_my_executor(pid_dir: str) -> None:
     mine = Path(pid_dir, f".{os.environ['RANK']}")
-    mine.write_text(f"{os.getpid()} {os.environ['HOROVOD_HOSTNAME']}")
+    forked = b"phalanx.worker.template_shared" in Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    mine.write_text(f"{os.getpid()} {os.environ['HOROVOD_HOSTNAME']} {os.getppid()} {forked}")
     mine.rename(Path(pid_dir, os.environ["RANK"]))  # whole, for the peers that read it
     deadline = time.monotonic() + WAIT_S  # once every rank runs (some may start later)
     while len(written := [p for p in Path(pid_dir).iterdir() if p.name.isdigit()]) < 4:
@@ -208,12 +214,16 @@ def test_a_lost_executor_is_a_spark_job_error_naming_it(tmp_path: Path) -> None:
         run(_lose_my_executor, args=(str(tmp_path),), num_proc=4)
     ranks = {int(p.name): p.read_text().split() for p in tmp_path.iterdir() if p.name.isdigit()}
     host = ranks[0][1]
-    lost = [r for r, (_pid, h) in ranks.items() if h == host]  # rank 0 and its executor's other rank
+    lost = [r for r, written in ranks.items() if written[1] == host]  # rank 0 and its executor's other rank
     message = str(info.value)
     assert "exited with code 137" in message, message
     assert any(f"first to go: rank {r} on host {host}" in message for r in lost), message
     cause = info.value.__cause__
     assert isinstance(cause, WorkerFailedError) and cause.root_cause.rank in lost, cause
     assert cause.root_cause.exc_type == "phalanx.errors.SparkJobError", cause
-    pids = [int(pid) for pid, _host in ranks.values()]
+    pids = [int(written[0]) for written in ranks.values()]
     wait_until(lambda: not any(is_alive(p) for p in pids), WAIT_S, "every rank ended (its executor's loss or teardown)")
+    # the lost executor's warm template (its ranks' parent) ends with it
+    template = int(ranks[0][2])
+    assert ranks[0][3] == "True", "rank 0 did not fork from its executor's template"
+    wait_until(lambda: not is_alive(template), WAIT_S, "the lost executor's template ended")

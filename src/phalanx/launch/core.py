@@ -182,7 +182,7 @@ def _same_interpreter(found: str, executable: str) -> bool:
         return False
 
 
-def spawn_rank(argv: Sequence[str], env: dict[str, str], template: warm.Template | None = None,
+def spawn_rank(argv: Sequence[str], env: dict[str, str], template: warm.TemplateLink | None = None,
                cwd: str | None = None, python: dict[str, Any] | None = None) -> RankProcess:
     """Start one rank: forked from a warm-start template when one is given and answers (a command job
     only with ``python``, see :func:`python_command`), else a fresh process in its own session with

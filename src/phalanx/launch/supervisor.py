@@ -103,7 +103,7 @@ class RankSupervisor:
         """Forward one output line of the rank."""
         self.send(Kind.LOG, line.encode())
 
-    def run(self, argv: Sequence[str], env: dict[str, str], template: warm.Template | None = None,
+    def run(self, argv: Sequence[str], env: dict[str, str], template: warm.TemplateLink | None = None,
             cwd: str | None = None, python: dict[str, Any] | None = None) -> int:
         """Start the rank (from the calling thread: its parent-death signal follows this thread; from
         ``template`` when given, see ``core.spawn_rank``), forward its output, stop it on abort; return its

@@ -84,21 +84,17 @@ class ForkedRank:
         return self.returncode
 
 
-class Template:
-    """The driver's handle on one template process."""
+class TemplateLink:
+    """One connection to a template process: spawn requests out; its readiness, forks and ranks' exits in.
 
-    def __init__(self, preload: tuple[str, ...], base_env: dict[str, str] | None = None) -> None:
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = {**(os.environ if base_env is None else base_env), env_names.PHALANX_PARENT_PID: str(os.getpid()),
-               env_names.PYTHONUNBUFFERED: "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "phalanx.worker.template", str(theirs.fileno()), *preload],
-            pass_fds=(theirs.fileno(),), start_new_session=True, env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        theirs.close()
-        self.preload = preload
-        self._sock = mine
+    Args:
+        sock: the connected ``SOCK_SEQPACKET`` socket.
+        pid: the template's pid (the forked ranks' parent).
+    """
+
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.pid = pid
+        self._sock = sock
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._next_id = 0
@@ -127,7 +123,7 @@ class Template:
             self._next_id += 1
             self._pending[ident] = (os.fdopen(r_out, "rb"), os.fdopen(r_err, "rb"), done, box)
         try:
-            message = json.dumps({"spawn": ident, "env": {**env, env_names.PHALANX_PARENT_PID: str(self.proc.pid)},
+            message = json.dumps({"spawn": ident, "env": {**env, env_names.PHALANX_PARENT_PID: str(self.pid)},
                                   "cwd": cwd, "python": python}).encode()
             socket.send_fds(self._sock, [message], [w_out, w_err])
         finally:
@@ -150,6 +146,8 @@ class Template:
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         if message.get("ready"):
+            if isinstance(message.get("pid"), int):
+                self.pid = message["pid"]  # a shared template's own (its socket's credentials are its starter's)
             self._ready.set()
         elif "spawned" in message:
             with self._lock:
@@ -162,6 +160,12 @@ class Template:
             with self._lock:
                 rank = self._ranks.pop(int(message["exited"]))
             rank.set_exit(int(message["returncode"]))
+        elif "refused" in message:
+            log.warning("the warm-start template refused a spawn request: %s", message["refused"])
+            with self._lock:
+                pending, self._pending = list(self._pending.values()), {}
+            for _, _, done, _ in pending:
+                done.set()
 
     def _gone(self) -> None:
         """The template ended: its children died with it (parent-death signal)."""
@@ -177,11 +181,32 @@ class Template:
 
     def pids(self) -> set[int]:
         """The template's pid while it runs."""
-        return {self.proc.pid} if self.alive else set()
+        return {self.pid} if self.alive else set()
+
+    def close(self) -> None:
+        """Close this connection (a shared template then kills the ranks it forked for it)."""
+        close_socket(self._sock)
+
+
+class Template(TemplateLink):
+    """The driver's own template process, started here and stopped with the driver."""
+
+    def __init__(self, preload: tuple[str, ...], base_env: dict[str, str] | None = None) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {**(os.environ if base_env is None else base_env), env_names.PHALANX_PARENT_PID: str(os.getpid()),
+               env_names.PYTHONUNBUFFERED: "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "phalanx.worker.template", str(theirs.fileno()), *preload],
+            pass_fds=(theirs.fileno(),), start_new_session=True, env=env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        theirs.close()
+        self.preload = preload
+        super().__init__(mine, self.proc.pid)
 
     def close(self) -> None:
         """Stop the template and every rank it forked."""
-        close_socket(self._sock)
+        super().close()
         terminate_tree([self.proc.pid], grace_s=1.0)
         self.proc.wait(timeout=10)
 

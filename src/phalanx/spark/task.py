@@ -24,9 +24,10 @@ from phalanx.errors import ChannelError, PhalanxError
 from phalanx.job.channel import Role, WorkerChannel
 from phalanx.job.framing import Kind
 from phalanx.job.records import ErrorRecord
-from phalanx.launch import warm
+from phalanx.launch import shared_template, warm
 from phalanx.launch.core import worker_argv
 from phalanx.launch.supervisor import EXIT_NOT_STARTED, RankSupervisor, exit_event
+from phalanx.launch.warm import TemplateLink
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class TaskSpec:
         ranks_per_task: ranks each barrier task runs (``spark.task.resource.gpu.amount`` when each task holds
             several GPUs, as pyspark's ``torchrun --nproc_per_node``): task ``t`` runs ranks ``t*k .. t*k+k-1``,
             rank ``t*k+j`` on the task's ``j``-th GPU.
+        template: on the executor, this task's connection to its executor's shared template
+            (:func:`warm_early`); never set on the driver, never pickled.
     """
 
     job: JobContract
@@ -62,6 +65,7 @@ class TaskSpec:
     worker_ids: int = 0
     warm_wait_s: float = warm.READY_WAIT_S
     ranks_per_task: int = 1
+    template: TemplateLink | None = field(default=None, repr=False, compare=False)
 
     def warm(self) -> bool:
         """True when this job's ranks may be forked from a warm-start template."""
@@ -187,23 +191,57 @@ def check_script(spec: TaskSpec) -> None:
 
 def _run_rank(spec: TaskSpec, supervisor: RankSupervisor, env: dict[str, str]) -> int:
     check_script(spec)
-    # The rank forks from this python worker's template: the one an earlier job of this driver left (Spark
-    # reuses its python workers), else the one this task started (``warm_early``; waited for up to
-    # ``warm_wait_s``: it imports what a cold rank would). Started from the rank's supervising thread: the
-    # worker's PR_SET_PDEATHSIG follows this thread.
-    template = warm.template_for_job(spec.warm_preload or (), spec.warm_wait_s) if spec.warm() else None
-    return supervisor.run(_argv(spec), env, template)
+    # Started from the rank's supervising thread: a cold worker's PR_SET_PDEATHSIG follows this thread.
+    return supervisor.run(_argv(spec), env, _template(spec))
+
+
+def _template(spec: TaskSpec) -> TemplateLink | None:
+    """The template this task's rank forks from: its executor's shared one (:func:`warm_early`; waited for up
+    to ``warm_wait_s``: it imports what a cold rank would), else this python worker's own (one an earlier job
+    left: Spark reuses its python workers, or one started now); None: the rank starts cold."""
+    if not spec.warm():
+        return None
+    if spec.template is not None:
+        return spec.template if spec.template.wait_ready(spec.warm_wait_s) else None
+    return warm.template_for_job(spec.warm_preload or (), spec.warm_wait_s)
 
 
 def warm_early(spec: TaskSpec) -> TaskSpec:
-    """Start this python worker's warm-start template now, as the task starts, when the job's ranks may fork
-    from one and none runs: its imports (one for all of the task's ranks) then overlap the barrier round
-    instead of following it. Returns ``spec`` with the ranks' wait for it raised to half the start timeout
-    (the rest is left for the ranks to connect)."""
+    """Connect this task to its executor's warm-start template when the job's ranks may fork from one, starting
+    it if none runs: its imports (one for all of the executor's tasks and later jobs) then overlap the barrier
+    round instead of following it. Where no shared template can be had, this python worker's own is started
+    instead. Returns ``spec`` with the connection, and the ranks' wait for the template raised to half the start
+    timeout (the rest is left for the ranks to connect); the caller closes the connection (:func:`done`)."""
     if not spec.warm():
         return spec
-    warm.prepare(spec.warm_preload or ())
-    return replace(spec, warm_wait_s=max(spec.warm_wait_s, spec.job.start_timeout_s / 2))
+    link = shared_template.link(spec.warm_preload or ())
+    if link is None:
+        warm.prepare(spec.warm_preload or ())
+    return replace(spec, warm_wait_s=max(spec.warm_wait_s, spec.job.start_timeout_s / 2), template=link)
+
+
+def prestart(preload: tuple[str, ...]) -> None:
+    """Start the executor's shared template (else this python worker's own) if none runs, without waiting."""
+    if not warm.enabled():
+        return
+    link = shared_template.link(preload)
+    if link is None:
+        warm.prepare(preload)
+    else:
+        link.close()
+
+
+def _after_job(spec: TaskSpec) -> None:
+    """Start this python worker's own template in the background for the driver's next job, when the executor
+    has no shared one."""
+    if spec.warm() and spec.template is None and spec.warm_preload is not None:
+        warm.prepare(spec.warm_preload)
+
+
+def done(spec: TaskSpec) -> None:
+    """The task ended: close its connection to the shared template (which kills a rank it still owned)."""
+    if spec.template is not None:
+        spec.template.close()
 
 
 def _status(rank: int, returncode: int, reported: bool, error: str = "") -> str:
@@ -236,8 +274,7 @@ def supervise(spec: TaskSpec, rank: int, hosts: list[str], gpus: list[list[str]]
         returncode = EXIT_NOT_STARTED
     supervisor.send(Kind.EVENT, exit_event(returncode, supervisor.ended_at))
     channel.close()
-    if spec.warm() and spec.warm_preload is not None:
-        warm.prepare(spec.warm_preload)  # in the background, for this driver's next job
+    _after_job(spec)
     return _status(rank, returncode, supervisor.channel_ok)
 
 
@@ -329,8 +366,7 @@ def supervise_slot(spec: TaskSpec, slot: int, hosts: list[str], gpus: list[list[
     finally:
         control.close()
         commands.aborted.set()  # releases the abort watchers of this task's workers
-    if spec.warm() and spec.warm_preload is not None:
-        warm.prepare(spec.warm_preload)
+    _after_job(spec)
     return status
 
 
@@ -388,6 +424,10 @@ def barrier_task(spec: TaskSpec) -> Any:
         mine = task_resources(dict(ctx.resources()))
         gathered = [json.loads(m) for m in ctx.allGather(json.dumps(mine))]
         hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
-        yield from supervise_task(warmed, ctx.partitionId(), hosts, gpus, mine.get("problem", ""))
+        try:
+            statuses = supervise_task(warmed, ctx.partitionId(), hosts, gpus, mine.get("problem", ""))
+        finally:
+            done(warmed)
+        yield from statuses
 
     return task

@@ -27,6 +27,7 @@ import select
 import signal
 import socket
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from phalanx.env import names as env_names
@@ -39,7 +40,7 @@ from phalanx.worker.lifeline import die_with_parent, set_process_name
 ALWAYS = ("torch", "torch.distributed", "phalanx.worker.runtime", "phalanx.worker.pyrun", "phalanx.transport.backend")
 
 MAX_MESSAGE_BYTES = 1 << 20
-_REAP_INTERVAL_S = 0.005
+REAP_INTERVAL_S = 0.005
 #: The environment the template started with (what its interpreter and imports read at start-up).
 STARTUP_ENV = dict(os.environ)
 
@@ -53,7 +54,12 @@ def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = N
         sock.send(data)
 
 
-def _preload(modules: list[str]) -> None:
+def preload(modules: list[str]) -> None:
+    """Import ``ALWAYS`` and then ``modules``; a module that fails here is imported (and fails) in the rank."""
+    _import([*ALWAYS, *(name for name in modules if name not in ALWAYS)])
+
+
+def _import(modules: list[str]) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
@@ -115,12 +121,18 @@ def _apply_thread_count() -> None:
         torch.set_num_threads(int(raw))
 
 
-def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+def fork_rank(message: dict[str, Any], fds: list[int], close: Sequence[socket.socket | int]) -> int:
+    """Fork one rank from ``message`` with its two output descriptors; returns its pid. The child closes
+    ``close`` (the template's own sockets) first and never returns."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            sock.close()
+            for held in close:
+                if isinstance(held, socket.socket):
+                    held.close()
+                else:
+                    os.close(held)
             code = _become_rank(message, fds[0], fds[1])
         except BaseException:  # report anything, then leave without unwinding the template
             import traceback
@@ -135,11 +147,15 @@ def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
             os._exit(code)
     for fd in fds:
         os.close(fd)
-    send(sock, {"spawned": message["spawn"], "pid": pid})
+    return pid
 
 
-def _reap(sock: socket.socket) -> int:
-    """Report every child that ended; returns 1 while some child still runs, else 0."""
+def _fork(sock: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
+    send(sock, {"spawned": message["spawn"], "pid": fork_rank(message, fds, [sock])})
+
+
+def reap(report: Callable[[int, int], None]) -> int:
+    """Report every child that ended (its pid and return code); returns 1 while some child still runs, else 0."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -147,14 +163,18 @@ def _reap(sock: socket.socket) -> int:
             return 0
         if pid == 0:
             return 1
-        send(sock, {"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+        report(pid, os.waitstatus_to_exitcode(status))
+
+
+def _reap(sock: socket.socket) -> int:
+    return reap(lambda pid, code: send(sock, {"exited": pid, "returncode": code}))
 
 
 def serve(sock: socket.socket) -> None:
     """Answer spawn requests until the launcher closes the socket."""
     children = 0
     while True:
-        readable, _, _ = select.select([sock], [], [], _REAP_INTERVAL_S if children else None)
+        readable, _, _ = select.select([sock], [], [], REAP_INTERVAL_S if children else None)
         if readable:
             data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES, 2)
             if not data:
@@ -168,7 +188,7 @@ def main(argv: list[str]) -> int:
     """Entry point: ``FD MODULE...``."""
     die_with_parent()
     sock = socket.socket(fileno=int(argv[0]))
-    _preload([*ALWAYS, *(name for name in argv[1:] if name not in ALWAYS)])
+    preload(argv[1:])
     send(sock, {"ready": True})
     try:
         serve(sock)

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx.env import JobContract, settings
-from phalanx.launch import warm
 from phalanx.launch.core import JobSpec
 from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.supervisor import EXIT_NOT_STARTED
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.host import HostedJob, probe_client
 from phalanx.spark.launcher import task_spec as launcher_task_spec
-from phalanx.spark.task import supervise_task, task_host, task_resources, warm_early
+from phalanx.spark.task import done, prestart, supervise_task, task_host, task_resources, warm_early
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,10 @@ def _run_ranks(spec: ConnectTaskSpec, task: int, gathered: list[dict[str, Any]])
     # The template started with this task (_warm_early) imports what a cold rank would: wait for it.
     task_spec = warm_early(launcher_task_spec(spec.job, _contract(spec, hosted), spec.elastic))
     hosts, gpus = [g["host"] for g in gathered], [g["gpus"] for g in gathered]
-    statuses = supervise_task(task_spec, task, hosts, gpus, gathered[task].get("problem", ""))
+    try:
+        statuses = supervise_task(task_spec, task, hosts, gpus, gathered[task].get("problem", ""))
+    finally:
+        done(task_spec)
     return [connect_wire.status_body(int(s["rank"]), int(s["exit"]), bool(s["reported"]), s.get("error") or "")
             for s in map(json.loads, statuses)]
 
@@ -90,7 +92,7 @@ def _warm_early(job: JobSpec) -> None:
     its imports then overlap the barrier round, and the rank forks from it (it waits for its imports up to
     ``warm.READY_WAIT_S``, else starts cold) instead of paying them after the round."""
     if job.command is None and job.warm_preload is not None and settings.WARM_START.get(job.env):
-        warm.prepare(job.warm_preload)
+        prestart(job.warm_preload)
 
 
 def connect_task(spec: ConnectTaskSpec) -> Callable[[Iterator[Any]], Iterator[Any]]:
