@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from phalanx.errors import ChannelError
@@ -166,12 +167,26 @@ class RankSupervisor:
         self.stop()
 
 
+#: Seconds between looks at the worker connections of exits still waiting for their drain.
+_DRAIN_POLL_S = 0.01
+
+
+@dataclass(eq=False)
+class _Pending:
+    rank: int
+    returncode: int
+    ended_at: float
+    deadline: float
+
+
 class ExitReports:
     """The driver's side of the supervisors' exit reports: each rank's end posted once as a ``RankExit``.
 
     A supervisor's exit event is posted only once the rank's own worker connection has been read out (a
-    function job's result travels there, and may still be in flight). Used by every launcher whose ranks are
-    supervised away from the driver (Spark tasks, host agents).
+    function job's result travels there, and may still be in flight), or :data:`DRAIN_WAIT_S` after it
+    arrived. The waits are held by one thread, started when the first exit waits and ended when none does,
+    whatever the number of ranks. Used by every launcher whose ranks are supervised away from the driver
+    (Spark tasks, host agents).
 
     Args:
         function_job: True when ranks connect themselves (a result must be waited for).
@@ -183,6 +198,8 @@ class ExitReports:
         #: Ranks (worker ids) whose end was posted.
         self.exited: set[int] = set()
         self._channel: DriverChannel | None = None
+        self._waiting: list[_Pending] = []
+        self._drainer: threading.Thread | None = None
 
     def attach(self, channel: DriverChannel) -> None:
         """The job's channel (its queue receives the exits); call before any event arrives."""
@@ -193,15 +210,40 @@ class ExitReports:
         returncode = parse_exit_event(event.body)
         if returncode is None:
             return False
-        ended_at = time.monotonic() - parse_exit_age(event.body)
-        threading.Thread(target=self._after_drain, args=(event.rank, returncode, ended_at), daemon=True).start()
+        now = time.monotonic()
+        pending = _Pending(event.rank, returncode, now - parse_exit_age(event.body), now + DRAIN_WAIT_S)
+        with self.lock:
+            self._waiting.append(pending)
+            if self._drainer is None:
+                self._drainer = threading.Thread(target=self._drain, name="phalanx-exit-reports", daemon=True)
+                self._drainer.start()
         return True
 
-    def _after_drain(self, rank: int, returncode: int, ended_at: float) -> None:
+    def _drained(self, pending: _Pending) -> bool:
         assert self._channel is not None
-        if self.function_job and self._channel.is_connected(rank):
-            self._channel.worker_done(rank, DRAIN_WAIT_S)
-        self.post(rank, returncode, ended_at=ended_at)
+        if not self.function_job or not self._channel.is_connected(pending.rank):
+            return True
+        return self._channel.worker_done(pending.rank, 0) or time.monotonic() >= pending.deadline
+
+    def _drain(self) -> None:
+        """Post every waiting exit once its rank's worker connection is read out; end when none waits."""
+        while True:
+            with self.lock:
+                waiting, self._waiting = self._waiting, []
+            still: list[_Pending] = []
+            for p in waiting:
+                if self._drained(p):
+                    self.post(p.rank, p.returncode, ended_at=p.ended_at)
+                else:
+                    still.append(p)
+            with self.lock:
+                self._waiting[:0] = still
+                if not self._waiting:
+                    self._drainer = None
+                    return
+                idle = len(still) == len(waiting)
+            if idle:
+                time.sleep(_DRAIN_POLL_S)
 
     def post(self, rank: int, returncode: int, error: str = "", ended_at: float | None = None) -> None:
         """Post ``rank``'s end (and ``error`` as its error record first), unless it was posted already;
