@@ -55,7 +55,7 @@ from phalanx.env import rounds as elastic_keys
 from phalanx.errors import WorkerFailedError
 from phalanx.job import handshake
 from phalanx.job.channel import Custom, DriverChannel, Role, WorkerChannel
-from phalanx.job.elastic import ElasticMonitor, ElasticPolicy
+from phalanx.job.elastic_policy import ElasticMonitor, ElasticPolicy
 from phalanx.job.framing import FrameWriter, Kind, encode, read_frame
 from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.job.observation import RankEnded, RankStarted, Reformed

@@ -12,7 +12,7 @@ from typing import Any
 
 from phalanx.env import settings
 from phalanx.errors import InvalidArgumentError
-from phalanx.job.elastic import ElasticPolicy
+from phalanx.job.elastic_policy import ElasticPolicy
 from phalanx.job.payload import serialize_call
 from phalanx.job.report import entry_point
 from phalanx.job.shipping import shipped_payload

@@ -26,7 +26,7 @@ from phalanx.env import names as env_names
 from phalanx.env import rounds as elastic_keys
 from phalanx.errors import PhalanxError
 from phalanx.job.channel import Custom, DriverChannel
-from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
+from phalanx.job.elastic_policy import ElasticMonitor, ElasticPolicy, HostsUpdated
 from phalanx.job.logs import LogSink
 from phalanx.job.monitor import MonitorConfig
 from phalanx.job.progress import Progress

@@ -21,7 +21,7 @@ import threading
 from phalanx.env import JobContract
 from phalanx.errors import InvalidArgumentError, PhalanxError
 from phalanx.job.channel import Custom, DriverChannel
-from phalanx.job.elastic import HostsUpdated
+from phalanx.job.elastic_policy import HostsUpdated
 from phalanx.job.progress import Progress
 from phalanx.launch.core import JobSpec, new_run_id
 from phalanx.launch.discovery import HostDiscovery

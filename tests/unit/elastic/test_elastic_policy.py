@@ -10,7 +10,7 @@ import pytest
 from phalanx.env import rounds as elastic_keys
 from phalanx.errors import InvalidArgumentError, WorkerFailedError
 from phalanx.job.channel import Result
-from phalanx.job.elastic import ElasticMonitor, ElasticPolicy, HostsUpdated
+from phalanx.job.elastic_policy import ElasticMonitor, ElasticPolicy, HostsUpdated
 from phalanx.job.monitor import MonitorConfig, RankExit
 from phalanx.job.records import Hello
 from phalanx.launch.api import elastic_spec

@@ -10,7 +10,7 @@ import pytest
 from phalanx.env import rounds as elastic_keys
 from phalanx.errors import InvalidArgumentError, SparkJobError
 from phalanx.job.channel import Role
-from phalanx.job.elastic import ElasticPolicy
+from phalanx.job.elastic_policy import ElasticPolicy
 from phalanx.launch.core import JobSpec
 from phalanx.launch.elastic import Elasticity, ElasticSpec
 from phalanx.spark.elastic import elastic_options

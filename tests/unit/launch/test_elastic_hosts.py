@@ -13,7 +13,7 @@ import pytest
 
 from phalanx.env import JobContract
 from phalanx.errors import InvalidArgumentError
-from phalanx.job.elastic import ElasticPolicy, HostsUpdated
+from phalanx.job.elastic_policy import ElasticPolicy, HostsUpdated
 from phalanx.job.shipping import script_of, write_modules
 from phalanx.launch import elastic_hosts
 from phalanx.launch.core import JobSpec
