@@ -61,7 +61,7 @@ from phalanx.job.monitor import JobMonitor, MonitorConfig
 from phalanx.job.observation import RankEnded, RankStarted, Reformed
 from phalanx.job.records import Hello, LogLine, Stream
 from phalanx.job.store import Op, Status, pack, unpack
-from phalanx.launch.elastic import publish_round
+from phalanx.launch.elasticity import publish_round
 from phalanx.launch.rendezvous import RendezvousStore
 from phalanx.launch.supervisor import HEARTBEAT, ExitReports, exit_event
 

@@ -32,8 +32,8 @@ from phalanx.launch.api import (
     validate_slots_per_host,
 )
 from phalanx.launch.core import JobSpec, start_timeout_hint
-from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
+from phalanx.launch.elasticity import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.local import LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec
 from phalanx.observe import ObserveOptions

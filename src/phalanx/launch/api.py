@@ -19,8 +19,8 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch import warm
 from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.discovery import HostDiscovery, check_script
-from phalanx.launch.elastic import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostsLauncher
+from phalanx.launch.elasticity import ElasticLocalLauncher, ElasticSpec
 from phalanx.launch.hosts import HostSlots, check_host_name, only_this_machine, parse_hostfile, parse_hosts, place
 from phalanx.launch.local import LocalLauncher
 from phalanx.launch.remote import HostsLauncher, HostsSpec

@@ -9,8 +9,8 @@ Every launcher is the same :class:`JobDriver` with other parts (torchelastic's s
   :class:`~phalanx.launch.elastic_hosts.ElasticHostAgents`), the tasks of a Spark barrier stage
   (:class:`~phalanx.spark.launcher.SparkBarrierStage`) or of the stage the driver itself runs in
   (:class:`~phalanx.spark.connect.host.HostedStage`);
-- optionally an elastic part (:class:`~phalanx.launch.elastic.Elasticity`): lost workers are replaced and the world
-  re-forms, through the starter's :class:`~phalanx.launch.elastic.Replacer` side.
+- optionally an elastic part (:class:`~phalanx.launch.elasticity.Elasticity`): lost workers are replaced and the world
+  re-forms, through the starter's :class:`~phalanx.launch.elasticity.Replacer` side.
 
 The driver owns the order of a job's life: services up, ranks started, the monitor's verdict, then (on any
 exit) the ranks stopped, the event queue closed, the starter closed, the services closed.
@@ -55,7 +55,7 @@ class RankStarter(Protocol):
 
 
 class ElasticPart(Protocol):
-    """What the driver asks of a job's elastic part (:class:`~phalanx.launch.elastic.Elasticity`)."""
+    """What the driver asks of a job's elastic part (:class:`~phalanx.launch.elasticity.Elasticity`)."""
 
     @property
     def channel_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Elastic jobs across hosts: the elastic driver of :mod:`phalanx.launch.elastic`, its workers started by host
+"""Elastic jobs across hosts: the elastic driver of :mod:`phalanx.launch.elasticity`, its workers started by host
 agents (:mod:`phalanx.launch.agent_driver`) as a hosts job starts its ranks.
 
 Each worker has an agent of its own (over ssh, or a child on this machine), so one worker can be added or
@@ -26,7 +26,7 @@ from phalanx.job.progress import Progress
 from phalanx.launch.core import JobSpec, new_run_id
 from phalanx.launch.discovery import HostDiscovery
 from phalanx.launch.driver import DriverAddress
-from phalanx.launch.elastic import Elasticity, ElasticSpec, elastic_env, poll_discovery, worker_id_budget
+from phalanx.launch.elasticity import Elasticity, ElasticSpec, elastic_env, poll_discovery, worker_id_budget
 from phalanx.launch.hosts import check_host_name, is_local, place
 from phalanx.launch.local import observed, run_on_driver
 from phalanx.launch.remote import AgentHosts, HostsSpec
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 class ElasticHostAgents:
     """The workers of an elastic job across ``hosts``, one host agent per worker (a rank starter and a
-    :class:`~phalanx.launch.elastic.Replacer`; see the module docstring).
+    :class:`~phalanx.launch.elasticity.Replacer`; see the module docstring).
 
     Args:
         spec: the job.

@@ -9,7 +9,7 @@ the :class:`~phalanx.job.monitor.JobMonitor` runs in the caller's thread. On the
 driver sends ABORT to every task (each stops its worker's process tree), then cancels the job group.
 
 The launcher is the one :class:`~phalanx.launch.driver.JobDriver` with a :class:`SparkBarrierStage` as its
-rank starter and, for an elastic job, an :class:`~phalanx.launch.elastic.Elasticity` whose replacements go
+rank starter and, for an elastic job, an :class:`~phalanx.launch.elasticity.Elasticity` whose replacements go
 to the slots of :class:`BarrierTasks`.
 """
 
@@ -30,7 +30,7 @@ from phalanx.job.progress import Progress
 from phalanx.job.records import ErrorRecord, LogLine, Stream
 from phalanx.launch.core import JobSpec, new_run_id
 from phalanx.launch.driver import DriverAddress, JobDriver
-from phalanx.launch.elastic import Elasticity, ElasticSpec, worker_id_budget
+from phalanx.launch.elasticity import Elasticity, ElasticSpec, worker_id_budget
 from phalanx.launch.supervisor import ExitReports
 from phalanx.spark.driver_log import rank_log_dir
 from phalanx.spark.session import bind_address, driver_host, executor_python, python_exec
@@ -110,7 +110,7 @@ def slot_budget(np: int, elastic: ElasticSpec) -> int:
 class BarrierTasks:
     """What a driver knows of its barrier stage's tasks, wherever it runs (Spark's driver, or rank 0's task of
     a Connect job): their exit reports and EVENT frames, and, for an elastic job, the slots their workers run
-    in (a :class:`~phalanx.launch.elastic.Replacer`: a worker that dies while its task lives is replaced in
+    in (a :class:`~phalanx.launch.elasticity.Replacer`: a worker that dies while its task lives is replaced in
     its slot, by a ``{"spawn": worker_id}`` command to the task).
 
     Args:

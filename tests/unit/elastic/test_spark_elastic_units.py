@@ -12,7 +12,7 @@ from phalanx.errors import InvalidArgumentError, SparkJobError
 from phalanx.job.channel import Role
 from phalanx.job.elastic_policy import ElasticPolicy
 from phalanx.launch.core import JobSpec
-from phalanx.launch.elastic import Elasticity, ElasticSpec
+from phalanx.launch.elasticity import Elasticity, ElasticSpec
 from phalanx.spark.elastic import elastic_options
 from phalanx.spark.launcher import BarrierTasks
 

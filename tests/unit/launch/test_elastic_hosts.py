@@ -17,8 +17,8 @@ from phalanx.job.elastic_policy import ElasticPolicy, HostsUpdated
 from phalanx.job.shipping import script_of, write_modules
 from phalanx.launch import elastic_hosts
 from phalanx.launch.core import JobSpec
-from phalanx.launch.elastic import ElasticSpec
 from phalanx.launch.elastic_hosts import ElasticHostAgents
+from phalanx.launch.elasticity import ElasticSpec
 from phalanx.launch.host_agent import Agent, AgentPlan
 from phalanx.launch.hosts import HostSlots
 from phalanx.launch.remote import HostsSpec

@@ -26,7 +26,7 @@ from phalanx.job.channel import Closed, Custom, DriverChannel
 from phalanx.job.logs import FileSink, LogSink
 from phalanx.job.records import LogLine, Stream
 from phalanx.launch.core import DRAIN_WAIT_S, JobSpec, new_run_id
-from phalanx.launch.elastic import ElasticSpec
+from phalanx.launch.elasticity import ElasticSpec
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.session import StageWatch, check_slots, client_bind_host, client_host
 from phalanx.spark.connect.task import ConnectTaskSpec, connect_task

@@ -26,7 +26,7 @@ from phalanx.job.monitor import JobMonitor
 from phalanx.job.records import LogLine
 from phalanx.launch.core import JobSpec
 from phalanx.launch.driver import DriverAddress, JobDriver
-from phalanx.launch.elastic import Elasticity, ElasticSpec
+from phalanx.launch.elasticity import Elasticity, ElasticSpec
 from phalanx.spark.connect.wire import LogRecord, Outcome
 from phalanx.spark.launcher import BarrierTasks, Rank0Stdout
 from phalanx.spark.task import TaskSpec

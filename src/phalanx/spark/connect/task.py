@@ -17,7 +17,7 @@ from typing import Any
 
 from phalanx.env import JobContract, settings
 from phalanx.launch.core import JobSpec
-from phalanx.launch.elastic import ElasticSpec
+from phalanx.launch.elasticity import ElasticSpec
 from phalanx.launch.supervisor import EXIT_NOT_STARTED
 from phalanx.spark.connect import wire as connect_wire
 from phalanx.spark.connect.host import HostedJob, probe_client

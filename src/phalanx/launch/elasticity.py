@@ -1,4 +1,5 @@
-"""Elastic local jobs: a lost worker is replaced and the world re-forms instead of the job failing.
+"""A job's elastic part (:class:`Elasticity`), and elastic local jobs: a lost worker is replaced and the world
+re-forms instead of the job failing.
 
 Each process is a *worker* with a stable id (its channel rank, ``PHALANX_ELASTIC_WORKER_ID``); its torch
 rank comes from the round the driver publishes in the store it hosts (``phalanx.env.rounds``).
