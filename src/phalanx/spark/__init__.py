@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from phalanx.spark.deepspeed import DeepspeedTorchDistributor
     from phalanx.spark.distributor import TorchDistributor
     from phalanx.spark.driver_log import log_to_driver
-    from phalanx.spark.elastic import run_elastic
+    from phalanx.spark.elastic_run import run_elastic
     from phalanx.spark.runner import HorovodRunner
 
 __all__ = ["DeepspeedTorchDistributor", "HorovodRunner", "SparkDatasetConverter", "TorchDistributor", "log_to_driver",
@@ -27,7 +27,7 @@ _HOMES = {
     "DeepspeedTorchDistributor": "phalanx.spark.deepspeed",
     "log_to_driver": "phalanx.spark.driver_log",
     "run": "phalanx.spark.api",
-    "run_elastic": "phalanx.spark.elastic",
+    "run_elastic": "phalanx.spark.elastic_run",
     "make_spark_converter": "phalanx.spark.converter",
     "SparkDatasetConverter": "phalanx.spark.converter",
 }

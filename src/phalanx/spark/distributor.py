@@ -22,7 +22,7 @@ from phalanx.launch.api import resolve_start_timeout, validate_np
 from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.warm import preload_for
 from phalanx.spark.api import AnyLauncher
-from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
+from phalanx.spark.elastic_run import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import check_gpu_conf, ranks_per_task
 from phalanx.spark.session import spark_target
 from phalanx.spark.task import task_gpus

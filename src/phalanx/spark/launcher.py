@@ -338,7 +338,7 @@ class SparkLauncher:
         spec: the job.
         sc: the SparkContext to run on.
         elastic: the elastic policy (a worker that dies while its executor lives is replaced in its slot:
-            :mod:`phalanx.spark.elastic`), or None for a plain job.
+            :mod:`phalanx.spark.elastic_run`), or None for a plain job.
     """
 
     def __init__(self, spec: JobSpec, sc: SparkContext, elastic: ElasticSpec | None = None) -> None:

@@ -13,7 +13,7 @@ from phalanx.job.shipping import shipped_payload
 from phalanx.launch.api import resolve_start_timeout
 from phalanx.launch.core import JobSpec, start_timeout_hint
 from phalanx.launch.warm import preload_for
-from phalanx.spark.elastic import elastic_options, launch, local_elastic_kwargs
+from phalanx.spark.elastic_run import elastic_options, launch, local_elastic_kwargs
 from phalanx.spark.gpus import gpus_per_task, ranks_per_task, uses_gpus
 from phalanx.spark.session import every_slot, spark_target
 

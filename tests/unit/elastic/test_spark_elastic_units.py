@@ -13,7 +13,7 @@ from phalanx.job.channel import Role
 from phalanx.job.elastic_policy import ElasticPolicy
 from phalanx.launch.core import JobSpec
 from phalanx.launch.elasticity import Elasticity, ElasticSpec
-from phalanx.spark.elastic import elastic_options
+from phalanx.spark.elastic_run import elastic_options
 from phalanx.spark.launcher import BarrierTasks
 
 
