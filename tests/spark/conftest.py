@@ -38,7 +38,7 @@ _SPARK_OWNED = ("pyspark.daemon", "pyspark/daemon.py", "org.apache.spark.executo
 
 def _spark_owned(pid: int) -> bool:
     """PySpark's daemons and their worker forks; and a warm-start template that one of them started
-    (it lives as long as that python worker, by design). The ranks a template forks are counted."""
+    (it lives as long as its executor, by design). The ranks a template forks are counted."""
     cmd = cmdline(pid)
     if any(s in cmd for s in _SPARK_OWNED):
         return True
