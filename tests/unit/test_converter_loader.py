@@ -91,6 +91,21 @@ def test_seeded_order_is_the_same_on_a_rerun_and_changes_with_epoch_and_seed(dat
     assert plain == [[list(range(110))]]
 
 
+@pytest.mark.parametrize("size,batch", [(1, 3), (2, 8), (3, 3), (4, 7)])
+def test_rows_in_file_order_are_decoded_in_chunks_with_the_whole_reads_rows(
+        data: SparkDatasetConverter, monkeypatch: pytest.MonkeyPatch, size: int, batch: int) -> None:
+    from phalanx.spark import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "CHUNK_BYTES", 1)  # one batch per chunk: runs end and start mid-group
+    per_rank = _ranks(data, size, batch_size=batch, num_epochs=1, seed=2)
+    with data.make_torch_dataloader(batch_size=batch) as whole:
+        reader = whole.reader
+        share = shards.split(reader.order(0), batch, size)
+        expected = [[i for run in chunk for i in reader.read(run, 0, False)["id"].tolist()] for chunk in share.chunks]
+    assert [[i for b in batches for i in b] for batches in per_rank] == expected
+    assert sorted(i for e in expected for i in e) == list(range(110))
+
+
 @pytest.mark.parametrize("before,after,steps", [(3, 2, 2), (2, 3, 1), (3, 3, 3), (1, 4, 5)])
 def test_a_position_resumes_at_another_world_size(data: SparkDatasetConverter, before: int, after: int,
                                                   steps: int) -> None:

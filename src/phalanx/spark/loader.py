@@ -27,6 +27,10 @@ from phalanx.spark.shards import Piece, Run
 
 log = logging.getLogger("phalanx")
 Batch = dict[str, np.ndarray]
+#: About how many bytes of a row group a rank decodes at a time when it reads the rows in file order: small
+#: enough that the decoder's buffers are reused from chunk to chunk, large enough that the per-chunk work in
+#: Python is spread over many batches.
+CHUNK_BYTES = 1 << 20
 
 
 def column_array(name: str, column: Any) -> np.ndarray:
@@ -137,18 +141,51 @@ class Reader:
                 else np.take(column_array(name, table.column(name)), positions, axis=0)
                 for name in table.column_names}
 
+    def chunks(self, run: Run, epoch: int, shuffle_rows: bool, batch_size: int) -> Iterator[Batch]:
+        """The rows of ``run`` in the order :meth:`read` gives them, in one or more chunks.
+
+        Rows read in file order without a transform are decoded about :data:`CHUNK_BYTES` at a time (a
+        multiple of ``batch_size`` rows). A whole group decoded at once needs fresh multi-megabyte buffers,
+        which in a new process the kernel zeroes page by page for many groups before the allocator reuses
+        them, and a rank's memory would grow with the row-group size. Shuffled rows need the whole group.
+        """
+        if shuffle_rows or self.transform_spec is not None:
+            yield self.read(run, epoch, shuffle_rows)
+            return
+        index, lo, hi = run
+        piece = self.pieces[index]
+        handle = self._file(piece)
+        batches = handle.iter_batches(batch_size=_chunk_rows(handle.metadata.row_group(piece.row_group), batch_size),
+                                      row_groups=[piece.row_group], columns=self.columns)
+        skip, left = lo, hi - lo
+        try:
+            for part in batches:
+                if skip >= part.num_rows:
+                    skip -= part.num_rows
+                    continue
+                part, skip = part.slice(skip, left), 0
+                yield {name: column_array(name, part.column(name)) for name in part.schema.names}
+                left -= part.num_rows
+                if not left:
+                    break
+        finally:
+            batches.close()
+
     def empty(self) -> Batch:
         """A batch of no rows with every column (for a rank without rows in a step)."""
         first = self.read((0, 0, min(1, self.pieces[0].rows)), 0, False)  # one row: an array's width
         return {name: values[:0] for name, values in first.items()}
 
     def _table(self, piece: Piece) -> Any:
+        return self._file(piece).read_row_group(piece.row_group, columns=self.columns)
+
+    def _file(self, piece: Piece) -> Any:
         import pyarrow.parquet as pq
 
         handle = self._files.get(piece.path)
         if handle is None:
             handle = self._files[piece.path] = pq.ParquetFile(self._open(piece.path))
-        return handle.read_row_group(piece.row_group, columns=self.columns)
+        return handle
 
     def _open(self, path: str) -> Any:
         if self._fs is None:
@@ -170,6 +207,12 @@ class Reader:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_fs": None, "_files": {}}
+
+
+def _chunk_rows(group: Any, batch_size: int) -> int:
+    """Rows per decoded chunk of a row group (its Parquet metadata): whole batches, about CHUNK_BYTES."""
+    row_bytes = group.total_byte_size / max(group.num_rows, 1)
+    return batch_size * max(1, round(CHUNK_BYTES / max(row_bytes * batch_size, 1)))
 
 
 def _check_shard(cur_shard: int | None, shard_count: int | None) -> tuple[int, int]:
@@ -267,7 +310,7 @@ class DataLoader:
 
     def _stream(self, runs: Sequence[Run]) -> Iterator[Batch]:
         for run in runs:
-            yield self.reader.read(run, self._epoch, self.shuffle_rows)
+            yield from self.reader.chunks(run, self._epoch, self.shuffle_rows, self.batch_size)
 
 
 class _Rows:
