@@ -68,3 +68,57 @@ def test_every_example_is_listed_in_the_readme_and_run_by_a_test() -> None:
     assert not untested, f"no test in tests/examples (or the Connect tests) runs {untested}"
     mentioned = set(re.findall(r"examples/(\w+\.py)", readme))
     assert not [m for m in mentioned if not (REPO / "examples" / m).is_file()], "README names a missing example"
+
+
+# What the prose documents names must exist: a path of phalanx's own tree, and in docs/design.md (the code as
+# built) every class-like name and every `module/path.name` reference. Text only: no imports, no processes.
+PROSE = sorted([*(REPO / "docs").glob("*.md"), REPO / "README.md"])
+SRC = REPO / "src" / "phalanx"
+LAYER_DIRS = "cli|compat|env|job|launch|lightning|observe|spark|tensorflow|timeline|torch|transport|worker"
+OWN_PATH = re.compile(rf"(?<![\w./-])((?:src/phalanx/|phalanx/)?(?:{LAYER_DIRS})/[a-z0-9_/]*\.py"
+                      r"|(?:tests|tools|bench|examples|docs)/[a-z0-9_/]*\.(?:py|md))(?![\w/])")
+# `torch/_engine/core.step_parked`, `job/store_client.StoreClient`: a module of src/phalanx and a name in it.
+MODULE_NAME = re.compile(rf"`((?:{LAYER_DIRS})(?:/\w+)+)\.(?!py`)(\w+)`")
+CLASS_LIKE = re.compile(r"`(_?[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)\b")  # not an ALL_CAPS constant
+# Names design.md takes from torch, Lightning, the standard library or another project.
+# (HorovodStrategy is built per Lightning flavour at run time.)
+FOREIGN = {"KeyboardInterrupt", "Popen", "PContext", "Work", "TCPStore", "PrefixStore", "Trainer", "ParallelStrategy",
+           "_AcceleratorConnector", "_Launcher", "HorovodStrategy"}
+
+
+def _own_file(token: str) -> Path:
+    rel = token.removeprefix("src/phalanx/").removeprefix("phalanx/")
+    layer = rel.split("/", 1)[0]
+    return SRC / rel if layer in LAYER_DIRS.split("|") else REPO / rel
+
+
+def _defined(text: str, name: str) -> bool:
+    return re.search(rf"^\s*(?:class|def) {name}\b|^\s*{name}\s*(?::[^=\n]*)?=", text, re.MULTILINE) is not None
+
+
+@pytest.mark.parametrize("doc", PROSE, ids=lambda p: p.name)
+def test_paths_the_docs_name_exist(doc: Path) -> None:
+    text = doc.read_text(encoding="utf-8")
+    missing = sorted({m for m in OWN_PATH.findall(text) if not _own_file(m).exists()})
+    assert not missing, f"{doc.name} names files that do not exist: {missing}"
+
+
+def test_design_md_names_what_the_code_defines() -> None:
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    sources = {p: p.read_text(encoding="utf-8") for p in SRC.rglob("*.py")}
+    everything = "\n".join(sources.values())
+    unknown = sorted({n for n in CLASS_LIKE.findall(text) if n not in FOREIGN and not _defined(everything, n)})
+    assert not unknown, f"docs/design.md names classes or functions the code does not define: {unknown}"
+    wrong = sorted({f"{m}.{n}" for m, n in MODULE_NAME.findall(text)
+                    if (SRC / f"{m}.py") not in sources or not _defined(sources[SRC / f"{m}.py"], n)})
+    assert not wrong, f"docs/design.md places names in modules that do not define them: {wrong}"
+
+
+def test_the_docs_checks_see_what_design_md_names() -> None:
+    """The patterns above still match the way design.md writes paths and names (else the checks pass on nothing)."""
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    assert len(set(OWN_PATH.findall(text))) > 60
+    assert {"JobDriver", "RankStarter", "Elasticity"} <= set(CLASS_LIKE.findall(text))
+    assert ("job/store_client", "StoreClient") in MODULE_NAME.findall(text)
+    assert not _defined("class JobDriverX:\n", "JobDriver")
+    assert _defined("    RUNTIME: Runtime = Runtime()\n", "RUNTIME")
