@@ -122,3 +122,13 @@ def test_the_docs_checks_see_what_design_md_names() -> None:
     assert ("job/store_client", "StoreClient") in MODULE_NAME.findall(text)
     assert not _defined("class JobDriverX:\n", "JobDriver")
     assert _defined("    RUNTIME: Runtime = Runtime()\n", "RUNTIME")
+
+
+def test_design_md_layer_table_lists_existing_modules() -> None:
+    """The layer table names each layer's modules relative to the layer's folder (`launch/` ... `core.py`)."""
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([\w/]+)/`[^|]*\| (.*?) \|", text, re.MULTILINE)
+    assert len(rows) >= 10
+    missing = sorted({f"{layer}/{name}" for layer, cell in rows for name in re.findall(r"`(\w+\.py)`", cell)
+                      if not (SRC / layer / name).exists()})
+    assert not missing, f"docs/design.md's layer table names modules that do not exist: {missing}"
