@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,10 @@ def rank_first(start: float) -> None:
 
     hvd.init()
     hvd.allreduce(torch.ones(16))
-    print(f"FIRST {time.time() - start:.4f}", flush=True)
+    # One write: torchrun's ranks of a host share its stdout, and print's separate write of the newline lets
+    # two ranks' lines run together.
+    sys.stdout.write(f"FIRST {time.time() - start:.4f}\n")
+    sys.stdout.flush()
     hvd.shutdown()
 
 
@@ -145,7 +149,7 @@ def _env() -> dict[str, str]:
 
 
 def _firsts(stdout: str, ranks: int) -> float:
-    values = [float(line.split("FIRST")[1]) for line in stdout.splitlines() if "FIRST" in line]
+    values = [float(v) for v in re.findall(r"FIRST (\d+\.\d+)", stdout)]
     if len(values) != ranks:
         raise RuntimeError(f"expected {ranks} ranks to report, got {len(values)}:\n{stdout[-2000:]}")
     return max(values)
