@@ -5,20 +5,21 @@ Imports Keras (the optional extra ``phalanx[tensorflow]``); ``phalanx.spark`` it
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import SupportsFloat, TypeGuard
 
 import keras
 
 from phalanx.spark.driver_log import log_to_driver
 
 
-def _format(logs: dict[str, Any] | None) -> str:
+def _format(logs: Mapping[str, object] | None) -> str:
     return ", ".join(f"{k}: {float(v):.4f}" if _is_number(v) else f"{k}: {v}" for k, v in sorted((logs or {}).items()))
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[SupportsFloat | str]:
     try:
-        float(value)
+        float(value)  # type: ignore[arg-type]  # what this finds out
     except (TypeError, ValueError):
         return False
     return True
@@ -40,15 +41,15 @@ class LogCallback(keras.callbacks.Callback):
         self.per_batch_log = per_batch_log
         self._epoch = 0
 
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, object] | None = None) -> None:
         """Remember the epoch for the batch lines."""
         self._epoch = epoch
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, object] | None = None) -> None:
         """With ``per_batch_log``: ``epoch 1 batch 3: loss: 0.1234, ...``."""
         if self.per_batch_log:
             log_to_driver(f"epoch {self._epoch + 1} batch {batch + 1}: {_format(logs)}")
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, object] | None = None) -> None:
         """``epoch 1: accuracy: 0.9000, loss: 0.1234, ...``."""
         log_to_driver(f"epoch {epoch + 1}: {_format(logs)}")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from phalanx.errors import InvalidArgumentError, UsageError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class TransformSpec:
@@ -21,7 +24,8 @@ class TransformSpec:
         selected_fields: the columns to keep after ``func``, in order.
     """
 
-    def __init__(self, func: Callable[[Any], Any] | None = None, edit_fields: Sequence[Any] | None = None,
+    def __init__(self, func: Callable[[pd.DataFrame], pd.DataFrame] | None = None,
+                 edit_fields: Sequence[Sequence[object]] | None = None,
                  removed_fields: Sequence[str] | None = None, selected_fields: Sequence[str] | None = None) -> None:
         if func is not None and not callable(func):
             raise InvalidArgumentError(f"TransformSpec func={func!r} is not callable; give a function of a DataFrame")
@@ -33,7 +37,7 @@ class TransformSpec:
         self.removed_fields = list(removed_fields or ())
         self.selected_fields = None if selected_fields is None else list(selected_fields)
 
-    def apply(self, frame: Any) -> Any:
+    def apply(self, frame: pd.DataFrame) -> pd.DataFrame:
         """``frame`` transformed (see the class docstring).
 
         Raises:

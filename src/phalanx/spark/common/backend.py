@@ -11,12 +11,21 @@ accepted and change nothing: phalanx's ranks always prefix their lines with the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import IO, Any, TypeVar
+from typing import IO, TypedDict, TypeVar
 
 from phalanx.errors import InvalidArgumentError
 
 #: What the function returns on each rank.
 R = TypeVar("R")
+
+
+class RunOptions(TypedDict):
+    """A backend's arguments of :func:`phalanx.spark.run` besides ``env``."""
+
+    stdout: IO[str] | None
+    stderr: IO[str] | None
+    start_timeout: float | None
+    verbose: int
 
 
 class Backend:
@@ -43,8 +52,7 @@ class SparkBackend(Backend):
                                        "one rank per task slot of the cluster")
         self._num_proc = num_proc
         self._env = dict(env) if env is not None else None
-        self._options: dict[str, Any] = {"stdout": stdout, "stderr": stderr, "start_timeout": start_timeout,
-                                         "verbose": verbose}
+        self._options = RunOptions(stdout=stdout, stderr=stderr, start_timeout=start_timeout, verbose=verbose)
         self.ignored = tuple(sorted(ignored))  # accepted for Horovod's signature; they change nothing here
 
     def num_processes(self) -> int | None:
@@ -58,9 +66,9 @@ class SparkBackend(Backend):
         full.update(env or {})
         return full
 
-    def options(self) -> dict[str, Any]:
+    def options(self) -> RunOptions:
         """``stdout``, ``stderr``, ``start_timeout`` and ``verbose`` as :func:`phalanx.spark.run` takes them."""
-        return dict(self._options)
+        return self._options.copy()
 
     def run(self, fn: Callable[..., R], args: tuple[object, ...] = (), kwargs: Mapping[str, object] | None = None,
             env: Mapping[str, str] | None = None) -> list[R]:

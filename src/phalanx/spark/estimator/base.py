@@ -170,7 +170,8 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         out = err = timeout = None
         if isinstance(backend, SparkBackend):  # its env, output streams and start timeout
             env = backend.job_env(env)
-            out, err, timeout = (backend.options()[k] for k in ("stdout", "stderr", "start_timeout"))
+            options = backend.options()
+            out, err, timeout = options["stdout"], options["stderr"], options["start_timeout"]
         job, sc = run_spec(self.remote(), (spec,), None, num_proc, timeout, env, out, err, verbose, {})
         job = dataclasses.replace(job, use_gpu=gpu, description=f"phalanx {type(self).__name__}.fit ({spec.run_id})")
         return cast("list[TrainResult]", launch_spark(job, sc).values)  # what remote() returned on each rank

@@ -12,13 +12,16 @@ import logging
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.spark.converter import pieces_of
 from phalanx.spark.estimator.reader import Piece
 from phalanx.spark.estimator.schema import ARRAY, SCALAR, VECTOR, ColumnSpec, check_shapes, column_kind
 from phalanx.spark.estimator.store import Store
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
 
 log = logging.getLogger("phalanx")
 
@@ -46,7 +49,7 @@ class Prepared:
     val_rows: int
 
 
-def _converted(df: Any, name: str, kind: str, integral: bool, feature: bool) -> tuple[Any, str]:
+def _converted(df: DataFrame, name: str, kind: str, integral: bool, feature: bool) -> tuple[Column, str]:
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
     from pyspark.sql.types import ArrayType, FloatType, LongType
@@ -60,7 +63,7 @@ def _converted(df: Any, name: str, kind: str, integral: bool, feature: bool) -> 
     return F.col(name).cast(element).alias(name), dtype
 
 
-def _sizes(df: Any, arrays: list[str]) -> tuple[int, dict[str, tuple[int, int]]]:
+def _sizes(df: DataFrame, arrays: list[str]) -> tuple[int, dict[str, tuple[int, int]]]:
     from pyspark.sql import functions as F
 
     aggs = [F.count(F.lit(1)).alias("__rows")]
@@ -72,8 +75,8 @@ def _sizes(df: Any, arrays: list[str]) -> tuple[int, dict[str, tuple[int, int]]]
     return int(row["__rows"]), {n: (int(row[f"__min{i}"]), int(row[f"__max{i}"])) for i, n in enumerate(arrays)}
 
 
-def select_columns(df: Any, features: Sequence[str], labels: Sequence[str], weight: str | None,
-                   validation: object) -> tuple[Any, dict[str, ColumnSpec], int]:
+def select_columns(df: DataFrame, features: Sequence[str], labels: Sequence[str], weight: str | None,
+                   validation: object) -> tuple[DataFrame, dict[str, ColumnSpec], int]:
     """Check and convert the columns; return the converted DataFrame, each column's spec and the row count.
 
     Raises:
@@ -138,7 +141,7 @@ def list_pieces(store: Store, path: str) -> tuple[Piece, ...]:
     return tuple(pieces_of(store.fs, path))
 
 
-def write_split(df: Any, store: Store, path: str, partitions: int) -> tuple[tuple[Piece, ...], int]:
+def write_split(df: DataFrame, store: Store, path: str, partitions: int) -> tuple[tuple[Piece, ...], int]:
     """Write ``df`` as Parquet at ``path``; return its row groups and row count."""
     (df.repartition(partitions).write.mode("overwrite").option("parquet.block.size", ROW_GROUP_BYTES)
      .parquet(store.spark_url(path)))
@@ -146,7 +149,7 @@ def write_split(df: Any, store: Store, path: str, partitions: int) -> tuple[tupl
     return pieces, sum(p.rows for p in pieces)
 
 
-def split(df: Any, validation: object, seed: int) -> tuple[Any, Any | None]:
+def split(df: DataFrame, validation: object, seed: int) -> tuple[DataFrame, DataFrame | None]:
     """``(train, val)``: by a 0/1 column, by a random fraction (seeded), or no validation."""
     from pyspark.sql import functions as F
 
@@ -159,7 +162,7 @@ def split(df: Any, validation: object, seed: int) -> tuple[Any, Any | None]:
     return df, None
 
 
-def prepare(df: Any, store: Store, run_id: str, params: dict[str, Any], num_proc: int) -> Prepared:
+def prepare(df: DataFrame, store: Store, run_id: str, params: dict[str, Any], num_proc: int) -> Prepared:
     """Check the DataFrame and the store, write the run's data; see the module docstring.
 
     Raises:

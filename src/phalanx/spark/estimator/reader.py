@@ -20,13 +20,16 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from phalanx.errors import UsageError
 from phalanx.spark.estimator.schema import SCALAR, ColumnSpec
 from phalanx.spark.shards import Piece
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 Batch = dict[str, np.ndarray]
 
@@ -53,7 +56,7 @@ def steps_per_epoch(rows: int, batch_size: int, size: int, requested: int | None
     return max(1, math.floor(share) if training else math.ceil(share))
 
 
-def to_numpy(column: Any, spec: ColumnSpec) -> np.ndarray:
+def to_numpy(column: pa.Array | pa.ChunkedArray, spec: ColumnSpec) -> np.ndarray:
     """A pyarrow column (array or chunked) as a NumPy array ``(rows,)`` or ``(rows, size)`` of ``spec.dtype``."""
     if hasattr(column, "combine_chunks"):
         column = column.combine_chunks()
@@ -76,8 +79,9 @@ class ShardReader:
         seed: the shuffling seed.
     """
 
-    def __init__(self, open_file: Callable[[str], Any], pieces: Sequence[Piece], columns: Sequence[ColumnSpec],
-                 rank: int, size: int, batch_size: int, shuffle: bool, seed: int) -> None:
+    def __init__(self, open_file: Callable[[str], IO[bytes]], pieces: Sequence[Piece],
+                 columns: Sequence[ColumnSpec], rank: int, size: int, batch_size: int, shuffle: bool,
+                 seed: int) -> None:
         self._open = open_file
         self.pieces, self._stride = assign(pieces, rank, size)
         self._offsets = _offsets(pieces) if self._stride > 1 else {}

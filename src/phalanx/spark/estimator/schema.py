@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from phalanx.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 SCALAR, ARRAY, VECTOR = "scalar", "array", "vector"
 
@@ -34,7 +37,7 @@ class ColumnSpec:
     dtype: str
 
 
-def column_kind(df: Any, name: str, role: str) -> tuple[str, bool]:
+def column_kind(df: DataFrame, name: str, role: str) -> tuple[str, bool]:
     """``(kind, integral)`` of column ``name``.
 
     Raises:

@@ -9,17 +9,22 @@ output has one value per row, else a ``DenseVector`` (when the label was a vecto
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from phalanx.spark.estimator.reader import to_numpy
 from phalanx.spark.estimator.schema import VECTOR, ColumnSpec
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame
+    from pyspark.sql.types import DataType
+
 Predictor = Callable[[list[np.ndarray]], list[np.ndarray]]
 
 
-def vectors_to_numpy(column: Any, size: int) -> np.ndarray:
+def vectors_to_numpy(column: pa.Array | pa.ChunkedArray, size: int) -> np.ndarray:
     """An Arrow ``VectorUDT`` struct column as a dense ``(rows, size)`` float32 array."""
     import pyarrow.compute as pc
 
@@ -41,14 +46,14 @@ def vectors_to_numpy(column: Any, size: int) -> np.ndarray:
     return out
 
 
-def column_to_numpy(column: Any, spec: ColumnSpec) -> np.ndarray:
+def column_to_numpy(column: pa.Array | pa.ChunkedArray, spec: ColumnSpec) -> np.ndarray:
     """A feature column of an Arrow batch as NumPy ``(rows,)`` or ``(rows, size)``."""
     if spec.kind == VECTOR:
         return vectors_to_numpy(column, spec.size)
     return to_numpy(column, spec)
 
 
-def output_type(size: int, vector: bool) -> Any:
+def output_type(size: int, vector: bool) -> DataType:
     """The Spark type of an output column with ``size`` values per row."""
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql.types import ArrayType, DoubleType
@@ -58,7 +63,7 @@ def output_type(size: int, vector: bool) -> Any:
     return VectorUDT() if vector else ArrayType(DoubleType())
 
 
-def _to_arrow(values: np.ndarray, rows: int, size: int, vector: bool) -> Any:
+def _to_arrow(values: np.ndarray, rows: int, size: int, vector: bool) -> pa.Array:
     import pyarrow as pa
 
     flat = np.asarray(values, dtype=np.float64).reshape(rows, -1)
@@ -105,8 +110,8 @@ def _install_modules(files: dict[str, bytes], paths: Sequence[str]) -> None:
     sys.path.extend(p for p in paths if p and p not in sys.path and os.path.isdir(p))
 
 
-def transform(df: Any, features: Sequence[ColumnSpec], outputs: Sequence[tuple[str, int, bool]],
-              make_predictor: Callable[[], Predictor]) -> Any:
+def transform(df: DataFrame, features: Sequence[ColumnSpec], outputs: Sequence[tuple[str, int, bool]],
+              make_predictor: Callable[[], Predictor]) -> DataFrame:
     """``df`` with one column per ``(name, size, vector)`` output, computed on the executors.
 
     Args:
@@ -125,7 +130,7 @@ def transform(df: Any, features: Sequence[ColumnSpec], outputs: Sequence[tuple[s
     names = [*df.schema.names, *(n for n, _, _ in outputs)]
     files, paths = _driver_modules()
 
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
 
         _install_modules(files, paths)
