@@ -13,7 +13,7 @@ and checks that every rank takes the same number of steps. See ``docs/tensorflow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import InvalidArgumentError
 from phalanx.tensorflow import (
@@ -66,6 +66,9 @@ from phalanx.tensorflow.keras.optimizer import (
 )
 from phalanx.torch import frontend as reduce_ops
 
+if TYPE_CHECKING:
+    import tensorflow as tf
+
 keras: Any = keras_flavour.keras()
 if keras.backend.backend() != "tensorflow":
     raise ImportError(f"phalanx.tensorflow.keras needs Keras' TensorFlow backend; KERAS_BACKEND is "
@@ -90,9 +93,9 @@ def broadcast_global_variables(root_rank: int) -> None:
     broadcast_variables(variables, root_rank, name=f"broadcast_global_variables of {len(models)} models")
 
 
-def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
+def allreduce(value: object, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, op: int | None = None,
-              compression: type[Compressor] = Compression.none) -> Any:
+              compression: type[Compressor] = Compression.none) -> tf.Tensor | tf.IndexedSlices:
     """Allreduce a tensor-compatible value (Horovod-Keras' ``allreduce``; ``Average`` by default).
 
     Args:
@@ -108,25 +111,26 @@ def allreduce(value: Any, name: str | None = None, average: bool | None = None, 
                           postscale_factor=postscale_factor, name=name)
 
 
-def allgather(value: Any, name: str | None = None) -> Any:
+def allgather(value: object, name: str | None = None) -> tf.Tensor:
     """Concatenate every rank's value along dim 0 (dim 0 may differ between ranks)."""
     return _collectives.allgather(value, name=name)
 
 
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast(value: object, root_rank: int, name: str | None = None) -> tf.Tensor:
     """``root_rank``'s value on every rank."""
     return _collectives.broadcast(value, root_rank, name=name)
 
 
-def reducescatter(value: Any, name: str | None = None, op: int = reduce_ops.Average) -> Any:
+def reducescatter(value: object, name: str | None = None, op: int = reduce_ops.Average) -> tf.Tensor:
     """Reduce a value across ranks and keep this rank's block of dim 0."""
     return _collectives.reducescatter(value, name=name, op=op)
 
 
 def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
-               custom_objects: dict[str, Any] | None = None, compression: type[Compressor] = Compression.none,
+               custom_objects: dict[str, object] | None = None, compression: type[Compressor] = Compression.none,
                legacy_opts: bool = False, op: int = reduce_ops.Average, backward_passes_per_step: int = 1,
-               average_aggregated_gradients: bool = False, compile: bool = True) -> Any:
+               average_aggregated_gradients: bool = False, compile: bool = True,
+               ) -> Any:  # a model of the Keras tf.keras is at run time (Keras 3 or tf_keras)
     """Load a Keras model (``.keras`` / ``.h5``) and make its optimizer a ``DistributedOptimizer`` (state kept).
 
     Args:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from phalanx.tensorflow import keras_flavour
@@ -50,7 +51,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.batches_per_commit = batches_per_commit
         self.batches_remaining = batches_per_commit
 
-    def on_batch_end(self, batch: int, logs: Any = None) -> None:
+    def on_batch_end(self, batch: int, logs: Mapping[str, object] | None = None) -> None:
         self.batches_remaining -= 1
         if self.batches_remaining == 0:
             self.state.commit()
@@ -61,33 +62,33 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
     """Keep ``state.batch`` at the last finished batch of the epoch; after a reset, the resumed epoch runs
     only its remaining steps (Horovod's rule: ``steps_per_epoch - state.batch``)."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any) -> None:  # Any: a state whose attributes its constructor's kwargs made
         super().__init__()
         self.state = state
         self.steps_per_epoch: int | None = None
 
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, object] | None = None) -> None:
         steps = self.params.get("steps") if self.params else None
         if steps:
             if self.steps_per_epoch is None:
                 self.steps_per_epoch = steps
             self.params["steps"] = self.steps_per_epoch - self.state.batch
 
-    def on_batch_end(self, batch: int, logs: Any = None) -> None:
+    def on_batch_end(self, batch: int, logs: Mapping[str, object] | None = None) -> None:
         self.state.batch = batch
 
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, object] | None = None) -> None:
         self.state.batch = 0
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):
     """Keep ``state.epoch`` at the next epoch to run (pass ``initial_epoch=state.epoch`` to ``fit``)."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any) -> None:  # Any: a state whose attributes its constructor's kwargs made
         super().__init__()
         self.state = state
 
-    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, object] | None = None) -> None:
         self.state.epoch = epoch + 1
 
 
