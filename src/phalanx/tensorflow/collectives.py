@@ -58,7 +58,8 @@ def allgather(tensor: object, name: str | None = None, ignore_name_scope: bool =
 def grouped_allgather(tensors: Sequence[object], name: str | None = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
     """Allgather each tensor along dim 0 as one grouped collective; returns the gathered tensors in order."""
-    if not tensors:
+    converted = [tf.convert_to_tensor(t) for t in tensors]
+    if not converted:
         return []
     name = scoped_name(name, ignore_name_scope)
 
@@ -75,7 +76,7 @@ def grouped_allgather(tensors: Sequence[object], name: str | None = None, ignore
             out.set_shape(tf.TensorShape([None]).concatenate(x.shape[1:]))
         return list(outs), grad
 
-    return list(gather(*[tf.convert_to_tensor(t) for t in tensors]))
+    return list(gather(*converted))
 
 
 def broadcast(tensor: object, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,

@@ -114,6 +114,7 @@ def grouped_allreduce(
     Returns:
         The reduced tensors, in order.
     """
+    tensors = list(tensors)
     if not tensors:
         return []
     op_ = reduce_ops.resolve_op(op, average)
