@@ -106,8 +106,9 @@ def load_digits_numpy_split(seed: int = 0) -> tuple[Any, Any, Any, Any]:
 
 
 def make_keras_model() -> Any:
-    """The small CNN of ``make_model`` in Keras (8x8x1 inputs, 10 logits)."""
-    import keras
+    """The small CNN of ``make_model`` in Keras (8x8x1 inputs, 10 logits), built with ``tf.keras``: the Keras
+    TensorFlow chose (Keras 3, or ``tf_keras`` under ``TF_USE_LEGACY_KERAS=1``), as Horovod's examples do."""
+    from tensorflow import keras
 
     return keras.Sequential([
         keras.Input((8, 8, 1)),

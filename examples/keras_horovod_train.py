@@ -2,9 +2,12 @@
 from the data: ``import horovod.tensorflow.keras as hvd``.
 
 It still passes ``experimental_run_tf_function=False`` to ``compile`` as Horovod's example did for TF 2.x;
-Keras 3 removed that argument and phalanx silently drops it (a no-op). Run it as under horovodrun:
+Keras 3 removed that argument and phalanx silently drops it (a no-op). Everything Keras comes from
+``tf.keras``, so it runs on Keras 3 and, with ``TF_USE_LEGACY_KERAS=1``, on Keras 2 (``tf_keras``). Run it as
+under horovodrun:
 
     .venv/bin/phalanxrun -np 2 python examples/keras_horovod_train.py --epochs 4
+    TF_USE_LEGACY_KERAS=1 .venv/bin/phalanxrun -np 2 python examples/keras_horovod_train.py --epochs 4
 
 Needs ``pip install 'phalanx[tensorflow]'``. Rank 0 prints the test accuracy and saves the model.
 """

@@ -20,7 +20,6 @@ from phalanx.spark import HorovodRunner
 
 def train_keras(epochs: int = 4, batch_size: int = 32) -> dict[str, Any]:
     """The training function every rank runs; rank 0's return value reaches the driver."""
-    import keras
     import tensorflow as tf
     from _digits import keras_weights_agree, load_digits_numpy_split, make_keras_model
 
@@ -31,8 +30,8 @@ def train_keras(epochs: int = 4, batch_size: int = 32) -> dict[str, Any]:
     x_train, y_train, x_test, y_test = load_digits_numpy_split()
     data = tf.data.Dataset.from_tensor_slices((x_train, y_train)).repeat().shuffle(1000, seed=hvd.rank())
     model = make_keras_model()
-    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(0.001 * hvd.size()))
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.Adam(0.001 * hvd.size()))
+    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     callbacks: list[Any] = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]
     if hvd.rank() == 0:

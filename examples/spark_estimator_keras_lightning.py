@@ -48,8 +48,8 @@ def _module_class() -> Any:
 
 def keras_estimator(args: argparse.Namespace, store: Any) -> Any:
     """A KerasEstimator for the digits."""
-    import keras
     from _digits import make_keras_model
+    from tensorflow import keras  # the Keras TensorFlow chose: Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1
 
     from phalanx.spark.keras import KerasEstimator  # or: from horovod.spark.keras import KerasEstimator
 

@@ -1,6 +1,8 @@
 """``LogCallback``: Keras training logs on the driver's console (``sparkdl.horovod.tensorflow.keras.LogCallback``).
 
-Imports Keras (the optional extra ``phalanx[tensorflow]``); ``phalanx.spark`` itself never imports this module.
+Imports TensorFlow (the optional extra ``phalanx[tensorflow]``); ``phalanx.spark`` itself never imports this
+module. The callback is a ``tf.keras.callbacks.Callback``, of the Keras TensorFlow chose for ``tf.keras``
+(Keras 3, or ``tf_keras`` under ``TF_USE_LEGACY_KERAS=1``): each Keras' ``fit`` takes only its own callbacks.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import SupportsFloat, TypeGuard
 
-import keras
+import tensorflow as tf
 
 from phalanx.spark.driver_log import log_to_driver
 
@@ -25,7 +27,7 @@ def _is_number(value: object) -> TypeGuard[SupportsFloat | str]:
     return True
 
 
-class LogCallback(keras.callbacks.Callback):
+class LogCallback(tf.keras.callbacks.Callback):
     """Send each epoch's (and optionally each batch's) logs to the driver with :func:`log_to_driver`.
 
     Every rank that has the callback sends its own lines (the driver prefixes them with the rank); pass it

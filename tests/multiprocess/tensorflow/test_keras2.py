@@ -1,7 +1,7 @@
 """phalanx.tensorflow.keras on Keras 2 (``tf_keras``, ``TF_USE_LEGACY_KERAS=1``), on 2 real ranks in one job:
 the Keras TensorFlow chose, Horovod's import paths, gradient averaging by ``model.fit`` with a new and a legacy
 optimizer (with accumulation), the callbacks, ``PartialDistributedOptimizer``, ``SyncBatchNormalization``,
-elastic ``KerasState``, mixed precision and ``load_model``."""
+elastic ``KerasState``, mixed precision, ``load_model`` and the ``KerasEstimator``'s Keras-dependent parts."""
 
 from __future__ import annotations
 
@@ -196,6 +196,9 @@ def _keras2_job(tmp: str) -> dict[str, Any]:
     out.update(_elastic_checks(hvd, me))
     out.update(_mixed_precision_checks(hvd, me))
     out.update(_load_checks(hvd, me, tmp))
+    from _keras2_estimator import estimator_checks
+
+    out.update(estimator_checks(hvd, me, tmp))
     return out
 
 
@@ -220,4 +223,9 @@ def test_keras2_fit_callbacks_layers_and_elastic_state(tmp_path: Path) -> None:
         assert r["mixed optimizer"] == "LossScaleOptimizerV3" and r["overflow skipped"] is True
         assert r["loss scale"] == 2.0**15 / 2
     assert r0["history"] == r1["history"]  # MetricAverageCallback: the same averaged metrics on both ranks
+    for r in (r0, r1):  # KerasEstimator (tests/multiprocess/tensorflow/_keras2_estimator.py)
+        assert r["estimator env"] == {"TF_USE_LEGACY_KERAS": "1"} and r["log callback"] is True
+        assert r["estimator epochs"] == r["resumed epochs"] == [0, 1] and r["resumed steps"] == [2]
+    assert r0["estimator model"] == "tf_keras" and r0["estimator predicts"] is True
+    assert r0["resumed like uninterrupted"] is True
     assert r0["elastic synced"] == r1["elastic synced"]

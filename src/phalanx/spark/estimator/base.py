@@ -137,6 +137,10 @@ class PhalanxEstimator(Estimator, EstimatorParams):
         """The Spark ML ``Model`` from rank 0's result."""
         raise NotImplementedError
 
+    def rank_env(self) -> dict[str, str]:
+        """Variables the ranks need for this model (over the backend's ``env``): none by default."""
+        return {}
+
     # -- fit ------------------------------------------------------------------------------------------
     def values(self) -> dict[str, Any]:
         """Every parameter's value (set or default)."""
@@ -165,7 +169,7 @@ class PhalanxEstimator(Estimator, EstimatorParams):
     def _run(self, spec: TrainSpec, sc: SparkContextLike, num_proc: int, use_gpu: bool, backend: Backend | None,
              ) -> list[TrainResult]:
         gpu = use_gpu and _task_gpus(sc)
-        env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ}
+        env = {name: os.environ[name] for name in _FORWARDED_ENV if name in os.environ} | self.rank_env()
         verbose = int(self.values()["verbose"] or 0)
         out = err = timeout = None
         if isinstance(backend, SparkBackend):  # its env, output streams and start timeout

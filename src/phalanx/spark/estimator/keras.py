@@ -47,13 +47,19 @@ class KerasEstimator(PhalanxEstimator):
         return KERAS_PARAMS
 
     def check_framework(self, values: dict[str, Any]) -> None:
-        """``model`` a ``keras.Model``, an ``optimizer`` and a ``loss``."""
-        import keras
+        """``model`` a ``tf.keras.Model`` and ``optimizer`` a ``tf.keras`` optimizer, of the Keras ``tf.keras``
+        is (Keras 3, or ``tf_keras`` under ``TF_USE_LEGACY_KERAS=1``), and a ``loss``."""
+        from phalanx.tensorflow import keras_flavour
 
+        keras, label = keras_flavour.keras(), keras_flavour.version_label()
         if not isinstance(values["model"], keras.Model):
-            raise InvalidArgumentError(f"model={type(values['model']).__name__}: give a keras.Model")
-        if not isinstance(values.get("optimizer"), keras.optimizers.Optimizer):
-            raise InvalidArgumentError(f"optimizer={values.get('optimizer')!r}: give a keras optimizer instance")
+            raise InvalidArgumentError(
+                f"model={_class_name(values['model'])}: give a {keras.__name__}.Model (tf.keras is {label}: "
+                f"{_FLAVOUR_HINT})")
+        if not isinstance(values.get("optimizer"), keras_flavour.optimizer_classes()):
+            raise InvalidArgumentError(
+                f"optimizer={_class_name(values.get('optimizer'))}: give a {keras.__name__}.optimizers optimizer "
+                f"instance (tf.keras is {label}: {_FLAVOUR_HINT})")
         if values.get("loss") is None:
             raise InvalidArgumentError("loss=None: give the Keras loss (a name, a function or a Loss object)")
         depth = values.get("tensorflow_dataset_prefetch_buffer_size")
@@ -63,10 +69,9 @@ class KerasEstimator(PhalanxEstimator):
 
     def model_blob(self, values: dict[str, Any]) -> bytes:
         """The model's ``.keras`` bytes, the optimizer's config, the loss and the metrics."""
-        import keras
+        from phalanx.spark.estimator.keras_remote import keras_of, save_model
 
-        from phalanx.spark.estimator.keras_remote import save_model
-
+        keras = keras_of(values["model"])
         try:
             return bytes(cloudpickle.dumps({
                 "model": save_model(values["model"]), "optimizer": keras.optimizers.serialize(values["optimizer"]),
@@ -74,6 +79,12 @@ class KerasEstimator(PhalanxEstimator):
                 "custom_objects": values.get("custom_objects") or {}}))
         except Exception as e:
             raise PayloadError(f"the Keras model, loss or metrics cannot be serialized: {type(e).__name__}: {e}") from e
+
+    def rank_env(self) -> dict[str, str]:
+        """``TF_USE_LEGACY_KERAS`` for the model's Keras: every rank's ``tf.keras`` is the one that built it."""
+        from phalanx.spark.estimator.keras_remote import keras_of, rank_env
+
+        return rank_env(keras_of(self.getOrDefault("model")))
 
     def remote(self) -> Callable[[TrainSpec], TrainResult]:
         """``keras_remote.train``."""
@@ -104,6 +115,13 @@ class KerasEstimator(PhalanxEstimator):
 
 
 add_params(KerasEstimator, KERAS_PARAMS)
+
+_FLAVOUR_HINT = ("build the model and optimizer with tf.keras, or choose the Keras before TensorFlow is imported: "
+                 "TF_USE_LEGACY_KERAS=1 for tf_keras (Keras 2), unset for Keras 3")
+
+
+def _class_name(value: object) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}" if value is not None else "None"
 
 
 class _KerasPredictorFactory:

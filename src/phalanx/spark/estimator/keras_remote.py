@@ -1,17 +1,31 @@
-"""The training loop every rank of a ``KerasEstimator`` run executes (runs in the phalanx worker)."""
+"""The training loop every rank of a ``KerasEstimator`` run executes (runs in the phalanx worker), and the
+model's ``.keras`` bytes both ways.
+
+A model is trained by the Keras ``tf.keras`` is on the rank (``keras_flavour``: Keras 3, or ``tf_keras``
+under ``TF_USE_LEGACY_KERAS=1``), which must be the Keras that built it: the estimator gives the ranks the
+driver's choice (``rank_env``). Loading a ``.keras`` file needs no ``tf.keras``: its ``metadata.json`` names
+the Keras version that wrote it, and that package loads it (a ``transform`` task's Python worker has no
+phalanx environment).
+"""
 
 from __future__ import annotations
 
+import importlib
+import io
+import json
 import math
 import os
 import pickle
 import tempfile
+import zipfile
 from collections.abc import Iterator, Mapping, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, SupportsFloat
 
 import cloudpickle
 import numpy as np
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.spark.driver_log import log_to_driver
 from phalanx.spark.estimator.job import EpochRecord, TrainResult, TrainSpec, epoch_line
 from phalanx.spark.estimator.reader import Batch, prefetched
@@ -25,10 +39,42 @@ Arrays = np.ndarray | tuple[np.ndarray, ...]
 KerasBatch = tuple[Arrays, Arrays] | tuple[Arrays, Arrays, np.ndarray]
 
 
-def load_model(data: bytes, custom_objects: Mapping[str, object] | None) -> keras.Model:
-    """A Keras model from the bytes of its ``.keras`` file."""
-    import keras
+#: The variable by which TensorFlow chooses the Keras of ``tf.keras`` (read once, at its first use).
+LEGACY_KERAS_VAR = "TF_USE_LEGACY_KERAS"
 
+
+def keras_of(model: object) -> ModuleType:
+    """The Keras package ``model``'s class comes from (``keras`` or ``tf_keras``)."""
+    return importlib.import_module(type(model).__module__.split(".", 1)[0])
+
+
+def rank_env(package: ModuleType) -> dict[str, str]:
+    """The variable that makes a rank's ``tf.keras`` the Keras ``package`` is (TensorFlow 2.16+)."""
+    return {LEGACY_KERAS_VAR: "0" if str(getattr(package, "__version__", "3")).startswith("3.") else "1"}
+
+
+def saved_by(data: bytes) -> ModuleType:
+    """The Keras package that reads the ``.keras`` file ``data``: ``keras`` for a Keras 3 file, else the
+    Keras 2 of ``tf.keras`` when it is Keras 2, else ``tf_keras``.
+
+    Raises:
+        InvalidArgumentError: ``data`` is not a ``.keras`` file.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            version = str(json.loads(archive.read("metadata.json"))["keras_version"])
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise InvalidArgumentError(f"not a .keras model file ({type(e).__name__}: {e})") from e
+    if version.startswith("3."):
+        return importlib.import_module("keras")
+    from phalanx.tensorflow import keras_flavour
+
+    return keras_flavour.keras() if not keras_flavour.is_keras3() else importlib.import_module("tf_keras")
+
+
+def load_model(data: bytes, custom_objects: Mapping[str, object] | None) -> keras.Model:
+    """A Keras model from the bytes of its ``.keras`` file, loaded by the Keras that wrote it."""
+    keras = saved_by(data)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
@@ -76,7 +122,10 @@ def _batches(spec: TrainSpec, model: keras.Model, rank: int, size: int, epoch: i
 
 
 def _checkpoint(spec: TrainSpec, model: keras.Model, epoch: int, history: list[EpochRecord]) -> None:
-    state = {"weights": model.get_weights(), "optimizer": [np.asarray(v) for v in model.optimizer.variables],
+    from phalanx.tensorflow import keras_flavour
+
+    variables = keras_flavour.optimizer_variables(model.optimizer)
+    state = {"weights": model.get_weights(), "optimizer": [np.asarray(v) for v in variables],
              "history": history, "epoch": epoch}
     spec.store.write(spec.checkpoint_path(epoch), pickle.dumps(state))
     spec.log_epoch(history[-1])
@@ -86,9 +135,11 @@ def _restore(spec: TrainSpec, model: keras.Model) -> list[EpochRecord]:
     if spec.resume_epoch < 0:
         return []
     state = pickle.loads(spec.store.read(spec.checkpoint_path(spec.resume_epoch)))
+    from phalanx.tensorflow import keras_flavour
+
     model.set_weights(state["weights"])
-    model.optimizer.build(model.trainable_variables)
-    for variable, value in zip(model.optimizer.variables, state["optimizer"]):
+    variables = keras_flavour.optimizer_variables(model.optimizer, build_on=model.trainable_variables)
+    for variable, value in zip(variables, state["optimizer"]):
         variable.assign(value)
     return list(state["history"])
 
@@ -102,18 +153,36 @@ def _record(epoch: int, logs: Mapping[str, SupportsFloat], steps: int) -> EpochR
     return record
 
 
+def _rank_keras(model_file: bytes) -> ModuleType:
+    """The Keras of this rank's ``tf.keras``, which must be the one that wrote the model.
+
+    Raises:
+        InvalidArgumentError: they differ (TensorFlow chose before the rank's environment was set).
+    """
+    from phalanx.tensorflow import keras_flavour
+
+    keras = keras_flavour.keras()
+    wrote = saved_by(model_file)
+    if keras is not wrote:
+        raise InvalidArgumentError(
+            f"the model is a {wrote.__name__} model but this rank's tf.keras is {keras_flavour.version_label()}: "
+            f"set {LEGACY_KERAS_VAR}={rank_env(wrote)[LEGACY_KERAS_VAR]} in the executors' environment before "
+            "TensorFlow is imported there")
+    return keras
+
+
 def train(spec: TrainSpec) -> TrainResult:
     """Train on this rank's shard with ``phalanx.tensorflow.keras``; rank 0 checkpoints every epoch.
     Returns the history, this rank's steps per epoch, and (rank 0) the trained weights, pickled."""
-    import keras
     import tensorflow as tf
 
     import phalanx.tensorflow.keras as hvd
 
     hvd.init()
+    payload = cloudpickle.loads(spec.model_blob)
+    keras = _rank_keras(payload["model"])
     if spec.params.get("random_seed") is not None:
         keras.utils.set_random_seed(int(spec.params["random_seed"]))
-    payload = cloudpickle.loads(spec.model_blob)
     model = load_model(payload["model"], payload.get("custom_objects"))
     optimizer = hvd.DistributedOptimizer(keras.optimizers.deserialize(payload["optimizer"]))
     model.compile(optimizer=optimizer, loss=payload["loss"], loss_weights=spec.params.get("loss_weights"),
