@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from phalanx.env import JobContract
 from phalanx.errors import SparkJobError
@@ -37,7 +37,7 @@ from phalanx.spark.session import bind_address, driver_host, executor_python, py
 from phalanx.spark.task import TaskSpec, barrier_task
 
 if TYPE_CHECKING:
-    from pyspark import SparkContext
+    from pyspark import RDD, SparkContext
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class SparkBarrierStage:
                 log.debug("cancelling Spark job group %s", self.run_id)
                 self.sc.cancelJobGroup(self.run_id)
 
-    def _collect(self, rdd: Any) -> None:
+    def _collect(self, rdd: RDD[str]) -> None:
         try:
             self.sc.setJobGroup(self.run_id, self.spec.description, interruptOnCancel=True)
             statuses = [json.loads(s) for s in rdd.collect()]
@@ -347,7 +347,7 @@ class SparkLauncher:
         self.run_id = new_run_id()
         self.rank0_stdout = Rank0Stdout()
         self.log_dir: str | None = None
-        self.values: list[Any] = []
+        self.values: list[object] = []
         self.progress = Progress(enabled=spec.progress, stream=spec.stderr)
         self._console = StreamSink(spec.stdout, spec.stderr)
         self._files: FileSink | None = None
@@ -365,7 +365,7 @@ class SparkLauncher:
         """Re-formations so far (an elastic job)."""
         return self.elasticity.resets if self.elasticity is not None else 0
 
-    def run(self) -> list[Any]:
+    def run(self) -> list[object]:
         """Run the job to its end; return each rank's value (None for a command job) in rank order.
 
         Raises:

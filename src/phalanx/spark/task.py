@@ -14,7 +14,7 @@ import queue
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -83,7 +83,7 @@ def task_host(environ: dict[str, str] | None = None) -> str:
     return env.get(env_names.SPARK_LOCAL_HOSTNAME) or env.get(env_names.SPARK_LOCAL_IP) or socket.gethostname()
 
 
-def task_gpus(resources: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
+def task_gpus(resources: Mapping[str, object], environ: dict[str, str] | None = None) -> list[str]:
     """The GPU addresses Spark gave this task (``TaskContext.resources()["gpu"]``), maybe none, as device ids
     of the machine.
 
@@ -111,7 +111,7 @@ def task_gpus(resources: dict[str, Any], environ: dict[str, str] | None = None) 
     return [devices[int(a)] for a in addresses]
 
 
-def task_resources(resources: dict[str, Any]) -> dict[str, Any]:
+def task_resources(resources: Mapping[str, object]) -> dict[str, Any]:  # Any: a JSON message, extended by callers
     """What this task tells the others in the barrier round: its host, its GPUs, and why it has none when
     its addresses could not be read (``problem``)."""
     try:
@@ -412,10 +412,10 @@ def supervise_task(spec: TaskSpec, task: int, hosts: list[str], gpus: list[list[
             for r in ranks]
 
 
-def barrier_task(spec: TaskSpec) -> Any:
+def barrier_task(spec: TaskSpec) -> Callable[[Iterable[object]], Iterator[str]]:
     """The function to pass to ``rdd.barrier().mapPartitions``: it supervises this task's ranks."""
 
-    def task(_: Iterator[Any]) -> Iterator[str]:
+    def task(_: Iterable[object]) -> Iterator[str]:
         from pyspark import BarrierTaskContext
 
         ctx = BarrierTaskContext.get()
