@@ -52,7 +52,7 @@ $(VENV)/.bench-installed: $(STAMP)
 	touch $@
 
 BENCHES ?= launch spark_launch allreduce train timeline shm keras tf_dlpack hosts lightning_horovod driver_memory estimator deepspeed \
-	dashboard data checkpoint control_plane scale_launch
+	dashboard data checkpoint control_plane scale_launch spark_first_jobs
 
 # bench/data.py's competitor: Petastorm 0.13.1 needs pyarrow < 15, so it lives in a venv of its own.
 PETASTORM_VENV := .venv-petastorm

@@ -10,7 +10,7 @@ in every task. ``--no-reuse`` sets ``spark.python.worker.reuse=false`` (every ta
 some clusters run). ``--before-src DIR`` adds phalanx from another source tree (``DIR`` on ``PYTHONPATH``, e.g.
 an export of an earlier commit) to the rotation. Launchers interleaved, medians.
 
-    .venv/bin/python bench/spark_first_jobs.py [--master local[4]] [--np 4] [--rounds 3] [--no-reuse]
+    .venv/bin/python bench/spark_first_jobs.py [--master local[4]] [--np 4] [--rounds 2] [--no-reuse]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--master", default="local[4]")
     parser.add_argument("--np", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-reuse", dest="reuse", action="store_false")
     parser.add_argument("--before-src", default="")
     parser.add_argument("--child", default="")
