@@ -12,10 +12,12 @@ of one row group each). Spark is then stopped, and alternating ``--rounds`` time
   pool), pyarrow's CPU pool at the host's cores, pyarrow on one CPU and one I/O thread, and no
   ``OMP_NUM_THREADS`` at all (torch's step then runs on every core);
 * converter: a 2-rank ``phalanx.run`` job; each rank opens ``make_torch_dataloader(batch_size,
-  cur_shard=rank, shard_count=2, shuffling_queue_capacity=--shuffle)`` for 3 epochs and takes a step per batch
-  (a 64x10 matmul); its third epoch is timed;
+  cur_shard=rank, shard_count=2, shuffling_queue_capacity=--shuffle)`` without end and takes a step per batch
+  (a 64x10 matmul). After two epochs and two plain passes (the floor's loop over the rank's half of the
+  files), it times ``PAIRS`` pairs of one converter epoch and one plain pass, alternating which goes first:
+  both sides in the same process, moments apart, so under the same load;
 * Petastorm 0.13.1's converter on the same data (``bench/petastorm_side.py`` in ``.venv-petastorm``, which
-  ``make bench`` builds: Petastorm needs pyarrow < 15), two spawned ranks run the same way.
+  ``make bench`` builds: Petastorm needs pyarrow < 15), two spawned ranks, each timing its third epoch.
 
 ``--shuffle`` (default 0: row groups shuffled, rows in file order) is the shuffling queue capacity of both
 converters: above 0 phalanx permutes the rows of each row group, Petastorm draws rows at random from a
@@ -24,7 +26,9 @@ buffer of that many rows (Petastorm 0.13.1 fails with a capacity of 1: ``ValueEr
 Each side reports the slower rank's rows/s (wall clock) and rows per CPU-second of that process (all its
 threads). On a loaded host a process gets a fraction of a core that changes from second to second, so the
 wall-clock rates of two runs differ by more than the loaders do; the CPU rate measures what a loader costs
-per row, whatever the scheduler gave it. Printed: the medians, and the medians of each round's ratios.
+per row, whatever the scheduler gave it, though it too falls as contention grows. The floor processes and
+the converter's job run seconds apart, when the load may differ severalfold; the pairs inside the ranks do
+not. Printed: the medians, and the medians of each round's ratios (for the pairs, of every pair's ratio).
 
     .venv/bin/python bench/data.py [--rows 200000] [--batch-size 256] [--rounds 3] [--shuffle 0]
 """
@@ -56,6 +60,8 @@ FLOORS = {"rank env (OMP_NUM_THREADS=1)": ({"OMP_NUM_THREADS": "1"}, None, None)
 Rate = tuple[float, float]  # rows/s, rows per CPU-second
 #: Passes before the timed one: a fresh process's first few hundred steps cost several times a warm one's.
 WARM_EPOCHS = 2
+#: Timed pairs (a converter epoch and a plain pass) in each converter rank.
+PAIRS = 3
 
 
 def step(batch: dict[str, Any], weight: Any) -> None:
@@ -111,21 +117,44 @@ def floor(paths: list[str], batch_size: int, env: dict[str, str], cpus: int | No
     return rate
 
 
-def converter_rank(converter: Any, batch_size: int, shuffle: int) -> Rate:
-    """One rank: the converter's batches into a step; rows/s and rows/CPU-s of its last epoch."""
+def converter_rank(converter: Any, batch_size: int, shuffle: int) -> list[tuple[Rate, Rate]]:
+    """One rank: ``PAIRS`` pairs of (a converter epoch into a step, a plain pass over the rank's half of the
+    files), after warming both; each side's rows/s and rows/CPU-s."""
+    import warnings
+
     import torch
 
+    warnings.filterwarnings("ignore", "The given NumPy array is not writable")  # the plain pass's, as in floor
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     weight = torch.zeros(64, 10)
-    with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=WARM_EPOCHS + 1, cur_shard=rank,
-                                         shard_count=size, shuffling_queue_capacity=shuffle) as loader:
+    steps, paths = _steps(converter, batch_size, size), sorted(converter.file_urls)[rank::size]
+    with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=None, cur_shard=rank, shard_count=size,
+                                         shuffling_queue_capacity=shuffle) as loader:
         batches = iter(loader)
-        for batch in itertools.islice(batches, WARM_EPOCHS * _steps(converter, batch_size, size)):
-            step(batch, weight)
-        rows, start, cpu = 0, time.perf_counter(), time.process_time()
-        for batch in batches:
-            step(batch, weight)
-            rows += len(batch["label"])
+
+        def epoch() -> int:
+            rows = 0
+            for batch in itertools.islice(batches, steps):
+                step(batch, weight)
+                rows += len(batch["label"])
+            return rows
+
+        def plain() -> int:
+            return plain_pass(paths, batch_size)
+
+        for _ in range(WARM_EPOCHS):
+            epoch(), plain()
+        pairs = []
+        for i in range(PAIRS):
+            first, second = (epoch, plain) if i % 2 == 0 else (plain, epoch)
+            rates = {first: _timed(first), second: _timed(second)}
+            pairs.append((rates[epoch], rates[plain]))
+    return pairs
+
+
+def _timed(fn: Any) -> Rate:
+    start, cpu = time.perf_counter(), time.process_time()
+    rows = fn()
     return rows / (time.perf_counter() - start), rows / (time.process_time() - cpu)
 
 
@@ -199,11 +228,14 @@ def main() -> None:
     if PETASTORM_PYTHON.exists():
         petastorm = Petastorm(converter.cache_dir_url, args.batch_size, args.shuffle, len(paths))
     floors: dict[str, list[Rate]] = {name: [] for name in FLOORS}
-    ours, theirs = [], []
+    ours, theirs, paired, pairs = [], [], [], []  # type: list[Rate], list[Rate], list[Rate], list[tuple[Rate, Rate]]
     for _ in range(args.rounds):
         for name, (env, cpus, io) in FLOORS.items():
             floors[name].append(floor(paths, args.batch_size, env, cpus, io))
-        ours.append(min(phalanx.run(converter_rank, (converter, args.batch_size, args.shuffle), np=2)))
+        ranks = phalanx.run(converter_rank, (converter, args.batch_size, args.shuffle), np=2)
+        ours.append(min(_median([loader for loader, _ in rank]) for rank in ranks))
+        paired.append(min(_median([plain for _, plain in rank]) for rank in ranks))
+        pairs += [pair for rank in ranks for pair in rank]
         if petastorm is not None:
             theirs.append(petastorm.round())
     print(f"rows: {len(converter)}, 64 float32 + 1 int64 each, {len(paths)} files, batch {args.batch_size}, "
@@ -211,8 +243,11 @@ def main() -> None:
     for name, rates in floors.items():
         print(_row(f"plain pyarrow, {name}", rates))
     print(_row("phalanx converter (2-rank phalanx.run)", ours))
+    print(_row("plain pyarrow, paired in the converter's ranks", paired))
     rank_floor = floors[next(iter(FLOORS))]
-    print(f"phalanx / plain pyarrow (rank env): {_ratio(ours, rank_floor)}  (target >= 0.8)")
+    print(f"phalanx / plain pyarrow paired in the same ranks ({len(pairs)} pairs): "
+          f"{_ratio([a for a, _ in pairs], [b for _, b in pairs])}  (target >= 0.8)")
+    print(f"phalanx / plain pyarrow processes (rank env), timed seconds apart: {_ratio(ours, rank_floor)}")
     if petastorm is None:
         print(f"Petastorm's converter: not run ({PETASTORM_PYTHON} is missing: make .venv-petastorm/.installed)")
     else:
