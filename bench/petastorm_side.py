@@ -6,10 +6,12 @@ FILES``: it reads the Parquet data phalanx's converter wrote as a DataFrame of `
 count: Spark would merge small files), converts it with Petastorm's
 ``make_spark_converter`` (its own cache, the same row-group size), stops Spark and prints ``ready ROWS``. Then,
 for each ``round`` line on stdin, it runs two spawned processes at once, each opening
-``make_torch_dataloader(batch_size, num_epochs=3, cur_shard=rank, shard_count=2,
+``make_torch_dataloader(batch_size, num_epochs=None, cur_shard=rank, shard_count=2,
 shuffling_queue_capacity=SHUFFLE)``
 with the environment phalanx gives a rank here (``OMP_NUM_THREADS=1``), and prints one JSON line: each rank's
-rows/s and rows per CPU-second of its third epoch. ``quit`` deletes the cache and exits.
+rows/s and rows per CPU-second of its third epoch's worth of steps (Spark's partitions of the re-read data
+need not be even, so a rank's epoch may be a step shorter: without end, no rank runs out). ``quit`` deletes
+the cache and exits.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ def petastorm_rank(converter: Any, rank: int, batch_size: int, shuffle: int, bar
     weight = torch.zeros(64, 10)
     steps = -(-len(converter) // RANKS // batch_size)
     barrier.wait()
-    with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=WARM_EPOCHS + 1, cur_shard=rank,
+    with converter.make_torch_dataloader(batch_size=batch_size, num_epochs=None, cur_shard=rank,
                                          shard_count=RANKS, shuffling_queue_capacity=shuffle) as loader:
         batches = iter(loader)
         for _ in range(WARM_EPOCHS * steps):  # imports, page cache, the reader's pool, torch's first steps
             (next(batches)["features"] @ weight).sum()
         rows, start, cpu = 0, time.perf_counter(), time.process_time()
-        for batch in batches:
+        for _ in range(steps):
+            batch = next(batches)
             (batch["features"] @ weight).sum()
             rows += len(batch["label"])
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
