@@ -6,6 +6,7 @@ elastic ``KerasState``, mixed precision, ``load_model`` and the ``KerasEstimator
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,7 @@ def _load_checks(hvd: Any, me: int, tmp: str) -> dict[str, Any]:
     return {"loaded": f"{is_distributed(opt)}:{base_class(opt).__module__.split('.')[-2]}.{base_class(opt).__name__}"}
 
 
-def _keras2_job(tmp: str) -> dict[str, Any]:
+def _keras2_job(tmp: str, examples: str) -> dict[str, Any]:
     import phalanx.tensorflow.keras as hvd
 
     hvd.init()
@@ -199,13 +200,18 @@ def _keras2_job(tmp: str) -> dict[str, Any]:
     from _keras2_estimator import estimator_checks
 
     out.update(estimator_checks(hvd, me, tmp))
+    sys.path.insert(0, examples)  # Horovod's Keras example (and its _digits), all tf.keras, one epoch
+    import keras_horovod_train
+
+    out["example"] = keras_horovod_train.train(epochs=1)
     return out
 
 
 @pytest.mark.timeout(240)
 def test_keras2_fit_callbacks_layers_and_elastic_state(tmp_path: Path) -> None:
     helpers = str(Path(__file__).parent)
-    r0, r1 = phalanx.run(_keras2_job, args=(str(tmp_path),), np=2, env={**ENV, "PYTHONPATH": helpers})
+    examples = str(Path(__file__).parents[3] / "examples")
+    r0, r1 = phalanx.run(_keras2_job, args=(str(tmp_path), examples), np=2, env={**ENV, "PYTHONPATH": helpers})
     for r in (r0, r1):
         assert r["flavour"] == r["tf.keras model"] == "tf_keras" and r["keras 3"] is False
         assert r["aliases"] is True
@@ -228,4 +234,5 @@ def test_keras2_fit_callbacks_layers_and_elastic_state(tmp_path: Path) -> None:
         assert r["estimator epochs"] == r["resumed epochs"] == [0, 1] and r["resumed steps"] == [2]
     assert r0["estimator model"] == "tf_keras" and r0["estimator predicts"] is True
     assert r0["resumed like uninterrupted"] is True
+    assert r0["example"]["weights_agree"] is True and r0["example"]["accuracy"] > 0.3  # 1 epoch; chance is 0.1
     assert r0["elastic synced"] == r1["elastic synced"]
