@@ -79,8 +79,8 @@ def _start(name: str, owner: int, started: int, preload: tuple[str, ...]) -> boo
             raise
         return False
     try:
-        env = {**os.environ, env_names.PYTHONUNBUFFERED: "1"}
-        env.pop(env_names.PHALANX_PARENT_PID, None)
+        env = {k: v for k, v in os.environ.items() if k != env_names.PHALANX_PARENT_PID}
+        env[env_names.PYTHONUNBUFFERED] = "1"
         # Its own session, no parent-death signal: it outlives the python worker that starts it.
         _started.append(subprocess.Popen(
             [sys.executable, "-m", "phalanx.worker.template_shared", str(listener.fileno()), str(owner), str(started),

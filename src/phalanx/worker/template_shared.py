@@ -28,6 +28,7 @@ import socket
 import sys
 from typing import Any
 
+from phalanx.errors import InvalidArgumentError
 from phalanx.job.local_peer import peer_credentials, start_time
 from phalanx.worker.lifeline import set_process_name
 from phalanx.worker.template import MAX_MESSAGE_BYTES, REAP_INTERVAL_S, fork_rank, preload, reap, send
@@ -44,19 +45,20 @@ def _text(value: object) -> bool:
 
 
 def spawn_request(data: bytes) -> dict[str, Any]:
-    """A spawn request, checked; raises ValueError naming what is wrong."""
+    """A spawn request, checked; raises InvalidArgumentError (a ValueError) naming what is wrong."""
     message = json.loads(data)
     if not isinstance(message, dict) or not set(message) <= _SPAWN_KEYS:
-        raise ValueError(f"not a spawn request (keys {sorted(message) if isinstance(message, dict) else None})")
+        keys = sorted(message) if isinstance(message, dict) else None
+        raise InvalidArgumentError(f"not a spawn request (keys {keys})")
     ident, env, cwd = message.get("spawn"), message.get("env"), message.get("cwd")
     if not isinstance(ident, int) or isinstance(ident, bool):
-        raise ValueError(f"spawn id {ident!r} is not an integer")
+        raise InvalidArgumentError(f"spawn id {ident!r} is not an integer")
     if message.get("python") is not None:
-        raise ValueError("a shared template forks the function worker only, never a command")
+        raise InvalidArgumentError("a shared template forks the function worker only, never a command")
     if not isinstance(env, dict) or not all(_text(k) and k and "=" not in k and _text(v) for k, v in env.items()):
-        raise ValueError("the environment is not a map of variable names to strings")
+        raise InvalidArgumentError("the environment is not a map of variable names to strings")
     if not isinstance(cwd, str) or not _text(cwd) or not os.path.isabs(cwd):
-        raise ValueError(f"working directory {cwd!r} is not an absolute path")
+        raise InvalidArgumentError(f"working directory {cwd!r} is not an absolute path")
     return {"spawn": ident, "env": env, "cwd": cwd, "python": None}
 
 
@@ -140,7 +142,7 @@ class Server:
             return
         try:
             if len(fds) != 2:
-                raise ValueError(f"a spawn request carries 2 descriptors (stdout, stderr), not {len(fds)}")
+                raise InvalidArgumentError(f"a spawn request carries 2 descriptors (stdout, stderr), not {len(fds)}")
             message = spawn_request(data)
         except ValueError as e:
             for fd in fds:
