@@ -16,6 +16,7 @@ peers' sockets fill and the ranks block on their next write; no line is dropped.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -61,6 +62,9 @@ class Custom:
     rank: int
     body: bytes
 
+
+#: The peer closed its end, or the connection broke (``POLLHUP`` and ``POLLERR`` are always reported).
+_PEER_CLOSED = select.POLLRDHUP | select.POLLHUP | select.POLLERR
 
 Event = Hello | LogLine | Result | ErrorRecord | Closed | Custom | RankStats
 
@@ -181,25 +185,36 @@ class DriverChannel:
         if who[1] is Role.WORKER:
             self._closed[who[0]].set()
 
-    def _note_closed(self) -> None:
-        """Stamp every connection its peer has already closed (its end waits unread) with now.
+    def _note_closed(self, sender: int) -> None:
+        """Stamp every connection its peer has already closed (its end waits unread) with now, but the
+        ``sender``'s: it was alive to send the error, and its own end after it must not tie with a dead
+        rank's (a tie would put the lower rank first).
 
         Called before an error is queued: a rank whose process died before a survivor's error arrived is
-        then known to have died first, however late the scheduler wakes the thread that reads its end
-        (a survivor's error about a lost peer used to win that race on a loaded driver).
+        then known to have died first, however late the server's loop reads its end (a survivor's error
+        about a lost peer used to win that race on a loaded driver). The peer's close is asked of the kernel
+        (``POLLRDHUP``: its FIN arrived), not read, so frames it sent before dying and still unread (its
+        hello, under load) do not hide it.
         """
         now = time.monotonic()
         with self._lock:
             conns = list(self._conns.items())
+        poller = select.poll()
+        by_fd: dict[int, tuple[int, Role]] = {}
+        ended: list[tuple[int, Role]] = []
         for who, conn in conns:
-            try:
-                ended = conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            except BlockingIOError:
+            if who[0] == sender:
                 continue
-            except OSError:  # reset by the peer, or closed here meanwhile
-                ended = True
-            if ended:
-                with self._lock:
+            fd = conn.fileno()
+            if fd < 0:  # closed here meanwhile
+                ended.append(who)
+                continue
+            by_fd[fd] = who
+            poller.register(fd, _PEER_CLOSED)
+        ended += [by_fd[fd] for fd, happened in poller.poll(0) if happened & _PEER_CLOSED and fd in by_fd]
+        if ended:
+            with self._lock:
+                for who in ended:
                     self._closed_at.setdefault(who, now)
 
     def _received(self, rank: int, event: Event) -> None:
@@ -208,7 +223,7 @@ class DriverChannel:
             with self._lock:
                 self._hosts[rank] = event.host
         elif isinstance(event, ErrorRecord):
-            self._note_closed()
+            self._note_closed(rank)
         self.events.put(event)
 
 

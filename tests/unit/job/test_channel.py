@@ -339,3 +339,65 @@ def test_a_peer_that_ended_before_an_error_arrived_is_stamped_first(monkeypatch:
         for call in held:
             call()
         ch.close()
+
+
+def test_a_peer_that_ended_with_frames_unread_is_stamped_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but the loop has not even read what rank 0 sent before it ended (its hello, under load): a
+    look at the next byte would see the hello, not the end. The kernel still knows the peer closed."""
+    read_peer = auth_server.AuthServer._read_peer
+    holding = threading.Event()
+
+    def held_read(self: auth_server.AuthServer, peer: auth_server._Peer) -> None:
+        session = peer.session
+        if holding.is_set() and isinstance(session, channel_mod._Peer) and session._who[0] == 0:
+            time.sleep(0.001)  # leave rank 0's bytes in its socket (the selector keeps reporting them)
+            return
+        read_peer(self, peer)
+
+    monkeypatch.setattr(auth_server.AuthServer, "_read_peer", held_read)
+    ch = DriverChannel(world_size=2, payload=b"p")
+    try:
+        lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
+        survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
+        holding.set()
+        lost.send(Kind.HELLO, Hello(rank=0, pid=1, host="h").encode())
+        lost.close()
+        survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
+                                              traceback="").encode())
+        assert isinstance(ch.events.get(timeout=5), ErrorRecord)
+        assert ch.closed_at(0, Role.WORKER) is not None  # stamped before the error was queued
+        survivor.close()
+    finally:
+        holding.clear()
+        ch.close()
+
+
+def test_the_rank_that_sent_the_error_is_not_dated_with_the_dead_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 sends its error and ends at once, after rank 0 died: rank 1's end is dated after rank 0's, never
+    tied with it (a tie would put the lower rank first, whichever died)."""
+    held: list[Callable[[], None]] = []
+    ended = channel_mod._Peer.ended
+
+    def held_end(self: channel_mod._Peer, error: BaseException | None) -> None:
+        if self._who[0] == 0:
+            held.append(lambda: ended(self, error))
+        else:
+            ended(self, error)
+
+    monkeypatch.setattr(channel_mod._Peer, "ended", held_end)
+    ch = DriverChannel(world_size=2, payload=b"p")
+    try:
+        lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
+        survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
+        lost.close()
+        wait_until(lambda: held, 30, "the channel's loop read rank 0's end")
+        survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
+                                              traceback="").encode())
+        survivor.close()
+        assert ch.worker_done(1, timeout_s=30)
+        lost_at, survivor_at = ch.closed_at(0, Role.WORKER), ch.closed_at(1, Role.WORKER)
+        assert lost_at is not None and survivor_at is not None and lost_at < survivor_at
+    finally:
+        for call in held:
+            call()
+        ch.close()
