@@ -309,10 +309,9 @@ def test_a_large_result_is_spooled_as_it_arrives_and_loaded_once(channel: Driver
     assert result.value.file.closed
 
 
-def test_a_peer_that_ended_before_an_error_arrived_is_stamped_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 0's process ends, then rank 1's error arrives; the loop has not yet told the channel of rank 0's
-    end (held here, as the loop may read rank 1's error first when both are ready at once). Rank 0 still
-    ended before the error was queued."""
+def _hold_rank_0_end(monkeypatch: pytest.MonkeyPatch) -> list[Callable[[], None]]:
+    """Keep the channel from being told that rank 0's connection ended (as when the loop reads another
+    rank's frame first); the returned list gets the held calls, to be made at the end."""
     held: list[Callable[[], None]] = []
     ended = channel_mod._Peer.ended
 
@@ -323,15 +322,30 @@ def test_a_peer_that_ended_before_an_error_arrived_is_stamped_first(monkeypatch:
             ended(self, error)
 
     monkeypatch.setattr(channel_mod._Peer, "ended", held_end)
+    return held
+
+
+def _rank_0_ends_then_rank_1_errs(ch: DriverChannel, held: list[Callable[[], None]]) -> WorkerChannel:
+    """Rank 0 connects and ends (its end held from the channel); then rank 1 sends an error about it. Returns
+    rank 1's connection, still open."""
+    lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
+    survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
+    lost.close()
+    wait_until(lambda: held, 30, "the channel's loop read rank 0's end")
+    assert ch.closed_at(0, Role.WORKER) is None
+    survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
+                                          traceback="").encode())
+    return survivor
+
+
+def test_a_peer_that_ended_before_an_error_arrived_is_stamped_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's process ends, then rank 1's error arrives; the loop has not yet told the channel of rank 0's
+    end (held here, as the loop may read rank 1's error first when both are ready at once). Rank 0 still
+    ended before the error was queued."""
+    held = _hold_rank_0_end(monkeypatch)
     ch = DriverChannel(world_size=2, payload=b"p")
     try:
-        lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
-        survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
-        lost.close()
-        wait_until(lambda: held, 30, "the channel's loop read rank 0's end")  # and the channel is not told:
-        assert ch.closed_at(0, Role.WORKER) is None
-        survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
-                                              traceback="").encode())
+        survivor = _rank_0_ends_then_rank_1_errs(ch, held)  # the channel is not told of rank 0's end first
         assert isinstance(ch.events.get(timeout=5), ErrorRecord)
         assert ch.closed_at(0, Role.WORKER) is not None  # stamped before the error was queued
         survivor.close()
@@ -375,24 +389,10 @@ def test_a_peer_that_ended_with_frames_unread_is_stamped_first(monkeypatch: pyte
 def test_the_rank_that_sent_the_error_is_not_dated_with_the_dead_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 1 sends its error and ends at once, after rank 0 died: rank 1's end is dated after rank 0's, never
     tied with it (a tie would put the lower rank first, whichever died)."""
-    held: list[Callable[[], None]] = []
-    ended = channel_mod._Peer.ended
-
-    def held_end(self: channel_mod._Peer, error: BaseException | None) -> None:
-        if self._who[0] == 0:
-            held.append(lambda: ended(self, error))
-        else:
-            ended(self, error)
-
-    monkeypatch.setattr(channel_mod._Peer, "ended", held_end)
+    held = _hold_rank_0_end(monkeypatch)
     ch = DriverChannel(world_size=2, payload=b"p")
     try:
-        lost = WorkerChannel.connect(ch.address, ch.secret, 0, Role.WORKER, timeout_s=5)
-        survivor = WorkerChannel.connect(ch.address, ch.secret, 1, Role.WORKER, timeout_s=5)
-        lost.close()
-        wait_until(lambda: held, 30, "the channel's loop read rank 0's end")
-        survivor.send(Kind.ERROR, ErrorRecord(rank=1, exc_type="ConnectionError", message="peer 0 is gone",
-                                              traceback="").encode())
+        survivor = _rank_0_ends_then_rank_1_errs(ch, held)
         survivor.close()
         assert ch.worker_done(1, timeout_s=30)
         lost_at, survivor_at = ch.closed_at(0, Role.WORKER), ch.closed_at(1, Role.WORKER)
