@@ -195,10 +195,11 @@ def test_elastic_replaces_a_lost_worker_then_resubmits_a_failed_stage_from_its_c
     assert (tmp_path / "killed.task").read_text() == "5"
     assert caplog.text.count("re-submitting from the last commit") == 1  # the lost worker failed no stage
     assert [r["rank"] for r in out] == [0, 1] and all(r["size"] == 2 for r in out)
-    # The stage restarts from the last durable commit: 15 (the last before the task's kill at 17), or 20 when
-    # the survivor went on alone and committed before Spark failed the stage. Both ranks from the same one.
+    # The stage restarts from the last durable commit: 15 (the last before the task's kill at 17), or 20 or 25
+    # when the survivor went on alone and committed before Spark failed the stage (on a loaded host it may
+    # finish alone first: then the resubmitted stage has nothing left to run). Both ranks from the same one.
     resumed = {r["resumed_from"] for r in out}
-    assert resumed in ({15}, {20}), out
+    assert resumed in ({15}, {20}, {25}), out
     assert [r["executed"] for r in out] == [25 - resumed.pop()] * 2, out
 
 
